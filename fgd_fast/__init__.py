@@ -1,0 +1,31 @@
+"""fgd_fast: Feedback Gradient Descent (Bu & Chang, AAAI 2022) for PyTorch.
+
+FGD trains weights that stay orthonormal (on the Stiefel manifold) at the cost of SGD plus a
+few matrix products: a feedback term pulls θ back to θᵀθ = I every step, with no QR, SVD,
+inverse or retraction. Quick start::
+
+    import fgd_fast
+    groups = fgd_fast.stiefel_param_groups(model, rule="paper")  # selects + orthonormalises
+    opt = fgd_fast.FGD(groups, lr=0.2, momentum=0.9, feedback=0.4, weight_decay=5e-4)
+"""
+from ._matrix import as_stiefel, stiefel_shape
+from .backends import BACKENDS
+from .functional import fgd, sgd
+from .manifold import orthogonalize_, stiefel_distance
+from .optimizer import FGD
+from .selection import select_stiefel, stiefel_param_groups
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "FGD",
+    "as_stiefel",
+    "fgd",
+    "orthogonalize_",
+    "select_stiefel",
+    "sgd",
+    "stiefel_distance",
+    "stiefel_param_groups",
+    "stiefel_shape",
+]

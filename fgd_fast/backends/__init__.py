@@ -1,0 +1,88 @@
+"""Backend registry and resolution.
+
+``reference`` and ``torch`` run anywhere. ``triton`` and ``cuda`` are imported lazily the
+first time they are asked for, so the package imports with no Triton, no GPU and no compiler.
+``resolve_backend`` is called once per (requested name, device type) and cached by the caller.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from .base import Backend, StepPlan, compute_dtype
+
+__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
+
+BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says why."""
+
+
+def _load_reference() -> Backend:
+    from .reference import prepare_reference
+
+    return prepare_reference
+
+
+def _load_torch() -> Backend:
+    from .torch_batched import prepare_torch
+
+    return prepare_torch
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _load_triton(device: torch.device) -> Backend:
+    if device.type != "cuda" and not _triton_interpreted():
+        raise BackendUnavailable(
+            f"backend='triton' needs CUDA tensors, got {device.type} tensors (set TRITON_INTERPRET=1 "
+            "before importing fgd_fast to run the kernels on the CPU for testing, or use "
+            "backend='torch')"
+        )
+    try:
+        from .triton import prepare_triton
+    except ImportError as exc:  # Triton missing or too old
+        raise BackendUnavailable(f"backend='triton' is unavailable: {exc}") from exc
+    return prepare_triton
+
+
+def _load_cuda(device: torch.device) -> Backend:
+    if device.type != "cuda":
+        raise BackendUnavailable(f"backend='cuda' needs CUDA tensors, got {device.type} tensors; use backend='torch'")
+    try:
+        from .cuda import prepare_cuda
+    except ImportError as exc:
+        raise BackendUnavailable(f"backend='cuda' is unavailable: {exc}") from exc
+    return prepare_cuda
+
+
+def resolve_backend(name: str, device: torch.device) -> tuple[str, Backend]:
+    """``(resolved name, prepare function)`` for ``name`` on ``device``.
+
+    ``"auto"`` picks the fastest backend that loads (triton, then cuda on CUDA devices;
+    torch otherwise) and never raises; an explicit name that cannot run raises
+    :class:`BackendUnavailable` with the reason.
+    """
+    loaders: dict[str, Callable[[], Backend]] = {
+        "reference": _load_reference,
+        "torch": _load_torch,
+        "triton": lambda: _load_triton(device),
+        "cuda": lambda: _load_cuda(device),
+    }
+    if name != "auto":
+        if name not in loaders:
+            raise ValueError(f"unknown backend={name!r}: choose one of {', '.join(map(repr, BACKENDS))}")
+        return name, loaders[name]()
+    if device.type == "cuda":
+        for candidate in ("triton", "cuda"):
+            try:
+                return candidate, loaders[candidate]()
+            except BackendUnavailable:
+                continue
+    return "torch", _load_torch()

@@ -1,0 +1,157 @@
+"""Functional entry points: :func:`fgd` (orthogonal parameters) and :func:`sgd` (the rest).
+
+As in ``torch.optim``, the optimizer class collects state and validates arguments; these
+functions do the arithmetic. :func:`fgd` dispatches to one backend implementation per device
+(see :mod:`fgd_fast.backends`); all of them share one signature, compute the same update
+
+    M_Φ = N [ −C − (β − 1) S + η sym(E) + N B S − α (Bᵀ N + B) ]
+    Φ  ← βΦ − ηg + θ M_Φ
+    θ  ← θ + Φ − α θ (A − I)
+
+(``A = θᵀθ``, ``N = 2I − A``, ``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg``, ``S = sym(B)``; Φ = 0 on
+the first step and, unstored, for ``momentum == 0``), and check the step before writing.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .backends import Backend, compute_dtype, resolve_backend
+from .checks import raise_if_invalid
+
+__all__ = ["fgd", "sgd", "backend_for"]
+
+
+@lru_cache(maxsize=None)
+def _cached_backend(name: str, device_type: str) -> tuple[str, Backend]:
+    return resolve_backend(name, torch.device(device_type))
+
+
+def backend_for(name: str, device: torch.device | str) -> str:
+    """The backend ``name`` resolves to for tensors on ``device`` (raises if it cannot run)."""
+    return _cached_backend(name, torch.device(device).type)[0]
+
+
+def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    values = [float(v) for v in value]
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} entries for {count} parameters")
+    return values
+
+
+def fgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor | None],
+    *,
+    lr: float | Sequence[float],
+    momentum: float | Sequence[float],
+    feedback: float | Sequence[float],
+    backend: str = "auto",
+    check_finite: bool = True,
+    check_manifold: bool = True,
+    labels: Sequence[str] | None = None,
+) -> None:
+    """One FGD step for Stiefel-constrained ``params`` (in place).
+
+    ``momentum_buffers[i]`` is Φ of ``params[i]`` or ``None``. Where ``momentum[i] > 0`` and
+    the buffer is ``None`` (first step), a new float32/float64 buffer is created and stored
+    into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
+    step raises ``FloatingPointError``/``ValueError`` **before** writing anything if a
+    gradient is not finite or a θ is more than 0.5 from the manifold.
+    """
+    count = len(params)
+    if len(grads) != count or len(momentum_buffers) != count:
+        raise ValueError("params, grads and momentum_buffers must have the same length")
+    lrs = _per_layer("lr", lr, count)
+    betas = _per_layer("momentum", momentum, count)
+    alphas = _per_layer("feedback", feedback, count)
+    labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
+
+    bufs: list[torch.Tensor | None] = []
+    fresh: list[bool] = []
+    for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
+        if g.shape != p.shape or g.device != p.device:
+            raise ValueError(f"{labels[i]}: gradient {tuple(g.shape)} on {g.device} does not match the parameter {tuple(p.shape)} on {p.device}")
+        if betas[i] == 0.0:
+            bufs.append(None)
+            fresh.append(True)
+            continue
+        cdt = compute_dtype(p.dtype)
+        if buf is None:
+            bufs.append(torch.zeros(p.shape, dtype=cdt, device=p.device))  # Φ = 0: first step
+            fresh.append(True)
+            continue
+        if buf.shape != p.shape or buf.dtype != cdt or buf.device != p.device:
+            raise ValueError(
+                f"{labels[i]}: momentum_buffer is {tuple(buf.shape)} {buf.dtype} on {buf.device}, expected "
+                f"{tuple(p.shape)} {cdt} on {p.device}; was the state loaded for another model?"
+            )
+        bufs.append(buf)
+        fresh.append(False)
+
+    live = [i for i in range(count) if params[i].numel() > 0]
+    by_device: dict[torch.device, list[int]] = {}
+    for i in live:
+        by_device.setdefault(params[i].device, []).append(i)
+
+    plans, index = [], []
+    for device, idx in by_device.items():
+        _, prepare = _cached_backend(backend, device.type)
+        pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+        plans.append(
+            prepare(
+                pick(params), pick(grads), pick(bufs), pick(fresh),
+                lr=pick(lrs), momentum=pick(betas), feedback=pick(alphas), check_finite=check_finite,
+            )
+        )
+        index.append(idx)
+    raise_if_invalid(
+        [pl.dist for pl in plans], [pl.finite for pl in plans], index, labels,
+        check_finite=check_finite, check_manifold=check_manifold,
+    )
+    for pl in plans:
+        pl.apply()
+    for i in range(count):
+        if bufs[i] is not None:
+            momentum_buffers[i] = bufs[i]
+
+
+def sgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> None:
+    """``torch.optim.SGD``'s update, for the parameters without a Stiefel constraint.
+
+        d ← g + λθ;  b ← μb + (1 − τ)d (b = d on the first step);  d ← d + μb (Nesterov) or b;
+        θ ← θ − η d
+    """
+    if not params:
+        return
+    if weight_decay != 0.0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # d = g + λθ
+    if momentum != 0.0:
+        fresh = [i for i, b in enumerate(momentum_buffers) if b is None]
+        old = [i for i, b in enumerate(momentum_buffers) if b is not None]
+        for i in fresh:
+            momentum_buffers[i] = torch.clone(grads[i]).detach()  # b = d
+        if old:
+            olds = [momentum_buffers[i] for i in old]
+            torch._foreach_mul_(olds, momentum)  # b ← μb + (1 − τ)d
+            torch._foreach_add_(olds, [grads[i] for i in old], alpha=1.0 - dampening)
+        if nesterov:
+            grads = torch._foreach_add(grads, momentum_buffers, alpha=momentum)  # d + μb
+        else:
+            grads = list(momentum_buffers)
+    torch._foreach_add_(params, grads, alpha=-lr)  # θ ← θ − η d

@@ -1,0 +1,48 @@
+"""Projection onto, and distance from, the Stiefel manifold St(n, p) = {θ : θᵀθ = I_p}."""
+from __future__ import annotations
+
+import torch
+
+from ._matrix import as_stiefel, from_stiefel, stiefel_shape
+
+__all__ = ["orthogonalize_", "stiefel_distance"]
+
+
+@torch.no_grad()
+def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
+    """Project ``tensor`` onto the Stiefel manifold in place and return it.
+
+    With ``θ`` the ``n × p`` matrix view of the tensor (orthonormal along the smaller side
+    of ``tensor.reshape(c_o, -1)``, see :mod:`fgd_fast._matrix`) and ``θ = QR`` its reduced
+    QR factorisation, ``θ ← Q·diag(sign(diag R))`` (``sign(0) := 1``). The sign fix makes the
+    result unique and continuous in ``θ`` and keeps an already orthonormal ``θ`` unchanged
+    (up to rounding). The QR runs in float64 for float32/float64 tensors and in float32 for
+    float16/bfloat16 tensors (LAPACK has no half precision); only the stored tensor is rounded.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"orthogonalize_ expects a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"orthogonalize_ needs a real floating-point tensor, got {tensor.dtype}")
+    stiefel_shape(tensor.shape)  # raises the 'at least 2 dims' ValueError
+    if tensor.numel() == 0:
+        return tensor
+    theta = as_stiefel(tensor).to(torch.float64)
+    q, r = torch.linalg.qr(theta, mode="reduced")
+    sign = torch.sign(torch.diagonal(r))
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    q = q * sign  # Q·diag(sign(diag R)): scales column j of Q by sign(R_jj)
+    tensor.copy_(from_stiefel(q, tensor.shape))
+    return tensor
+
+
+@torch.no_grad()
+def stiefel_distance(tensor: torch.Tensor) -> float:
+    """``‖θᵀθ − I‖_F`` for the ``n × p`` matrix view ``θ`` of ``tensor``, in float64.
+
+    This is the paper's stability metric; FGD keeps it near the rounding floor of the
+    parameter's dtype (≈1e-6 for float32).
+    """
+    theta = as_stiefel(tensor.detach()).to(torch.float64)
+    gram = theta.t() @ theta
+    gram.diagonal().sub_(1.0)
+    return float(torch.linalg.matrix_norm(gram, "fro"))

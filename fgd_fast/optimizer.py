@@ -1,0 +1,200 @@
+"""``FGD``: the ``torch.optim.Optimizer`` front end (collects state, validates, dispatches)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from .backends import BACKENDS, compute_dtype
+from .functional import backend_for, fgd, sgd
+from .manifold import stiefel_distance
+from .validation import (
+    check_bool,
+    check_choice,
+    check_grad,
+    check_nonnegative,
+    check_orthogonal_params,
+    check_real,
+    check_unit_interval,
+    param_tensors,
+)
+
+__all__ = ["FGD"]
+
+
+class FGD(Optimizer):
+    r"""Feedback Gradient Descent (Bu & Chang, AAAI 2022) with SGD for the other parameters.
+
+    Parameters in a group with ``orthogonal=True`` are kept on the Stiefel manifold: with θ the
+    ``n × p`` matrix view of a parameter (orthonormal along the smaller side of
+    ``W.reshape(c_o, -1)``), ``g`` its gradient and Φ its velocity (``momentum_buffer``, in
+    step units), one step is, with ``A = θᵀθ``, ``N = 2I − A``, ``B = θᵀΦ``, ``C = ΦᵀΦ``,
+    ``E = θᵀg``, ``S = sym(B)``:
+
+    .. math::
+
+        M_Φ &= N\,[\,−C − (β − 1)S + η\,\mathrm{sym}(E) + N B S − α(BᵀN + B)\,] \\
+        Φ &← βΦ − ηg + θ M_Φ \\
+        θ &← θ + Φ − α\,θ(A − I)
+
+    The first step uses Φ = 0; ``momentum=0`` is the stateless form
+    ``θ ← θ − η(g − θN\,sym(θᵀg)) − αθ(A − I)``. Weight decay, dampening and Nesterov do not
+    apply to orthogonal parameters. All other parameters get exactly ``torch.optim.SGD``.
+
+    Args:
+        params: parameters or parameter groups; ``fgd_fast.stiefel_param_groups(model)``
+            builds them. A group may override every hyper-parameter below and sets
+            ``orthogonal: bool`` (default ``False``).
+        lr: learning rate η (>= 0).
+        momentum: β in [0, 1) (the paper's γ = 1 − β).
+        feedback: α in [0, 1), pull back towards θᵀθ = I; 0.5 cancels first-order drift
+            (the paper's α relates as α = η·α_paper/4).
+        weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
+        backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
+            ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run).
+        check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
+            parameter's gradient has NaN/Inf.
+        check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
+            is more than 0.5 from the manifold (call ``fgd_fast.orthogonalize_`` first).
+            Both checks share one host synchronisation per step; turn both off to capture
+            ``step()`` in a CUDA graph.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        *,
+        momentum: float = 0.9,
+        feedback: float = 0.4,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        backend: str = "auto",
+        check_finite: bool = True,
+        check_manifold: bool = True,
+    ) -> None:
+        self.backend = check_choice("backend", backend, BACKENDS)
+        self.check_finite = check_bool("check_finite", check_finite)
+        self.check_manifold = check_bool("check_manifold", check_manifold)
+        defaults = dict(
+            lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
+            dampening=dampening, nesterov=nesterov, orthogonal=False,
+        )
+        _validate_group(defaults)
+        super().__init__(params, defaults)
+
+    # -- validation -------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            params = param_group.get("params", [])
+            if not isinstance(params, (torch.Tensor, set)):
+                param_group["params"] = params = list(params)  # a generator is read only once
+            merged = {**self.defaults, **param_group}
+            _validate_group(merged)
+            if merged["orthogonal"] and not isinstance(params, set):
+                check_orthogonal_params(param_tensors(params), param_group.get("param_names"))
+        super().add_param_group(param_group)
+
+    # -- the step ---------------------------------------------------------------------------
+    def _labels(self):
+        """(group, param, label) for every parameter; label = name or flat state index."""
+        flat = 0
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                yield group, p, (names[j] if names else flat)
+                flat += 1
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimisation step; nothing changes if it raises."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            _validate_group(group)
+        orth = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
+        eucl = []
+        for group, p, label in self._labels():
+            if p.grad is None:
+                continue
+            text = repr(label) if isinstance(label, str) else f"#{label}"
+            check_grad(p, f"parameter {text}")
+            if group["orthogonal"]:
+                orth["params"].append(p)
+                orth["grads"].append(p.grad)
+                orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if group["momentum"] > 0 else None)
+                orth["lr"].append(group["lr"])
+                orth["momentum"].append(group["momentum"])
+                orth["feedback"].append(group["feedback"])
+                orth["labels"].append(text)
+        for group in self.param_groups:
+            if not group["orthogonal"]:
+                ps = [p for p in group["params"] if p.grad is not None]
+                eucl.append((group, ps))
+
+        if orth["params"]:
+            fgd(
+                orth["params"], orth["grads"], orth["bufs"],
+                lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
+                backend=self.backend, check_finite=self.check_finite,
+                check_manifold=self.check_manifold, labels=orth["labels"],
+            )
+            for p, buf in zip(orth["params"], orth["bufs"]):
+                if buf is not None:
+                    self.state[p]["momentum_buffer"] = buf
+        for group, ps in eucl:
+            bufs = [self.state.get(p, {}).get("momentum_buffer") for p in ps]
+            sgd(
+                ps, [p.grad for p in ps], bufs, lr=group["lr"], momentum=group["momentum"],
+                dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            )
+            if group["momentum"] != 0.0:
+                for p, buf in zip(ps, bufs):
+                    self.state[p]["momentum_buffer"] = buf
+        return loss
+
+    # -- state ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim``, but Φ of float16/bfloat16 parameters stays float32.
+
+        (``Optimizer.load_state_dict`` casts floating state to the parameter's dtype.)
+        """
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for index, (group, p, _) in enumerate(self._labels()):
+            cdt = compute_dtype(p.dtype)
+            key = index if index in saved else None
+            if key is None or cdt == p.dtype or not group["orthogonal"]:
+                continue
+            buf = saved[key].get("momentum_buffer")
+            if buf is not None:
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=cdt, copy=True)
+
+    # -- introspection ----------------------------------------------------------------------
+    def orthogonality(self) -> dict[str | int, float]:
+        """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the
+        group has ``param_names`` (``stiefel_param_groups`` sets them), else by the
+        parameter's flat index (the index ``state_dict`` uses)."""
+        return {label: stiefel_distance(p) for group, p, label in self._labels() if group["orthogonal"]}
+
+    def resolved_backend(self, device: torch.device | str = "cpu") -> str:
+        """The backend that ``step()`` runs on tensors of ``device``."""
+        return backend_for(self.backend, device)
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
+    check_nonnegative("lr", group["lr"])
+    check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive")
+    check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
+    check_nonnegative("weight_decay", group["weight_decay"])
+    check_real("dampening", group["dampening"])
+    check_bool("nesterov", group["nesterov"])
+    check_bool("orthogonal", group["orthogonal"])
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")

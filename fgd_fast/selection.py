@@ -1,0 +1,75 @@
+"""Which weights of a model are Stiefel-constrained, and the param groups for them."""
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+
+from .manifold import orthogonalize_
+
+__all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
+
+Rule = Union[str, Callable[[str, torch.Tensor], bool]]
+RULES = ("paper", "official", "all")
+
+
+def _conv2d_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight is not None}
+
+
+def _paper(p: torch.Tensor) -> bool:
+    # 4-D conv weight (c_o, c_i, k1, k2) with c_i·k1·k2 >= c_o and min(k1, k2) > 1
+    c_o, c_i, k1, k2 = p.shape
+    return c_i * k1 * k2 >= c_o and min(k1, k2) > 1
+
+
+def _official(p: torch.Tensor) -> bool:
+    # the authors' code: c_o <= c_i and k1 > 1
+    c_o, c_i, k1, _ = p.shape
+    return c_o <= c_i and k1 > 1
+
+
+def select_stiefel(model: nn.Module, rule: Rule = "paper") -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every weight ``rule`` constrains, in ``named_parameters`` order.
+
+    * ``"paper"``: ``nn.Conv2d`` weights with ``c_i·k1·k2 >= c_o`` and ``min(k1, k2) > 1``;
+    * ``"official"`` (the authors' code): ``nn.Conv2d`` weights with ``c_o <= c_i``, ``k1 > 1``;
+    * ``"all"``: every parameter with at least 2 dims;
+    * a callable ``rule(name, param) -> bool``.
+    """
+    if callable(rule):
+        chosen = []
+        for name, p in model.named_parameters():
+            verdict = rule(name, p)
+            if not isinstance(verdict, bool):
+                raise TypeError(f"rule({name!r}, param) must return a bool, got {type(verdict).__name__}")
+            chosen.append((name, p)) if verdict else None
+        return chosen
+    if rule not in RULES:
+        raise ValueError(f"unknown rule={rule!r}: choose one of {', '.join(map(repr, RULES))}, or pass a callable (name, param) -> bool")
+    if rule == "all":
+        return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    convs = _conv2d_weights(model)
+    test = _paper if rule == "paper" else _official
+    return [(n, p) for n, p in model.named_parameters() if id(p) in convs and p.dim() == 4 and test(p)]
+
+
+def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True) -> list[dict[str, Any]]:
+    """Param groups for :class:`fgd_fast.FGD`: ``[{"params": [...], "orthogonal": True},
+    {"params": [...]}]`` (each with ``param_names``), the first holding the weights chosen by
+    ``rule`` (see :func:`select_stiefel`), the second every other trainable parameter.
+
+    With ``orthogonalize=True`` the chosen weights are projected onto the manifold in place
+    (:func:`fgd_fast.orthogonalize_`), as FGD requires ``θᵀθ ≈ I`` at the start.
+    """
+    chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
+    chosen_ids = {id(p) for _, p in chosen}
+    if orthogonalize:
+        for _, p in chosen:
+            orthogonalize_(p.data)
+    rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
+    return [
+        {"params": [p for _, p in chosen], "param_names": [n for n, _ in chosen], "orthogonal": True},
+        {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]},
+    ]

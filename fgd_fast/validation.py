@@ -1,0 +1,111 @@
+"""Argument validation shared by every optimizer of the package (FGD and the baselines).
+
+Each helper raises a ``ValueError`` / ``TypeError`` whose message says how to fix the call.
+They only read their arguments, so an optimizer can validate everything before it changes
+anything.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ._matrix import stiefel_shape
+
+__all__ = [
+    "check_real",
+    "check_nonnegative",
+    "check_unit_interval",
+    "check_bool",
+    "check_choice",
+    "check_orthogonal_params",
+    "check_grad",
+    "param_tensors",
+]
+
+
+def check_real(name: str, value: Any) -> float:
+    """``value`` as a finite Python float; bools and tensors are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a real number (int or float), got {type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_nonnegative(name: str, value: Any) -> float:
+    value = check_real(name, value)
+    if value < 0.0:
+        raise ValueError(f"invalid {name}={value}: it must be >= 0 (e.g. {name}=0.0 to disable it)")
+    return value
+
+
+def check_unit_interval(name: str, value: Any, hint: str = "") -> float:
+    """``0 <= value < 1``."""
+    value = check_real(name, value)
+    if not 0.0 <= value < 1.0:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"invalid {name}={value}: it must lie in [0, 1){extra}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"unknown {name}={value!r}: choose one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def param_tensors(params: Any) -> list[torch.Tensor]:
+    """The tensors of a ``params`` entry (a tensor, or a list of tensors / (name, tensor))."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | None = None) -> None:
+    """Every Stiefel-constrained parameter must be a real floating tensor with >= 2 dims."""
+    for i, p in enumerate(params):
+        label = names[i] if names else f"parameter {i} of the group"
+        if not isinstance(p, torch.Tensor):
+            continue  # torch.optim reports non-tensors itself
+        if p.dim() < 2:
+            raise ValueError(
+                f"orthogonal {label} has shape {tuple(p.shape)}: a Stiefel constraint needs at "
+                "least 2 dims; move it to a group without orthogonal=True"
+            )
+        if not p.is_floating_point():
+            raise ValueError(
+                f"orthogonal {label} has dtype {p.dtype}: only real floating-point parameters "
+                "(float16, bfloat16, float32, float64) can be orthogonal"
+            )
+        stiefel_shape(p.shape)
+
+
+def check_grad(p: torch.Tensor, label: str) -> None:
+    """Refuse gradients no optimizer of this package can use."""
+    g = p.grad
+    if g is None:
+        return
+    if g.is_sparse or g.layout != torch.strided:
+        raise ValueError(
+            f"{label} has a sparse gradient ({g.layout}); fgd_fast optimizers need dense "
+            "gradients (use a dense embedding, or torch.optim.SparseAdam for that parameter)"
+        )
+    if g.is_complex() or p.is_complex():
+        raise ValueError(
+            f"{label} is complex ({p.dtype}); fgd_fast optimizers support real parameters only "
+            "(split it with torch.view_as_real)"
+        )
+    if g.shape != p.shape:
+        raise ValueError(f"{label}: gradient shape {tuple(g.shape)} != parameter shape {tuple(p.shape)}")
