@@ -13,8 +13,10 @@ import torch
 
 __all__ = ["MAX_DISTANCE", "raise_if_invalid"]
 
-#: Beyond ‖θᵀθ − I‖_F = 0.5 the truncated Neumann series 2I − θᵀθ is no longer a usable
-#: approximation of (θᵀθ)⁻¹ and the feedback term stops converging.
+#: Default limit on ‖θᵀθ − I‖_F. The truncated Neumann series 2I − θᵀθ approximates
+#: (θᵀθ)⁻¹ with error ‖(I − θᵀθ)²‖, which stops being small well before the series'
+#: radius ‖I − θᵀθ‖ < 1; 0.5 catches an un-projected initialisation (distance ~√p or more)
+#: while leaving room for the transients of aggressive settings.
 MAX_DISTANCE = 0.5
 
 
@@ -26,6 +28,7 @@ def raise_if_invalid(
     *,
     check_finite: bool,
     check_manifold: bool,
+    max_distance: float = MAX_DISTANCE,
 ) -> None:
     """Raise if any layer failed a check.
 
@@ -62,11 +65,11 @@ def raise_if_invalid(
             )
     if check_manifold:
         for i, dv in enumerate(dist_all):
-            if not dv <= MAX_DISTANCE:  # also catches NaN
+            if not dv <= max_distance:  # also catches NaN
                 what = "is not finite" if dv != dv else f"is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold"
                 raise ValueError(
-                    f"orthogonal parameter {labels[i]} {what} (FGD needs <= {MAX_DISTANCE}, where "
-                    "2I − θᵀθ still approximates (θᵀθ)⁻¹); the step was not applied. Project it "
+                    f"orthogonal parameter {labels[i]} {what} (the limit is max_distance={max_distance};  "
+                    "2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not applied. Project it "
                     "first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
                     "for you); check_manifold=False turns this check off"
                 )

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from .backends import Backend, compute_dtype, resolve_backend
-from .checks import raise_if_invalid
+from .checks import MAX_DISTANCE, raise_if_invalid
 
 __all__ = ["fgd", "sgd", "backend_for"]
 
@@ -54,6 +54,7 @@ def fgd(
     backend: str = "auto",
     check_finite: bool = True,
     check_manifold: bool = True,
+    max_distance: float = MAX_DISTANCE,
     labels: Sequence[str] | None = None,
 ) -> None:
     """One FGD step for Stiefel-constrained ``params`` (in place).
@@ -62,7 +63,7 @@ def fgd(
     the buffer is ``None`` (first step), a new float32/float64 buffer is created and stored
     into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
     step raises ``FloatingPointError``/``ValueError`` **before** writing anything if a
-    gradient is not finite or a θ is more than 0.5 from the manifold.
+    gradient is not finite or a θ is more than ``max_distance`` from the manifold.
     """
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
@@ -112,7 +113,7 @@ def fgd(
         index.append(idx)
     raise_if_invalid(
         [pl.dist for pl in plans], [pl.finite for pl in plans], index, labels,
-        check_finite=check_finite, check_manifold=check_manifold,
+        check_finite=check_finite, check_manifold=check_manifold, max_distance=max_distance,
     )
     for pl in plans:
         pl.apply()

@@ -7,6 +7,7 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from .backends import BACKENDS, compute_dtype
+from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd, sgd
 from .manifold import stiefel_distance
 from .validation import (
@@ -56,7 +57,9 @@ class FGD(Optimizer):
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
             parameter's gradient has NaN/Inf.
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
-            is more than 0.5 from the manifold (call ``fgd_fast.orthogonalize_`` first).
+            is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
+            ``fgd_fast.orthogonalize_`` first).
+        max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph.
     """
@@ -74,10 +77,17 @@ class FGD(Optimizer):
         backend: str = "auto",
         check_finite: bool = True,
         check_manifold: bool = True,
+        max_distance: float = MAX_DISTANCE,
     ) -> None:
         self.backend = check_choice("backend", backend, BACKENDS)
         self.check_finite = check_bool("check_finite", check_finite)
         self.check_manifold = check_bool("check_manifold", check_manifold)
+        self.max_distance = check_real("max_distance", max_distance)
+        if not 0.0 < self.max_distance < 1.0:
+            raise ValueError(
+                f"invalid max_distance={max_distance}: it must lie in (0, 1), inside the radius of the "
+                "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
+            )
         defaults = dict(
             lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
             dampening=dampening, nesterov=nesterov, orthogonal=False,
@@ -94,7 +104,7 @@ class FGD(Optimizer):
             merged = {**self.defaults, **param_group}
             _validate_group(merged)
             if merged["orthogonal"] and not isinstance(params, set):
-                check_orthogonal_params(param_tensors(params), param_group.get("param_names"))
+                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
         super().add_param_group(param_group)
 
     # -- the step ---------------------------------------------------------------------------
@@ -102,7 +112,7 @@ class FGD(Optimizer):
         """(group, param, label) for every parameter; label = name or flat state index."""
         flat = 0
         for group in self.param_groups:
-            names = group.get("param_names")
+            names = group.get("param_names") or group.get("names")
             for j, p in enumerate(group["params"]):
                 yield group, p, (names[j] if names else flat)
                 flat += 1
@@ -142,7 +152,7 @@ class FGD(Optimizer):
                 orth["params"], orth["grads"], orth["bufs"],
                 lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
                 backend=self.backend, check_finite=self.check_finite,
-                check_manifold=self.check_manifold, labels=orth["labels"],
+                check_manifold=self.check_manifold, max_distance=self.max_distance, labels=orth["labels"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:
@@ -178,7 +188,7 @@ class FGD(Optimizer):
     # -- introspection ----------------------------------------------------------------------
     def orthogonality(self) -> dict[str | int, float]:
         """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the
-        group has ``param_names`` (``stiefel_param_groups`` sets them), else by the
+        group has ``names`` (``stiefel_param_groups`` sets them) or torch's ``param_names``, else by the
         parameter's flat index (the index ``state_dict`` uses)."""
         return {label: stiefel_distance(p) for group, p, label in self._labels() if group["orthogonal"]}
 

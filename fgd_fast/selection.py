@@ -57,8 +57,11 @@ def select_stiefel(model: nn.Module, rule: Rule = "paper") -> list[tuple[str, to
 
 def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True) -> list[dict[str, Any]]:
     """Param groups for :class:`fgd_fast.FGD`: ``[{"params": [...], "orthogonal": True},
-    {"params": [...]}]`` (each with ``param_names``), the first holding the weights chosen by
-    ``rule`` (see :func:`select_stiefel`), the second every other trainable parameter.
+    {"params": [...]}]``, the first holding the weights chosen by ``rule`` (see
+    :func:`select_stiefel`), the second every other trainable parameter. Each group also has
+    a ``"names"`` list (the ``named_parameters`` names), which FGD uses in messages and in
+    :meth:`FGD.orthogonality`; it is not torch's ``param_names`` key, so groups without
+    names can still be added next to these.
 
     With ``orthogonalize=True`` the chosen weights are projected onto the manifold in place
     (:func:`fgd_fast.orthogonalize_`), as FGD requires ``θᵀθ ≈ I`` at the start.
@@ -70,6 +73,6 @@ def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonaliz
             orthogonalize_(p.data)
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
     return [
-        {"params": [p for _, p in chosen], "param_names": [n for n, _ in chosen], "orthogonal": True},
-        {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]},
+        {"params": [p for _, p in chosen], "names": [n for n, _ in chosen], "orthogonal": True},
+        {"params": [p for _, p in rest], "names": [n for n, _ in rest]},
     ]

@@ -1,0 +1,72 @@
+"""Independent NumPy oracles (float64 by default) used by the tests.
+
+Written from ALGORITHM.md without reading the package: the matrix convention, the authors'
+term-by-term FGD sequence, and SGD.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def to_theta(w: np.ndarray) -> np.ndarray:
+    """n×p view with n >= p of w.reshape(c_o, -1)."""
+    w2 = w.reshape(w.shape[0], -1)
+    return w2.T.copy() if w2.shape[0] <= w2.shape[1] else w2.copy()
+
+
+def from_theta(theta: np.ndarray, shape) -> np.ndarray:
+    c_o = shape[0]
+    m = int(np.prod(shape[1:]))
+    w2 = theta.T if c_o <= m else theta
+    return w2.reshape(shape)
+
+
+def sym(m: np.ndarray) -> np.ndarray:
+    return (m + m.T) / 2
+
+
+def fgd_step(w, grad, phi, *, lr, momentum, feedback, dtype=np.float64):
+    """One step of the authors' sequence on a parameter ``w`` (any shape).
+
+    ``phi`` is Φ in θ (n×p) form or None (first step / momentum 0). Returns (w_new, phi_new)
+    with phi_new in θ form (None when momentum == 0).
+    """
+    th = to_theta(np.asarray(w, dtype=dtype))
+    g = to_theta(np.asarray(grad, dtype=dtype))
+    lr, beta, alpha = dtype(lr), dtype(momentum), dtype(feedback)
+    eye = np.eye(th.shape[1], dtype=dtype)
+    ata = th.T @ th
+    ninv = 2 * eye - ata
+    if phi is None or momentum == 0:
+        v = -lr * (g - th @ (ninv @ sym(th.T @ g)))
+    else:
+        phi = np.asarray(phi, dtype=dtype)
+        tp = th.T @ phi
+        con = -th @ (ninv @ (phi.T @ phi))
+        rd = (beta - 1) * phi - lr * g
+        rd = rd - th @ (ninv @ sym(th.T @ rd))
+        ext = th @ (ninv @ ninv @ tp @ sym(tp))
+        fb = -alpha * (th @ (ninv @ (tp.T @ ninv + tp)))
+        v = phi + con + rd + ext + fb
+    th_new = th + v - alpha * (th @ (ata - eye))
+    return from_theta(th_new, np.shape(w)), (v if momentum != 0 else None)
+
+
+def sgd_step(w, grad, buf, *, lr, momentum, dampening, weight_decay, nesterov):
+    d = grad + weight_decay * w
+    if momentum != 0:
+        buf = d.copy() if buf is None else momentum * buf + (1 - dampening) * d
+        d = d + momentum * buf if nesterov else buf
+    return w - lr * d, buf
+
+
+def stiefel_dist(w) -> float:
+    th = to_theta(np.asarray(w, dtype=np.float64))
+    return float(np.linalg.norm(th.T @ th - np.eye(th.shape[1])))
+
+
+def random_stiefel(rng: np.random.Generator, shape) -> np.ndarray:
+    w = rng.standard_normal(shape)
+    q, r = np.linalg.qr(to_theta(w))
+    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    return from_theta(q, shape)

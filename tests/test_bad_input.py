@@ -1,0 +1,194 @@
+"""Bad input: a clear error, and nothing modified by a step that fails."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fgd_fast
+from fgd_fast.backends import BackendUnavailable, resolve_backend
+from helpers import backend_params, device_for_tests
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)).to(device_for_tests())
+
+
+def _loss(net):
+    torch.manual_seed(1)
+    return net(torch.randn(4, 3, 8, 8, device=device_for_tests())).square().mean()
+
+
+def _snapshot(net, opt):
+    return [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(net, opt, snap):
+    params, state = snap
+    for p, q in zip(net.parameters(), params):
+        assert torch.equal(p, q)
+    now = opt.state_dict()
+    assert now["state"].keys() == state["state"].keys()
+    for k, entry in state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now["state"][k][key], value)
+
+
+def _trained(backend="auto", steps=2):
+    net = _model()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.01, backend=backend)
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(net).backward()
+        opt.step()
+    opt.zero_grad()
+    _loss(net).backward()
+    return net, opt
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-0.1), "lr"),
+        (dict(lr=0.1, momentum=-0.1), "momentum"),
+        (dict(lr=0.1, momentum=1.0), "momentum"),
+        (dict(lr=0.1, feedback=1.0), "feedback"),
+        (dict(lr=0.1, feedback=-0.5), "feedback"),
+        (dict(lr=0.1, weight_decay=-1.0), "weight_decay"),
+        (dict(lr=0.1, momentum=0.0, nesterov=True), "nesterov"),
+        (dict(lr=0.1, backend="tritonn"), "backend"),
+        (dict(lr=0.1, max_distance=1.5), "max_distance"),
+        (dict(lr=float("nan")), "lr"),
+    ],
+)
+def test_construction_rejects_bad_hyper_parameters(kwargs, match):
+    net = _model()
+    with pytest.raises(ValueError, match=match):
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), **kwargs)
+
+
+def test_construction_rejects_bad_types():
+    net = _model()
+    with pytest.raises(TypeError, match="lr"):
+        fgd_fast.FGD(net.parameters(), lr="0.1")
+    with pytest.raises(TypeError, match="orthogonal"):
+        fgd_fast.FGD([dict(params=net.parameters(), orthogonal="yes")], lr=0.1)
+
+
+def test_group_overrides_are_validated_and_a_bad_group_is_not_added():
+    net = _model()
+    with pytest.raises(ValueError, match="feedback"):
+        fgd_fast.FGD([dict(params=[net[0].weight], orthogonal=True, feedback=2.0)], lr=0.1)
+    opt = fgd_fast.FGD([dict(params=[net[0].weight], orthogonal=True)], lr=0.1)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        opt.add_param_group(dict(params=[net[0].bias], orthogonal=True))
+    assert len(opt.param_groups) == 1
+
+
+def test_orthogonal_parameter_with_one_dim():
+    net = _model()
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        fgd_fast.FGD([dict(params=[net[0].weight, net[0].bias], orthogonal=True)], lr=0.1)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_far_from_manifold_raises_and_changes_nothing(backend):
+    net, opt = _trained(backend)
+    with torch.no_grad():
+        net[1].weight.mul_(2.0)  # ‖θᵀθ − I‖ = 3√p
+    snap = _snapshot(net, opt)
+    with pytest.raises(ValueError, match="orthogonalize_"):
+        opt.step()
+    _assert_unchanged(net, opt, snap)
+    with torch.no_grad():
+        fgd_fast.orthogonalize_(net[1].weight)
+    opt.step()  # the advice works
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_raises_and_changes_nothing(backend, bad):
+    net, opt = _trained(backend)
+    net[1].weight.grad[0, 0, 0, 0] = bad
+    snap = _snapshot(net, opt)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        opt.step()
+    _assert_unchanged(net, opt, snap)  # Euclidean parameters and Φ included
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_non_finite_gradient_on_first_step_creates_no_state(backend):
+    net = _model()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend=backend)
+    _loss(net).backward()
+    net[0].weight.grad.view(-1)[-1] = float("nan")
+    snap = _snapshot(net, opt)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    _assert_unchanged(net, opt, snap)
+    assert len(opt.state) == 0
+
+
+def test_nan_parameter_is_reported():
+    net, opt = _trained()
+    with torch.no_grad():
+        net[0].weight[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step()
+
+
+def test_checks_can_be_turned_off():
+    net, opt = _trained()
+    opt.check_finite = False
+    net[1].weight.grad[0, 0, 0, 0] = float("nan")
+    opt.step()  # no exception: the user asked for no check
+    assert torch.isnan(net[1].weight).any()
+
+
+def test_sparse_and_complex_gradients_raise():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = fgd_fast.FGD(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = emb.weight.detach().clone()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
+
+    z = nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))
+    opt = fgd_fast.FGD([z], lr=0.1)
+    z.grad = torch.ones_like(z)
+    with pytest.raises(ValueError, match="complex"):
+        opt.step()
+    with pytest.raises(ValueError, match="real floating"):
+        fgd_fast.FGD([dict(params=[z], orthogonal=True)], lr=0.1)
+
+
+def test_hyper_parameter_changed_after_construction_is_checked_at_step():
+    net, opt = _trained()
+    opt.param_groups[0]["lr"] = -1.0
+    snap = _snapshot(net, opt)
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    _assert_unchanged(net, opt, snap)
+
+
+def test_explicit_backend_that_cannot_run_fails_loudly(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailable, match="CUDA tensors"):
+        resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(BackendUnavailable, match="CUDA tensors"):
+        resolve_backend("cuda", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu"))[0] == "torch"  # auto never raises
+
+
+def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():
+    net = _model().cpu()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend="cuda")
+    net(torch.randn(2, 3, 8, 8)).square().mean().backward()
+    snap = _snapshot(net, opt)
+    with pytest.raises(BackendUnavailable, match="cuda"):
+        opt.step()
+    _assert_unchanged(net, opt, snap)
