@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.kernels"],
+    packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels"],
     package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"triton": ["triton>=3.0"], "test": ["pytest", "pytest-benchmark"]},

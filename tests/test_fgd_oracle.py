@@ -19,6 +19,7 @@ PROBLEMS = {
     "p1-col": ([(9, 1)], [dict(lr=0.1, momentum=0.9, feedback=0.3)]),
     "square": ([(12, 12)], [dict(lr=0.05, momentum=0.9, feedback=0.4)]),
     "odd": ([(13, 7, 3), (17, 3, 1, 5)], [dict(lr=0.07, momentum=0.6, feedback=0.45)]),
+    "channels-last": ([(8, 4, 3, 3), (6, 3, 3, 3)], [dict(lr=0.1, momentum=0.9, feedback=0.4)]),
     "same-shape": ([(6, 3, 3, 3)] * 4, [dict(lr=0.1, momentum=0.9, feedback=0.4)]),
     "stateless": ([(6, 3, 3, 3), (21, 4)], [dict(lr=0.1, momentum=0.0, feedback=0.4)]),
     "mixed-groups": (
@@ -43,6 +44,9 @@ def _run(problem, backend, dtype, steps, seed=0, device=None):
     grads = [[rng.standard_normal(shape) / np.sqrt(np.prod(shape)) for shape, _ in layers] for _ in range(steps)]
 
     params = [torch.tensor(w, dtype=dtype, device=device, requires_grad=True) for w in w0]
+    if problem == "channels-last":  # the backends must write through non-contiguous layouts
+        params = [p.detach().to(memory_format=torch.channels_last).requires_grad_() for p in params]
+        assert not params[0].is_contiguous()
     groups = [
         dict(params=[p for p, (_, gi) in zip(params, layers) if gi == k], orthogonal=True, **h)
         for k, h in enumerate(hypers)

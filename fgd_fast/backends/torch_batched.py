@@ -1,8 +1,8 @@
 """Torch backend: the two-pass form of ALGORITHM.md, batched with ``bmm``.
 
-Layers are bucketed by ``(n, p, dtype, device, η, β, α, reads Φ, writes Φ)``; each bucket is
-stacked once into ``X = [θ | Φ | g]`` of shape ``(L, n, 3p)`` (``[θ | g]`` when Φ is zero or
-absent) and runs without a Python loop over its layers:
+Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, writes Φ)``; each
+bucket is stacked once into ``X = [θ | Φ | g]`` (``[θ | g]`` when Φ is zero or absent) and
+runs without a Python loop over its layers:
 
 1. Gram pass, one ``bmm``: ``θᵀX = [A | B | E]`` with ``A = θᵀθ, B = θᵀΦ, E = θᵀg``; plus
    ``C = ΦᵀΦ``.
@@ -12,6 +12,10 @@ absent) and runs without a Python loop over its layers:
 
 A first step (Φ = 0) is the same formula with ``B = C = 0``; ``momentum == 0`` is that
 formula without storing Φ.
+
+Layout: when ``θ = W2ᵀ`` (the usual case, ``c_o <= m``) the memory holds the rows
+``R = θᵀ`` contiguously, so ``X`` is stored as ``(L, k·p, n)`` rows and every product is
+taken in that layout (``(θM)ᵀ = MᵀR``): stacking and writing back are plain contiguous copies.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from .._matrix import as_stiefel, from_stiefel, stiefel_shape
+from .._matrix import stiefel_shape
 from .base import StepPlan, compute_dtype
 
 __all__ = ["prepare_torch"]
@@ -29,35 +33,39 @@ def _sym(m: torch.Tensor) -> torch.Tensor:
     return 0.5 * (m + m.transpose(-1, -2))
 
 
-def _bucket_key(i, params, bufs, fresh, lr, momentum, feedback):
-    n, p, _ = stiefel_shape(params[i].shape)
-    reads_phi = bufs[i] is not None and not fresh[i]
-    return (n, p, params[i].dtype, params[i].device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
+def _native(t: torch.Tensor) -> torch.Tensor:
+    """``W2 = t.reshape(c_o, -1)``: ``R = θᵀ`` (rows layout) or ``θ`` itself; a view when possible."""
+    return t.reshape(t.shape[0], -1)
 
 
 class _Bucket:
     """Grams and M matrices of a set of equal-shape layers; ``apply`` writes them."""
 
     def __init__(self, idx, params, grads, bufs, key, check_finite):
-        n, p, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
+        n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
         cdt = compute_dtype(dtype)
-        self.idx, self.lr, self.beta, self.reads_phi, self.writes_phi = idx, lr, beta, reads_phi, writes_phi
+        self.idx, self.lr, self.beta, self.rows = idx, lr, beta, rows
+        self.reads_phi, self.writes_phi, self.p = reads_phi, writes_phi, p
         self.params = [params[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
         k = 3 if reads_phi else 2
-        x = torch.empty((len(idx), n, k * p), dtype=cdt, device=device)  # X = [θ | (Φ |) g]
         blocks = [self.params] + ([self.bufs] if reads_phi else []) + [[grads[i] for i in idx]]
+        # X in the parameters' own layout; `x` is always the (L, n, k·p) column view of it
+        store = torch.empty((len(idx), k * p, n) if rows else (len(idx), n, k * p), dtype=cdt, device=device)
+        x = store.transpose(1, 2) if rows else store
         for j, tensors in enumerate(blocks):
-            torch._foreach_copy_(list(x[:, :, j * p:(j + 1) * p].unbind(0)), [as_stiefel(t) for t in tensors])
-        self.x, self.p = x, p
+            part = store[:, j * p:(j + 1) * p, :] if rows else store[:, :, j * p:(j + 1) * p]
+            torch._foreach_copy_(list(part.unbind(0)), [_native(t) for t in tensors])
+        self.x = x
         theta = x[:, :, :p]
-        g = x[:, :, (k - 1) * p:]
         gram = torch.bmm(theta.transpose(1, 2), x)  # θᵀ[θ | Φ | g] = [A | B | E]
         a, e = gram[:, :, :p], gram[:, :, (k - 1) * p:]
         eye = torch.eye(p, dtype=cdt, device=device)
         a_minus_i = a - eye  # A − I
         self.dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
-        self.finite = torch.isfinite(g).flatten(1).all(dim=1) if check_finite else None
+        g = x[:, :, (k - 1) * p:]
+        # max |g| is NaN/Inf exactly when g has a NaN/Inf (amax propagates NaN)
+        self.finite = torch.isfinite(torch.linalg.vector_norm(g, float("inf"), dim=(1, 2))) if check_finite else None
         n_inv = eye - a_minus_i  # N = 2I − A
         inner = lr * _sym(e)  # η sym(E)
         if reads_phi:
@@ -70,29 +78,38 @@ class _Bucket:
         self.m_phi = n_inv @ inner  # M_Φ = N[…]
         self.m_theta = self.m_phi - alpha * a_minus_i  # M_θ = M_Φ − α(A − I)
 
+    def _times_plus(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """``θ M + u`` in the stored layout (rows: ``MᵀR + uᵀ``), returned as stored."""
+        theta = self.x[:, :, :self.p]
+        if self.rows:
+            return torch.baddbmm(u.transpose(1, 2), m.transpose(1, 2), theta.transpose(1, 2))
+        return torch.baddbmm(u, theta, m)
+
     def apply(self) -> None:
         p, x = self.p, self.x
-        theta = x[:, :, :p]
-        g = x[:, :, -p:]
-        u = g * (-self.lr)  # U = βΦ − ηg
+        u = x[:, :, -p:] * (-self.lr)  # U = βΦ − ηg
         if self.reads_phi:
             u.add_(x[:, :, p:2 * p], alpha=self.beta)
-        phi_new = torch.baddbmm(u, theta, self.m_phi)  # Φ₊ = U + θ M_Φ
-        theta_new = torch.baddbmm(theta + u, theta, self.m_theta)  # θ₊ = θ + U + θ M_θ
-        torch._foreach_copy_(self.params, [from_stiefel(t, q.shape) for t, q in zip(theta_new.unbind(0), self.params)])
+        phi_new = self._times_plus(u, self.m_phi)  # Φ₊ = U + θ M_Φ
+        theta_new = self._times_plus(u.add_(x[:, :, :p]), self.m_theta)  # θ₊ = (θ + U) + θ M_θ
+        # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
+        torch._foreach_copy_(self.params, [t.reshape(q.shape) for t, q in zip(theta_new.unbind(0), self.params)])
         if self.writes_phi:
-            torch._foreach_copy_(self.bufs, [from_stiefel(t, q.shape) for t, q in zip(phi_new.unbind(0), self.bufs)])
+            torch._foreach_copy_(self.bufs, [t.reshape(q.shape) for t, q in zip(phi_new.unbind(0), self.bufs)])
 
 
 def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite):
     groups: dict[tuple, list[int]] = defaultdict(list)
-    for i in range(len(params)):
-        groups[_bucket_key(i, params, bufs, fresh, lr, momentum, feedback)].append(i)
+    for i, param in enumerate(params):
+        n, p, rows = stiefel_shape(param.shape)
+        reads_phi = bufs[i] is not None and not fresh[i]
+        key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
+        groups[key].append(i)
     buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
-    order = [i for b in buckets for i in b.idx]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     dev = params[0].device if params else torch.device("cpu")
+    order = torch.tensor([i for b in buckets for i in b.idx], dtype=torch.long)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
     inverse = inverse.to(dev)
     dist = torch.cat([b.dist.to(torch.float64) for b in buckets])[inverse] if buckets else torch.zeros(0, device=dev)
     finite = torch.cat([b.finite for b in buckets])[inverse] if check_finite and buckets else None

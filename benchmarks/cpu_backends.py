@@ -1,0 +1,48 @@
+"""Side-by-side CPU step time of the FGD backends on WRN-28-k's orthogonal layers.
+
+Usage: ``python benchmarks/cpu_backends.py [--widths 4 10] [--repeat 5]``. Prints the median
+step time of each backend and the speed-up of ``torch`` over ``reference``.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+import fgd_fast
+from models import wide_resnet
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--widths", type=float, nargs="+", default=[4, 10])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--backends", nargs="+", default=["reference", "torch"])
+    args = ap.parse_args()
+    print(f"torch {torch.__version__} | {platform.machine()} | {torch.get_num_threads()} threads | float32")
+    for width in args.widths:
+        torch.manual_seed(0)
+        params = fgd_fast.stiefel_param_groups(wide_resnet(28, width), "official")[0]["params"]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        times = {}
+        for backend in args.backends:
+            opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, backend=backend)
+            opt.step()
+            opt.step()  # warm-up: state exists, momentum form from here on
+            samples = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                opt.step()
+                samples.append(time.perf_counter() - t0)
+            times[backend] = statistics.median(samples)
+        cells = " | ".join(f"{b} {t:.3f} s" for b, t in times.items())
+        ratio = times.get("reference", float("nan")) / times.get("torch", float("nan"))
+        print(f"WRN-28-{width:g}: {len(params)} layers | {cells} | reference/torch {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Baseline optimizers users compare FGD against (Cayley SGD / ADAM and adapters)."""
