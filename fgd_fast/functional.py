@@ -55,6 +55,7 @@ def fgd(
     check_finite: bool = True,
     check_manifold: bool = True,
     max_distance: float = MAX_DISTANCE,
+    precision: str = "ieee",
     labels: Sequence[str] | None = None,
 ) -> None:
     """One FGD step for Stiefel-constrained ``params`` (in place).
@@ -108,6 +109,7 @@ def fgd(
             prepare(
                 pick(params), pick(grads), pick(bufs), pick(fresh),
                 lr=pick(lrs), momentum=pick(betas), feedback=pick(alphas), check_finite=check_finite,
+                precision=precision,
             )
         )
         index.append(idx)

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import Optimizer
 
-from .backends import BACKENDS, compute_dtype
+from .backends import BACKENDS, PRECISIONS, compute_dtype
 from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd, sgd
 from .manifold import stiefel_distance
@@ -60,6 +60,10 @@ class FGD(Optimizer):
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
             ``fgd_fast.orthogonalize_`` first).
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
+        precision: fp32 products of the fused backends (``"triton"``, ``"cuda"``):
+            ``"ieee"`` (default), ``"tf32x3"`` (tensor cores, close to fp32) or ``"tf32"``
+            (opt-in; ~1e-3 relative error in θᵀθ, so θ settles ~1e-3 off the manifold).
+            ``"reference"``/``"torch"`` always compute in full precision.
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph.
     """
@@ -78,8 +82,10 @@ class FGD(Optimizer):
         check_finite: bool = True,
         check_manifold: bool = True,
         max_distance: float = MAX_DISTANCE,
+        precision: str = "ieee",
     ) -> None:
         self.backend = check_choice("backend", backend, BACKENDS)
+        self.precision = check_choice("precision", precision, PRECISIONS)
         self.check_finite = check_bool("check_finite", check_finite)
         self.check_manifold = check_bool("check_manifold", check_manifold)
         self.max_distance = check_real("max_distance", max_distance)
@@ -152,7 +158,8 @@ class FGD(Optimizer):
                 orth["params"], orth["grads"], orth["bufs"],
                 lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
                 backend=self.backend, check_finite=self.check_finite,
-                check_manifold=self.check_manifold, max_distance=self.max_distance, labels=orth["labels"],
+                check_manifold=self.check_manifold, max_distance=self.max_distance,
+                precision=self.precision, labels=orth["labels"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from .base import Backend, StepPlan, compute_dtype
+from .base import PRECISIONS, Backend, StepPlan, compute_dtype
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
+__all__ = ["BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 

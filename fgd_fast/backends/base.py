@@ -2,7 +2,7 @@
 
 A backend is a function
 
-    prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite) -> StepPlan
+    prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision) -> StepPlan
 
 over the orthogonal parameters of one device:
 
@@ -11,7 +11,9 @@ over the orthogonal parameters of one device:
 * ``bufs[i]`` — Φ storage (the parameter's shape, float32 for float16/bfloat16 parameters,
   else the parameter dtype), or ``None`` for the stateless ``momentum == 0`` form;
 * ``fresh[i]`` — Φ is known to be zero (first step): a backend may skip reading it;
-* ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α.
+* ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α;
+* ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products of fused
+  kernels; ``reference`` and ``torch`` always compute in full precision and ignore it.
 
 ``prepare`` must not write any parameter or buffer. It returns a :class:`StepPlan` with the
 per-layer distance ``‖θᵀθ − I‖_F`` (and gradient finiteness when ``check_finite``) as device
@@ -20,11 +22,14 @@ tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into ``buf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
 
-__all__ = ["StepPlan", "Backend", "compute_dtype"]
+__all__ = ["PRECISIONS", "StepPlan", "Backend", "compute_dtype", "in_input_order"]
+
+PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 @dataclass
@@ -46,7 +51,25 @@ class Backend(Protocol):
         momentum: list[float],
         feedback: list[float],
         check_finite: bool,
+        precision: str = "ieee",
     ) -> StepPlan: ...
+
+
+@lru_cache(maxsize=64)
+def _inverse_permutation(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return inverse.to(device)
+
+
+def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:
+    """Concatenate per-batch values whose layers are ``order`` back into input order.
+
+    The device index is cached on ``order``, so steady-state steps copy nothing to the device.
+    """
+    if not parts:
+        return torch.zeros(0, device=device)
+    return torch.cat(parts)[_inverse_permutation(tuple(order), device)]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -46,7 +46,7 @@ def _velocity(theta, phi, g, *, lr, momentum, feedback):
     return phi + con + rd + ext + fb_phi
 
 
-def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite):
+def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
     dists, finite = [], []
     for param, grad in zip(params, grads):
         theta = as_stiefel(param).to(compute_dtype(param.dtype))

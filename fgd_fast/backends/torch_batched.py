@@ -6,8 +6,9 @@ runs without a Python loop over its layers:
 
 1. Gram pass, one ``bmm``: ``θᵀX = [A | B | E]`` with ``A = θᵀθ, B = θᵀΦ, E = θᵀg``; plus
    ``C = ΦᵀΦ``.
-2. O(p³) algebra on ``(L, p, p)`` tensors, with ``N = 2I − A`` and ``S = sym(B)``:
-   ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]`` and ``M_θ = M_Φ − α(A − I)``.
+2. O(p³) algebra on ``(L, p, p)`` tensors (:mod:`.algebra`), with ``N = 2I − A`` and
+   ``S = sym(B)``: ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]`` and
+   ``M_θ = M_Φ − α(A − I)``.
 3. Update pass, two ``baddbmm``: ``U = βΦ − ηg``, ``Φ₊ = U + θM_Φ``, ``θ₊ = θ + U + θM_θ``.
 
 A first step (Φ = 0) is the same formula with ``B = C = 0``; ``momentum == 0`` is that
@@ -24,13 +25,10 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .base import StepPlan, compute_dtype
+from .algebra import middle
+from .base import StepPlan, compute_dtype, in_input_order
 
 __all__ = ["prepare_torch"]
-
-
-def _sym(m: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (m + m.transpose(-1, -2))
 
 
 def _native(t: torch.Tensor) -> torch.Tensor:
@@ -60,23 +58,16 @@ class _Bucket:
         theta = x[:, :, :p]
         gram = torch.bmm(theta.transpose(1, 2), x)  # θᵀ[θ | Φ | g] = [A | B | E]
         a, e = gram[:, :, :p], gram[:, :, (k - 1) * p:]
-        eye = torch.eye(p, dtype=cdt, device=device)
-        a_minus_i = a - eye  # A − I
-        self.dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
-        g = x[:, :, (k - 1) * p:]
-        # max |g| is NaN/Inf exactly when g has a NaN/Inf (amax propagates NaN)
-        self.finite = torch.isfinite(torch.linalg.vector_norm(g, float("inf"), dim=(1, 2))) if check_finite else None
-        n_inv = eye - a_minus_i  # N = 2I − A
-        inner = lr * _sym(e)  # η sym(E)
+        b = c = None
         if reads_phi:
             phi = x[:, :, p:2 * p]
             b = gram[:, :, p:2 * p]
             c = torch.bmm(phi.transpose(1, 2), phi)  # C = ΦᵀΦ
-            s = _sym(b)  # S = sym(B)
-            inner = inner - c - (beta - 1.0) * s + n_inv @ b @ s  # −C − (β−1)S + η sym(E) + NBS
-            inner = inner - alpha * (b.transpose(1, 2) @ n_inv + b)  # − α(BᵀN + B)
-        self.m_phi = n_inv @ inner  # M_Φ = N[…]
-        self.m_theta = self.m_phi - alpha * a_minus_i  # M_θ = M_Φ − α(A − I)
+        mid = middle(a, b, c, e, lr=lr, beta=beta, alpha=alpha)  # M_θ, M_Φ, ‖A − I‖_F
+        self.m_theta, self.m_phi, self.dist = mid.m_theta, mid.m_phi, mid.dist
+        g = x[:, :, (k - 1) * p:]
+        # max |g| is NaN/Inf exactly when g has a NaN/Inf (amax propagates NaN)
+        self.finite = torch.isfinite(torch.linalg.vector_norm(g, float("inf"), dim=(1, 2))) if check_finite else None
 
     def _times_plus(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """``θ M + u`` in the stored layout (rows: ``MᵀR + uᵀ``), returned as stored."""
@@ -98,7 +89,7 @@ class _Bucket:
             torch._foreach_copy_(self.bufs, [t.reshape(q.shape) for t, q in zip(phi_new.unbind(0), self.bufs)])
 
 
-def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite):
+def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
         n, p, rows = stiefel_shape(param.shape)
@@ -107,12 +98,9 @@ def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_f
         groups[key].append(i)
     buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
     dev = params[0].device if params else torch.device("cpu")
-    order = torch.tensor([i for b in buckets for i in b.idx], dtype=torch.long)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order))
-    inverse = inverse.to(dev)
-    dist = torch.cat([b.dist.to(torch.float64) for b in buckets])[inverse] if buckets else torch.zeros(0, device=dev)
-    finite = torch.cat([b.finite for b in buckets])[inverse] if check_finite and buckets else None
+    order = [i for b in buckets for i in b.idx]
+    dist = in_input_order([b.dist.to(torch.float64) for b in buckets], order, dev)
+    finite = in_input_order([b.finite for b in buckets], order, dev) if check_finite else None
 
     def apply() -> None:
         for b in buckets:

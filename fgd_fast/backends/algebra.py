@@ -1,0 +1,53 @@
+"""The O(p³) middle of the two-pass step, shared by every batched backend.
+
+Given the Gram blocks of a batch of layers with the same p — ``A = θᵀθ``, ``B = θᵀΦ``,
+``C = ΦᵀΦ``, ``E = θᵀg``, each ``(L, p, p)`` — it returns the two ``p × p`` matrices of the
+update pass and the per-layer checks:
+
+    N   = 2I − A                     (truncated Neumann series of A⁻¹)
+    S   = sym(B)
+    M_Φ = N [ −C − (β − 1) S + η sym(E) + N B S − α (Bᵀ N + B) ]
+    M_θ = M_Φ − α (A − I)
+
+so that ``Φ₊ = U + θ M_Φ`` and ``θ₊ = θ + U + θ M_θ`` with ``U = βΦ − ηg``. Without Φ (first
+step, ``momentum == 0``) pass ``b = c = None``: ``M_Φ = η N sym(E)``.
+
+``lr``, ``beta``, ``alpha`` are floats or ``(L, 1, 1)`` tensors (per-layer values).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Middle", "middle"]
+
+Scalar = float | torch.Tensor
+
+
+class Middle(NamedTuple):
+    m_theta: torch.Tensor  # (L, p, p)
+    m_phi: torch.Tensor  # (L, p, p)
+    dist: torch.Tensor  # (L,) ‖A − I‖_F
+    finite: torch.Tensor  # (L,) bool: E = θᵀg finite (a NaN/Inf in g makes E non-finite)
+
+
+def _sym(m: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (m + m.transpose(-1, -2))
+
+
+def middle(a, b, c, e, *, lr: Scalar, beta: Scalar, alpha: Scalar) -> Middle:
+    p = a.shape[-1]
+    eye = torch.eye(p, dtype=a.dtype, device=a.device)
+    a_minus_i = a - eye  # A − I
+    n_inv = eye - a_minus_i  # N = 2I − A
+    inner = lr * _sym(e)  # η sym(E)
+    if b is not None:
+        s = _sym(b)  # S = sym(B)
+        inner = inner - c - (beta - 1.0) * s + n_inv @ b @ s  # −C − (β−1)S + η sym(E) + NBS
+        inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
+    m_phi = n_inv @ inner  # M_Φ = N[…]
+    m_theta = m_phi - alpha * a_minus_i  # M_θ = M_Φ − α(A − I)
+    dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
+    finite = torch.isfinite(e).flatten(-2).all(-1)
+    return Middle(m_theta, m_phi, dist, finite)

@@ -1,0 +1,233 @@
+"""Triton backend: the whole step for every orthogonal layer in a handful of launches.
+
+Layers are split into *launch classes* by (parameter dtype, Φ present, memory layout); a
+class is usually everything. Per class and step:
+
+1. ``gram_kernel`` (one launch): Gram blocks ``[A | B | C | E]`` of every layer, split over
+   n when there are too few tiles to fill the GPU; the splits are summed by one
+   ``torch.sum`` in a fixed order, so the result is deterministic run to run.
+2. The O(p³) middle (:mod:`.algebra`) with batched torch ops on the ``p × p`` blocks, one
+   batch per distinct p (never per layer), writing ``[M_θ | M_Φ]`` for every layer, the
+   distance ``‖A − I‖_F`` and the finite flag (E = θᵀg is NaN/Inf whenever g is: the
+   check is fused into the Gram pass, no extra pass over g).
+3. ``update_kernel`` (one launch, in ``apply``): θ₊ and Φ₊ together.
+
+So a step costs 2 kernel launches per class plus O(#distinct p) small torch ops,
+independent of the number of layers (``launch_counts`` records kernel launches, for tests).
+
+Metadata: an int64 table (pointers, n, p, offsets; see ``fgd_fast.kernels.fgd_step``) and
+int32 work tables. Work tables depend only on shapes and are cached; the pointer table is
+cached on the tuple of addresses, so a step whose tensors did not move (CUDA-graph replay,
+steady training) copies nothing to the device and never synchronises with the host.
+
+Scratch, bounded: Gram partials ``splits × Σ 4p²`` (only when splitting, capped at
+``SCRATCH_BYTES``) and the update snapshot ``programs × 64 × p_max`` (programs capped so it
+stays under ``SCRATCH_BYTES``); parameters whose memory is not a dense ``(c_o, m)`` matrix
+(e.g. channels_last convolution weights) are staged through a contiguous copy.
+
+Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (3×TF32 on tensor
+cores, close to fp32), ``"tf32"`` (opt-in: ~1e-3 relative error in A, so θ settles ~1e-3
+off the manifold). float64 layers always compute in float64 ("ieee").
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter, OrderedDict, defaultdict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fgd_fast.kernels import fgd_step as K
+
+from .._matrix import stiefel_shape
+from .algebra import middle
+from .base import PRECISIONS, StepPlan, compute_dtype, in_input_order
+
+__all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
+
+SCRATCH_BYTES = 64 << 20
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+
+#: kernel name -> number of launches since import (tests assert the launch count per step)
+launch_counts: Counter = Counter()
+#: tests may force a number of n-splits for the Gram pass (None: chosen from the GPU size)
+force_splits: int | None = None
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    launch_counts[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] += 1
+    kernel[grid](*args, **kwargs)
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one after another
+
+
+class _Cache(OrderedDict):
+    """A small LRU dict of device tables."""
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        if len(self) > 64:
+            self.popitem(last=False)
+        return value
+
+
+_tables = _Cache()
+
+
+@dataclass
+class _Shapes:
+    """Everything about a launch class that depends only on the layer shapes."""
+
+    gram_work: torch.Tensor  # int32 (W, 3): layer, tile i, tile j (i <= j)
+    update_work: torch.Tensor  # int32 (I, 2): layer, row block
+    gram_off: list[int]  # element offset of [A|B|C|E] per layer
+    m_off: list[int]  # element offset of [M_θ|M_Φ] per layer
+    chunk: list[int]  # rows per split per layer
+    splits: int
+    gram_total: int
+    m_total: int
+    p_runs: list[tuple[int, int, int]]  # (p, first layer, last layer + 1), layers sorted by p
+
+
+def _shapes(np_list, device, wanted, acc_bytes) -> _Shapes:
+    bp, bk = K.GRAM_BLOCKS["BP"], K.GRAM_BLOCKS["BK"]
+    br = K.UPDATE_BLOCKS["BR"]
+    gram_work, update_work, gram_off, m_off = [], [], [], []
+    g_total = m_total = 0
+    for layer, (n, p) in enumerate(np_list):
+        nt = triton.cdiv(p, bp)
+        gram_work += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
+        update_work += [(layer, r) for r in range(triton.cdiv(n, br))]
+        gram_off.append(g_total)
+        m_off.append(m_total)
+        g_total += 4 * p * p
+        m_total += 2 * p * p
+    splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_work))))
+    splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
+    chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
+    runs, start = [], 0
+    for layer in range(1, len(np_list) + 1):
+        if layer == len(np_list) or np_list[layer][1] != np_list[start][1]:
+            runs.append((np_list[start][1], start, layer))
+            start = layer
+    as_table = lambda rows, width: torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(device)  # noqa: E731
+    return _Shapes(as_table(gram_work, 3), as_table(update_work, 2), gram_off, m_off, chunk, splits, g_total, m_total, runs)
+
+
+def _native(t: torch.Tensor) -> torch.Tensor:
+    """A dense ``(c_o, m)`` tensor sharing memory with ``t``, or a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _Class:
+    """One launch class: its tables, Gram pass and middle (prepare) and update (apply)."""
+
+    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision):
+        device = params[layers[0]].device
+        self.acc = compute_dtype(dtype)
+        self.consts = dict(
+            DTYPE=_TL[dtype], ACC=_TL[self.acc], HAS_PHI=has_phi, ROWS=rows,
+            PRECISION="ieee" if self.acc == torch.float64 else precision,
+        )
+        layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)  # group equal p
+        self.layers = layers
+        np_list = [stiefel_shape(params[i].shape)[:2] for i in layers]
+        acc_bytes = torch.finfo(self.acc).bits // 8
+        self.shapes = _tables.get_or(
+            ("shapes", device, tuple(np_list), _programs_wanted(device), acc_bytes, force_splits),
+            lambda: _shapes(np_list, device, _programs_wanted(device), acc_bytes),
+        )
+        sh = self.shapes
+        # tensors the kernels address: dense (c_o, m) memory; copies are written back in apply
+        self.theta = [_native(params[i]) for i in layers]
+        self.grad = [_native(grads[i]) for i in layers]
+        self.phi = [_native(bufs[i]) for i in layers] if has_phi else []
+        self.copy_back = [(params[i], t) for i, t in zip(layers, self.theta) if t is not params[i]]
+        self.copy_back += [(bufs[i], t) for i, t in zip(layers, self.phi) if t is not bufs[i]]
+        ptrs = tuple(
+            (t.data_ptr(), self.phi[k].data_ptr() if has_phi else 0, self.grad[k].data_ptr())
+            for k, t in enumerate(self.theta)
+        )
+        self.meta = _tables.get_or(("meta", device, ptrs, tuple(np_list), sh.splits), lambda: torch.tensor(
+            [[*pt, n, p, sh.gram_off[k], sh.m_off[k], sh.chunk[k]] for k, (pt, (n, p)) in enumerate(zip(ptrs, np_list))],
+            dtype=torch.int64,
+        ).to(device))
+        hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
+        self.hyper = _tables.get_or(("hyper", device, hyper_values, self.acc), lambda: torch.tensor(
+            hyper_values, dtype=self.acc).to(device))  # (L, 3): η, β, α
+
+        # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
+        partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
+        _launch(
+            K.gram_kernel, (sh.gram_work.shape[0], sh.splits),
+            self.meta, sh.gram_work, partial, sh.gram_total, **self.consts, **K.GRAM_BLOCKS,
+        )
+        gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
+
+        # the O(p³) middle, one batch per distinct p
+        self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
+        dists, finites = [], []
+        for p, lo, hi in sh.p_runs:
+            blocks = gram[sh.gram_off[lo]:sh.gram_off[lo] + (hi - lo) * 4 * p * p].view(hi - lo, 4, p, p)
+            h = self.hyper[lo:hi].view(hi - lo, 3, 1, 1)
+            mid = middle(
+                blocks[:, 0], blocks[:, 1] if has_phi else None, blocks[:, 2] if has_phi else None, blocks[:, 3],
+                lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
+            )
+            out = self.mats[sh.m_off[lo]:sh.m_off[lo] + (hi - lo) * 2 * p * p].view(hi - lo, 2, p, p)
+            out[:, 0].copy_(mid.m_theta)
+            out[:, 1].copy_(mid.m_phi)
+            dists.append(mid.dist)
+            finites.append(mid.finite)
+        self.dist = torch.cat(dists).to(torch.float64)
+        self.finite = torch.cat(finites)
+        self.p_max = max(p for p, _, _ in sh.p_runs)
+        self.device = device
+
+    def apply(self) -> None:
+        sh = self.shapes
+        br = K.UPDATE_BLOCKS["BR"]
+        acc_bytes = torch.finfo(self.acc).bits // 8
+        programs = 2 * _programs_wanted(self.device) if self.device.type == "cuda" else 2
+        programs = max(1, min(programs, sh.update_work.shape[0], SCRATCH_BYTES // (br * self.p_max * acc_bytes)))
+        scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=self.device)
+        _launch(
+            K.update_kernel, (programs,),
+            self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, scratch, self.p_max,
+            **self.consts, **K.UPDATE_BLOCKS,
+        )
+        for dst, src in self.copy_back:
+            dst.copy_(src)
+
+
+def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU testing)")
+    classes: dict[tuple, list[int]] = defaultdict(list)
+    for i, param in enumerate(params):
+        classes[(param.dtype, bufs[i] is not None, stiefel_shape(param.shape).transposed)].append(i)
+    built = [
+        _Class(idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision)
+        for (dtype, has_phi, rows), idx in classes.items()
+    ]
+    dev = params[0].device if params else torch.device("cpu")
+    order = [i for c in built for i in c.layers]
+    dist = in_input_order([c.dist for c in built], order, dev)
+    finite = in_input_order([c.finite for c in built], order, dev) if check_finite else None
+
+    def apply() -> None:
+        for c in built:
+            c.apply()
+
+    return StepPlan(dist=dist, finite=finite, apply=apply)

@@ -1,0 +1,113 @@
+"""Triton-specific behaviour: launch counts, split-K, precision modes, capture-friendliness.
+(Numerics against the oracle live in the shared, backend-parametrised tests.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fgd_fast
+from helpers import backend_reason, device_for_tests
+from oracle import random_stiefel
+
+pytestmark = pytest.mark.skipif(
+    backend_reason("triton", str(device_for_tests())) is not None,
+    reason=f"triton backend unavailable: {backend_reason('triton', str(device_for_tests()))}",
+)
+
+
+def _problem(shapes, seed=0, dtype=torch.float32):
+    rng = np.random.default_rng(seed)
+    dev = device_for_tests()
+    params = [torch.nn.Parameter(torch.tensor(random_stiefel(rng, s), dtype=dtype, device=dev)) for s in shapes]
+    grads = [torch.tensor(rng.standard_normal(s) / np.sqrt(np.prod(s)), dtype=dtype, device=dev) for s in shapes]
+    return params, grads
+
+
+def _steps(params, grads, backend, steps=2, **kw):
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, backend=backend, **kw)
+    for _ in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("layers", [3, 12])
+def test_kernel_launches_per_step_do_not_grow_with_layers(layers):
+    from fgd_fast.backends import triton as tb
+
+    shapes = [(8, 4, 3, 3), (20, 6), (5, 40)] * (layers // 3)  # rows and columns layouts
+    params, grads = _problem(shapes)
+    opt = _steps(params, grads, "triton", steps=1)  # first step: creates Φ
+    before = dict(tb.launch_counts)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    launched = {k: v - before.get(k, 0) for k, v in tb.launch_counts.items()}
+    # two launch classes (rows / columns layout), each one Gram and one update launch
+    assert launched == {"gram_kernel": 2, "update_kernel": 2}
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_k_gram_matches_unsplit(splits, monkeypatch):
+    from fgd_fast.backends import triton as tb
+
+    shapes = [(16, 8, 3, 3), (33, 70), (9, 130)]
+    p1, g1 = _problem(shapes, dtype=torch.float64)
+    p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
+    _steps(p1, g1, "triton", steps=3)
+    monkeypatch.setattr(tb, "force_splits", splits)
+    _steps(p2, g1, "triton", steps=3)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+
+
+def test_deterministic_run_to_run():
+    shapes = [(16, 8, 3, 3), (33, 70)]
+    runs = []
+    for _ in range(2):
+        params, grads = _problem(shapes, seed=5)
+        _steps(params, grads, "triton", steps=3)
+        runs.append([p.detach().clone() for p in params])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
+def test_precision_modes_run_and_stay_close(precision):
+    """On the CPU interpreter every mode computes in fp32 (input_precision is ignored there);
+    on a GPU tf32 is allowed a ~1e-3 relative error in θᵀθ (its 10-bit mantissa)."""
+    shapes = [(16, 8, 3, 3), (24, 40)]
+    params, grads = _problem(shapes, seed=2)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    _steps(params, grads, "triton", steps=3, precision=precision)
+    _steps(ref, grads, "reference", steps=3)
+    interpreted = device_for_tests().type == "cpu"
+    tol = {"ieee": 1e-5, "tf32x3": 1e-5, "tf32": 1e-5 if interpreted else 5e-3}[precision]
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, precision="fp8")
+
+
+def test_step_without_checks_never_reads_device_values(monkeypatch):
+    """With both checks off, step() makes no host synchronisation (capturable): no
+    .item()/.tolist()/.cpu()/bool() on a tensor happens inside it."""
+    shapes = [(8, 4, 3, 3), (20, 6)]
+    params, grads = _problem(shapes)
+    opt = _steps(params, grads, "triton", steps=2, check_finite=False, check_manifold=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation inside step()")
+
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    for name in ("item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    if device_for_tests().type == "cuda":
+        monkeypatch.setattr(torch.Tensor, "cpu", forbidden)
+    opt.step()
