@@ -179,8 +179,9 @@ def test_small_cnn_stays_on_the_manifold(backend):
     losses, worst = _train_cnn(backend, feedback=0.4)
     assert worst < 1e-5
     assert sum(losses[-10:]) < sum(losses[:10])
-    _, worst_without_feedback = _train_cnn(backend, feedback=0.0)
-    assert worst_without_feedback > 10 * worst  # the feedback term is what keeps it there
+    if backend == "torch":  # (once is enough: the backends agree with the oracle elsewhere)
+        _, worst_without_feedback = _train_cnn(backend, feedback=0.0)
+        assert worst_without_feedback > 10 * worst  # the feedback term is what keeps it there
 
 
 def test_param_groups_rules():

@@ -26,8 +26,9 @@ Scalar = float | torch.Tensor
 
 
 class Middle(NamedTuple):
-    m_theta: torch.Tensor  # (L, p, p)
-    m_phi: torch.Tensor  # (L, p, p)
+    m_theta: torch.Tensor  # (L, p, p) M_θ = M_Φ + F
+    m_phi: torch.Tensor  # (L, p, p) M_Φ
+    feedback: torch.Tensor  # (L, p, p) F = −α(A − I), so that θ₊ = θ + Φ₊ + θF
     dist: torch.Tensor  # (L,) ‖A − I‖_F
     finite: torch.Tensor  # (L,) bool: E = θᵀg finite (a NaN/Inf in g makes E non-finite)
 
@@ -47,7 +48,8 @@ def middle(a, b, c, e, *, lr: Scalar, beta: Scalar, alpha: Scalar) -> Middle:
         inner = inner - c - (beta - 1.0) * s + n_inv @ b @ s  # −C − (β−1)S + η sym(E) + NBS
         inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
     m_phi = n_inv @ inner  # M_Φ = N[…]
-    m_theta = m_phi - alpha * a_minus_i  # M_θ = M_Φ − α(A − I)
+    feedback = -alpha * a_minus_i  # F = −α(A − I)
+    m_theta = m_phi + feedback  # M_θ = M_Φ − α(A − I)
     dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
     finite = torch.isfinite(e).flatten(-2).all(-1)
-    return Middle(m_theta, m_phi, dist, finite)
+    return Middle(m_theta, m_phi, feedback, dist, finite)

@@ -3,16 +3,17 @@
 Layers are split into *launch classes* by (parameter dtype, Φ present, memory layout); a
 class is usually everything. Per class and step:
 
-1. ``gram_kernel`` (one launch): Gram blocks ``[A | B | C | E]`` of every layer, split over
-   n when there are too few tiles to fill the GPU; the splits are summed by one
-   ``torch.sum`` in a fixed order, so the result is deterministic run to run.
+1. ``gram_kernel``, one launch per Gram block (A, E; plus B, C when Φ is stored) covering
+   every layer, split over n when there are too few tiles to fill the GPU; the splits are
+   summed by one ``torch.sum`` in a fixed order, so the result is deterministic run to run.
 2. The O(p³) middle (:mod:`.algebra`) with batched torch ops on the ``p × p`` blocks, one
-   batch per distinct p (never per layer), writing ``[M_θ | M_Φ]`` for every layer, the
+   batch per distinct p (never per layer), writing ``[M_Φ | M]`` for every layer, the
    distance ``‖A − I‖_F`` and the finite flag (E = θᵀg is NaN/Inf whenever g is: the
    check is fused into the Gram pass, no extra pass over g).
-3. ``update_kernel`` (one launch, in ``apply``): θ₊ and Φ₊ together.
+3. ``update_kernel`` (in ``apply``): ``Φ₊ = U + θM_Φ`` (when Φ is stored), then
+   ``θ₊ = θ + V + θM`` with ``(V, M) = (Φ₊, −α(A − I))``, or ``(−ηg, M_θ)`` without Φ.
 
-So a step costs 2 kernel launches per class plus O(#distinct p) small torch ops,
+So a step costs at most 6 kernel launches per class plus O(#distinct p) small torch ops,
 independent of the number of layers (``launch_counts`` records kernel launches, for tests).
 
 Metadata: an int64 table (pointers, n, p, offsets; see ``fgd_fast.kernels.fgd_step``) and
@@ -21,8 +22,8 @@ cached on the tuple of addresses, so a step whose tensors did not move (CUDA-gra
 steady training) copies nothing to the device and never synchronises with the host.
 
 Scratch, bounded: Gram partials ``splits × Σ 4p²`` (only when splitting, capped at
-``SCRATCH_BYTES``) and the update snapshot ``programs × 64 × p_max`` (programs capped so it
-stays under ``SCRATCH_BYTES``); parameters whose memory is not a dense ``(c_o, m)`` matrix
+``SCRATCH_BYTES``) and the update snapshot ``programs × BR × p_max`` (programs capped so it
+stays under ``SCRATCH_BYTES``; BR = 64 rows for float32); parameters whose memory is not a dense ``(c_o, m)`` matrix
 (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
 Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (3×TF32 on tensor
@@ -57,7 +58,7 @@ force_splits: int | None = None
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    launch_counts[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] += 1
+    launch_counts[kernel.fn.__name__] += 1
     kernel[grid](*args, **kwargs)
 
 
@@ -87,7 +88,8 @@ _tables = _Cache()
 class _Shapes:
     """Everything about a launch class that depends only on the layer shapes."""
 
-    gram_work: torch.Tensor  # int32 (W, 3): layer, tile i, tile j (i <= j)
+    gram_sym: torch.Tensor  # int32 (W, 3): layer, tile i, tile j, i <= j (A and C)
+    gram_full: torch.Tensor  # int32 (W, 3): every (layer, i, j) (B and E)
     update_work: torch.Tensor  # int32 (I, 2): layer, row block
     gram_off: list[int]  # element offset of [A|B|C|E] per layer
     m_off: list[int]  # element offset of [M_θ|M_Φ] per layer
@@ -98,20 +100,22 @@ class _Shapes:
     p_runs: list[tuple[int, int, int]]  # (p, first layer, last layer + 1), layers sorted by p
 
 
-def _shapes(np_list, device, wanted, acc_bytes) -> _Shapes:
-    bp, bk = K.GRAM_BLOCKS["BP"], K.GRAM_BLOCKS["BK"]
-    br = K.UPDATE_BLOCKS["BR"]
-    gram_work, update_work, gram_off, m_off = [], [], [], []
+def _shapes(np_list, device, wanted, acc_name) -> _Shapes:
+    bp, bk = K.GRAM_CONFIG[acc_name]["BP"], K.GRAM_CONFIG[acc_name]["BK"]
+    br = K.UPDATE_CONFIG[acc_name]["BR"]
+    acc_bytes = 8 if acc_name == "float64" else 4
+    gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
     g_total = m_total = 0
     for layer, (n, p) in enumerate(np_list):
         nt = triton.cdiv(p, bp)
-        gram_work += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
+        gram_sym += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
+        gram_full += [(layer, i, j) for i in range(nt) for j in range(nt)]
         update_work += [(layer, r) for r in range(triton.cdiv(n, br))]
         gram_off.append(g_total)
         m_off.append(m_total)
         g_total += 4 * p * p
         m_total += 2 * p * p
-    splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_work))))
+    splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_sym))))
     splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
     chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
     runs, start = [], 0
@@ -120,7 +124,10 @@ def _shapes(np_list, device, wanted, acc_bytes) -> _Shapes:
             runs.append((np_list[start][1], start, layer))
             start = layer
     as_table = lambda rows, width: torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(device)  # noqa: E731
-    return _Shapes(as_table(gram_work, 3), as_table(update_work, 2), gram_off, m_off, chunk, splits, g_total, m_total, runs)
+    return _Shapes(
+        as_table(gram_sym, 3), as_table(gram_full, 3), as_table(update_work, 2),
+        gram_off, m_off, chunk, splits, g_total, m_total, runs,
+    )
 
 
 def _native(t: torch.Tensor) -> torch.Tensor:
@@ -134,17 +141,19 @@ class _Class:
     def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision):
         device = params[layers[0]].device
         self.acc = compute_dtype(dtype)
+        self.has_phi = has_phi
+        acc_name = str(self.acc).removeprefix("torch.")
         self.consts = dict(
-            DTYPE=_TL[dtype], ACC=_TL[self.acc], HAS_PHI=has_phi, ROWS=rows,
+            DTYPE=_TL[dtype], ACC=_TL[self.acc], ROWS=rows,
             PRECISION="ieee" if self.acc == torch.float64 else precision,
         )
+        self.gram_config, self.update_config = K.GRAM_CONFIG[acc_name], K.UPDATE_CONFIG[acc_name]
         layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)  # group equal p
         self.layers = layers
         np_list = [stiefel_shape(params[i].shape)[:2] for i in layers]
-        acc_bytes = torch.finfo(self.acc).bits // 8
         self.shapes = _tables.get_or(
-            ("shapes", device, tuple(np_list), _programs_wanted(device), acc_bytes, force_splits),
-            lambda: _shapes(np_list, device, _programs_wanted(device), acc_bytes),
+            ("shapes", device, tuple(np_list), _programs_wanted(device), acc_name, force_splits),
+            lambda: _shapes(np_list, device, _programs_wanted(device), acc_name),
         )
         sh = self.shapes
         # tensors the kernels address: dense (c_o, m) memory; copies are written back in apply
@@ -167,10 +176,13 @@ class _Class:
 
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
         partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
-        _launch(
-            K.gram_kernel, (sh.gram_work.shape[0], sh.splits),
-            self.meta, sh.gram_work, partial, sh.gram_total, **self.consts, **K.GRAM_BLOCKS,
-        )
+        blocks = (K.BLOCK_A, K.BLOCK_B, K.BLOCK_C, K.BLOCK_E) if has_phi else (K.BLOCK_A, K.BLOCK_E)
+        for block in blocks:
+            work = sh.gram_sym if block in (K.BLOCK_A, K.BLOCK_C) else sh.gram_full
+            _launch(
+                K.gram_kernel, (work.shape[0], sh.splits),
+                self.meta, work, partial, sh.gram_total, BLOCK=block, **self.consts, **self.gram_config,
+            )
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
         # the O(p³) middle, one batch per distinct p
@@ -184,8 +196,11 @@ class _Class:
                 lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
             )
             out = self.mats[sh.m_off[lo]:sh.m_off[lo] + (hi - lo) * 2 * p * p].view(hi - lo, 2, p, p)
-            out[:, 0].copy_(mid.m_theta)
-            out[:, 1].copy_(mid.m_phi)
+            if has_phi:
+                out[:, 0].copy_(mid.m_phi)  # Φ₊ = U + θ M_Φ
+                out[:, 1].copy_(mid.feedback)  # θ₊ = θ + Φ₊ + θ(−α(A − I))
+            else:
+                out[:, 1].copy_(mid.m_theta)  # θ₊ = θ − ηg + θ M_θ
             dists.append(mid.dist)
             finites.append(mid.finite)
         self.dist = torch.cat(dists).to(torch.float64)
@@ -195,16 +210,15 @@ class _Class:
 
     def apply(self) -> None:
         sh = self.shapes
-        br = K.UPDATE_BLOCKS["BR"]
+        br = self.update_config["BR"]
         acc_bytes = torch.finfo(self.acc).bits // 8
         programs = 2 * _programs_wanted(self.device) if self.device.type == "cuda" else 2
         programs = max(1, min(programs, sh.update_work.shape[0], SCRATCH_BYTES // (br * self.p_max * acc_bytes)))
         scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=self.device)
-        _launch(
-            K.update_kernel, (programs,),
-            self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, scratch, self.p_max,
-            **self.consts, **K.UPDATE_BLOCKS,
-        )
+        args = (self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, scratch, self.p_max)
+        modes = (K.MODE_PHI, K.MODE_THETA) if self.has_phi else (K.MODE_THETA,)
+        for mode in modes:  # Φ₊ first: the θ pass reads it
+            _launch(K.update_kernel, (programs,), *args, MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config)
         for dst, src in self.copy_back:
             dst.copy_(src)
 
