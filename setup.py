@@ -2,8 +2,54 @@
 
 The Triton kernels live in the top-level ``kernels/`` folder and are installed as
 ``fgd_fast.kernels`` (a bare top-level ``kernels`` module belongs to another PyPI package).
+
+The CUDA extension ``fgd_fast._C`` (``csrc/``, used by ``backend="cuda"``) is built only when
+a CUDA build of torch and a CUDA toolkit are present, or when ``FGD_FAST_BUILD_CUDA=1``
+(then a failure is an error); ``FGD_FAST_BUILD_CUDA=0`` skips it. Otherwise the build prints
+one line saying why it skipped, and ``backend="cuda"`` tries a just-in-time build on first use.
 """
+import importlib.util
+import os
+
 from setuptools import setup
+
+
+def _cuda_extension() -> dict:
+    """``ext_modules``/``cmdclass`` for ``fgd_fast._C``, or ``{}`` with one printed line."""
+    mode = os.environ.get("FGD_FAST_BUILD_CUDA", "")
+    if mode == "0":
+        print("fgd_fast: FGD_FAST_BUILD_CUDA=0: not building the CUDA extension fgd_fast._C")
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError as exc:
+        reason = f"torch is not importable ({exc}); install with --no-build-isolation"
+    else:
+        reason = None
+        if torch.version.cuda is None:
+            reason = f"torch {torch.__version__} is a CPU-only build"
+        elif CUDA_HOME is None:
+            reason = "no CUDA toolkit found (set CUDA_HOME)"
+    if reason:
+        if mode == "1":
+            raise SystemExit(f"fgd_fast: FGD_FAST_BUILD_CUDA=1 but fgd_fast._C cannot be built: {reason}")
+        print(f"fgd_fast: skipping the CUDA extension fgd_fast._C: {reason} (backend='cuda' builds it on first use)")
+        return {}
+    # the build settings live in fgd_fast/_cuda_build.py (shared with the just-in-time build);
+    # load that file alone rather than importing the package being built
+    spec = importlib.util.spec_from_file_location("_fgd_cuda_build", os.path.join("fgd_fast", "_cuda_build.py"))
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    ext = CUDAExtension(
+        "fgd_fast._C",
+        sources=[f"csrc/{name}" for name in cb.SOURCES],
+        include_dirs=cb.extra_include_dirs(CUDA_HOME),
+        extra_compile_args={"cxx": ["-O3"], "nvcc": cb.NVCC_FLAGS},
+        optional=mode != "1",  # an automatic build that fails leaves a working pure-Python install
+    )
+    return dict(ext_modules=[ext], cmdclass={"build_ext": BuildExtension})
+
 
 setup(
     name="fgd_fast",
@@ -16,4 +62,5 @@ setup(
     package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"triton": ["triton>=3.0"], "test": ["pytest", "pytest-benchmark"]},
+    **_cuda_extension(),
 )

@@ -177,14 +177,19 @@ def update_kernel(
             tl.debug_barrier()  # every read of the slab is done before the next snapshot
 
 
-# Tile sizes and warps per accumulation type. A selectable configuration must compile for
-# sm_80 and sm_90 without spilling (tests/test_triton_aot.py compiles every one of them).
-# (Measured on sm_90 with triton 3.8: Gram 158 registers, update 216/227, no stack.)
+# Tile sizes, warps and pipeline stages per (accumulation type, precision). A selectable
+# configuration must compile for sm_80 and sm_90 without spilling: kernels/aot.py compiles
+# every one (tests/test_triton_aot.py runs it). Chosen from a compile-only sweep (no GPU
+# timing yet): the largest tiles that keep STACK:0 on both targets with triton 3.6 and 3.8.
 GRAM_CONFIG = {
-    "float32": dict(BP=64, BK=32, num_warps=8, num_stages=3),
-    "float64": dict(BP=32, BK=32, num_warps=8, num_stages=3),
+    ("float32", "ieee"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
+    ("float32", "tf32x3"): dict(BP=64, BK=16, num_warps=8, num_stages=3),
+    ("float32", "tf32"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
+    ("float64", "ieee"): dict(BP=32, BK=16, num_warps=8, num_stages=3),
 }
 UPDATE_CONFIG = {
-    "float32": dict(BR=64, BN=64, BK=32, num_warps=8, num_stages=1),
-    "float64": dict(BR=32, BN=32, BK=32, num_warps=8, num_stages=1),
+    ("float32", "ieee"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
+    ("float32", "tf32x3"): dict(BR=64, BN=32, BK=16, num_warps=8, num_stages=1),
+    ("float32", "tf32"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
+    ("float64", "ieee"): dict(BR=32, BN=32, BK=16, num_warps=8, num_stages=1),
 }

@@ -43,6 +43,10 @@ with Φ, else 2; splits ≤ 64 and capped by the bound) and the update snapshot
 block: 32 · p_max · 8 bytes). Parameters, buffers or gradients whose memory is not a dense
 ``(c_o, m)`` matrix or its transpose (e.g. channels_last convolution weights) are staged
 through a contiguous copy, written back in ``apply``.
+
+Errors: every launch's ``cudaGetLastError`` is raised as ``RuntimeError`` by the binding;
+``FGD_FAST_CUDA_DEBUG=1`` also synchronises after each launch so an asynchronous fault is
+reported at the kernel that caused it.
 """
 from __future__ import annotations
 

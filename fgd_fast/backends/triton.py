@@ -100,9 +100,7 @@ class _Shapes:
     p_runs: list[tuple[int, int, int]]  # (p, first layer, last layer + 1), layers sorted by p
 
 
-def _shapes(np_list, device, wanted, acc_name) -> _Shapes:
-    bp, bk = K.GRAM_CONFIG[acc_name]["BP"], K.GRAM_CONFIG[acc_name]["BK"]
-    br = K.UPDATE_CONFIG[acc_name]["BR"]
+def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     acc_bytes = 8 if acc_name == "float64" else 4
     gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
     g_total = m_total = 0
@@ -143,17 +141,17 @@ class _Class:
         self.acc = compute_dtype(dtype)
         self.has_phi = has_phi
         acc_name = str(self.acc).removeprefix("torch.")
-        self.consts = dict(
-            DTYPE=_TL[dtype], ACC=_TL[self.acc], ROWS=rows,
-            PRECISION="ieee" if self.acc == torch.float64 else precision,
-        )
-        self.gram_config, self.update_config = K.GRAM_CONFIG[acc_name], K.UPDATE_CONFIG[acc_name]
+        precision = "ieee" if self.acc == torch.float64 else precision
+        self.consts = dict(DTYPE=_TL[dtype], ACC=_TL[self.acc], ROWS=rows, PRECISION=precision)
+        self.gram_config = K.GRAM_CONFIG[acc_name, precision]
+        self.update_config = K.UPDATE_CONFIG[acc_name, precision]
         layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)  # group equal p
         self.layers = layers
         np_list = [stiefel_shape(params[i].shape)[:2] for i in layers]
+        blocking = (self.gram_config["BP"], self.gram_config["BK"], self.update_config["BR"], acc_name)
         self.shapes = _tables.get_or(
-            ("shapes", device, tuple(np_list), _programs_wanted(device), acc_name, force_splits),
-            lambda: _shapes(np_list, device, _programs_wanted(device), acc_name),
+            ("shapes", device, tuple(np_list), _programs_wanted(device), blocking, force_splits),
+            lambda: _shapes(np_list, device, _programs_wanted(device), *blocking),
         )
         sh = self.shapes
         # tensors the kernels address: dense (c_o, m) memory; copies are written back in apply

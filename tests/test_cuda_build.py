@@ -1,0 +1,222 @@
+"""The CUDA extension (csrc/): compile checks that need no GPU, the graceful failure of
+``backend="cuda"`` where it cannot run, and (on a GPU with the extension) kernel-specific
+checks the shared backend tests do not reach: several tiles per p, split-n reduction,
+both layouts, ragged layers in one launch, determinism and the launch count."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.backends import BackendUnavailable, compute_dtype, resolve_backend
+from helpers import backend_reason
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+CU_FILES = sorted(CSRC.glob("*.cu"))
+
+
+def _nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+
+def test_kernel_sources_exist_and_include_no_torch_headers():
+    assert {p.name for p in CU_FILES} >= {"fgd_gram.cu", "fgd_update.cu"}
+    for path in [*CU_FILES, *CSRC.glob("*.cuh"), *CSRC.glob("*.h")]:
+        includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', path.read_text())
+        assert not [i for i in includes if i.startswith(("ATen", "torch", "c10"))], (path.name, includes)
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
+def test_cu_file_compiles_without_spills(source, arch, tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    cmd = [
+        nvcc, "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--resource-usage",
+        f"-I{CSRC}", str(source), "-o", str(tmp_path / "k.o"),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = run.stdout + run.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert spills and all(s == "0" for s in spills), report  # a spilling kernel is a performance bug
+
+
+def test_import_never_needs_the_extension():
+    out = subprocess.run(
+        [sys.executable, "-c", "import fgd_fast, sys; print('fgd_fast._C' in sys.modules)"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"  # nothing loads or builds the extension at import
+
+
+def test_cuda_backend_on_cpu_tensors_is_unavailable():
+    with pytest.raises(BackendUnavailable, match="CUDA tensors"):
+        resolve_backend("cuda", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu"))[0] == "torch"
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA: the extension may load here")
+def test_cuda_backend_with_cpu_only_torch_says_why():
+    with pytest.raises(BackendUnavailable, match="CPU-only build"):
+        resolve_backend("cuda", torch.device("cuda"))
+    from fgd_fast import _cuda_build
+
+    with pytest.raises(ImportError, match="CPU-only build"):
+        _cuda_build.load()
+
+
+def _setup_py(env_value: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("FGD_FAST_BUILD_CUDA", None)
+    if env_value is not None:
+        env["FGD_FAST_BUILD_CUDA"] = env_value
+    return subprocess.run(
+        [sys.executable, "setup.py", "--version"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+
+
+def test_setup_py_skips_the_extension_when_told():
+    run = _setup_py("0")
+    assert run.returncode == 0, run.stderr
+    assert "FGD_FAST_BUILD_CUDA=0: not building" in run.stdout
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA: setup.py would build the extension")
+def test_setup_py_with_cpu_torch_skips_with_one_line_or_fails_when_forced():
+    run = _setup_py(None)
+    assert run.returncode == 0, run.stderr
+    assert len([ln for ln in run.stdout.splitlines() if "skipping the CUDA extension" in ln]) == 1
+    assert "CPU-only build" in run.stdout
+    forced = _setup_py("1")
+    assert forced.returncode != 0 and "cannot be built" in (forced.stdout + forced.stderr)
+
+
+# ---------------------------------------------------------------- on a GPU with the extension
+
+_REASON = backend_reason("cuda", "cuda") if torch.cuda.is_available() else "needs a CUDA device"
+gpu = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+
+def _problem(shapes, dtype, seed=0, channels_last=False):
+    gen = torch.Generator().manual_seed(seed)
+    params, grads = [], []
+    for shape in shapes:
+        w = torch.randn(shape, generator=gen, dtype=torch.float64)
+        fgd_fast.orthogonalize_(w)
+        g = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        w, g = w.to("cuda", dtype), g.to("cuda", dtype)
+        if channels_last and w.dim() == 4:
+            w, g = w.to(memory_format=torch.channels_last), g.to(memory_format=torch.channels_last)
+        params.append(w)
+        grads.append(g)
+    return params, grads
+
+
+def _steps(backend, params, grads, beta, steps=3):
+    """Run `steps` FGD steps with `backend`'s prepare; return the new θ and Φ."""
+    _, prepare = resolve_backend(backend, torch.device("cuda"))
+    params = [p.clone(memory_format=torch.preserve_format) for p in params]
+    bufs = [None if beta == 0 else torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device="cuda") for p in params]
+    count = len(params)
+    for step in range(steps):
+        plan = prepare(
+            params, grads, bufs, [step == 0] * count, lr=[0.1] * count, momentum=[beta] * count,
+            feedback=[0.4] * count, check_finite=True,
+        )
+        assert bool(plan.finite.all())
+        plan.apply()
+    return params, bufs, plan.dist
+
+
+CASES = {  # shapes that exercise several 64-wide tiles, both layouts, ragged layers
+    "rows-multi-tile": [(130, 300)],
+    "cols-multi-tile": [(300, 130)],
+    "ragged": [(130, 300), (8, 4, 3, 3), (300, 70), (1, 9), (9, 1), (65, 65), (64, 64 * 9)],
+    "conv": [(160, 160, 3, 3), (20, 3, 3, 3)],
+}
+
+
+@gpu
+@pytest.mark.parametrize("splits", [None, 5])
+@pytest.mark.parametrize("beta", [0.9, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_backend(case, dtype, beta, splits, monkeypatch):
+    from fgd_fast.backends import cuda as C
+
+    monkeypatch.setattr(C, "force_splits", splits)
+    params, grads = _problem(CASES[case], dtype, channels_last=case == "conv")
+    ref_p, ref_b, ref_d = _steps("torch", params, grads, beta)
+    new_p, new_b, new_d = _steps("cuda", params, grads, beta)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
+    for a, b in zip(new_p, ref_p):
+        assert a.stride() == b.stride()  # written through the parameter's own layout
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol)
+    for a, b in zip(new_b, ref_b):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol)
+    torch.testing.assert_close(new_d, ref_d.to(new_d.dtype), rtol=0, atol=max(tol, 1e-6))
+
+
+@gpu
+def test_split_reduction_is_deterministic(monkeypatch):
+    from fgd_fast.backends import cuda as C
+
+    monkeypatch.setattr(C, "force_splits", 16)
+    params, grads = _problem([(96, 4000), (200, 1500)], torch.float32)
+    first = _steps("cuda", params, grads, 0.9)
+    for _ in range(3):
+        again = _steps("cuda", params, grads, 0.9)
+        for a, b in zip(first[0] + first[1], again[0] + again[1]):
+            assert torch.equal(a, b)
+
+
+@gpu
+def test_launch_count_does_not_grow_with_layers(monkeypatch):
+    from fgd_fast.backends import cuda as C
+
+    monkeypatch.setattr(C, "force_splits", 2)  # gram + sum_splits + update
+
+    def launches(shapes):
+        params, grads = _problem(shapes, torch.float32)
+        before = sum(C.launch_counts.values())
+        _steps("cuda", params, grads, 0.9, steps=1)
+        return sum(C.launch_counts.values()) - before
+
+    few = launches([(16, 144), (32, 288)])
+    many = launches([(16, 144), (32, 288)] * 10 + [(24, 50)] * 7)
+    assert few == many == 3
+
+
+@gpu
+def test_non_finite_gradient_is_flagged_and_nothing_written():
+    from fgd_fast.backends import cuda as C
+
+    params, grads = _problem([(40, 90), (30, 5)], torch.float32)
+    grads[1][3, 2] = float("nan")
+    before = [p.clone() for p in params]
+    plan = C.prepare_cuda(
+        params, grads, [None, None], [True, True], lr=[0.1] * 2, momentum=[0.0] * 2, feedback=[0.4] * 2,
+        check_finite=True,
+    )
+    assert plan.finite.tolist() == [True, False]
+    for a, b in zip(params, before):
+        assert torch.equal(a, b)  # prepare writes nothing
