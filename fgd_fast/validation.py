@@ -17,6 +17,8 @@ __all__ = [
     "check_real",
     "check_nonnegative",
     "check_unit_interval",
+    "check_positive",
+    "check_int_at_least",
     "check_bool",
     "check_choice",
     "check_orthogonal_params",
@@ -50,6 +52,25 @@ def check_unit_interval(name: str, value: Any, hint: str = "") -> float:
     if not 0.0 <= value < 1.0:
         extra = f" ({hint})" if hint else ""
         raise ValueError(f"invalid {name}={value}: it must lie in [0, 1){extra}")
+    return value
+
+
+def check_positive(name: str, value: Any, hint: str = "") -> float:
+    """``value > 0`` (a finite real number)."""
+    value = check_real(name, value)
+    if not value > 0.0:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"invalid {name}={value}: it must be > 0{extra}")
+    return value
+
+
+def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """``value`` is a Python int (not a bool, not a float) with ``value >= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"invalid {name}={value}: it must be an int >= {minimum}{extra}")
     return value
 
 

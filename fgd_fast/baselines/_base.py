@@ -1,0 +1,267 @@
+"""Machinery shared by :class:`CayleySGD` and :class:`CayleyADAM` (one concern: the step loop).
+
+A step validates every group, refuses unusable gradients, stacks the orthogonal parameters of
+equal shape and equal hyper-parameters into one tensor ``[X | G]`` in the parameters' own
+layout (as FGD's torch backend does), lets the subclass turn ``G`` into the momentum ``M``,
+checks finiteness with one host synchronisation, and only then runs the retraction
+(:mod:`.retraction`) and writes parameters and state. A step that raises changes nothing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from .._matrix import stiefel_shape
+from ..backends import compute_dtype
+from ..checks import raise_if_invalid
+from ..validation import (
+    check_bool,
+    check_choice,
+    check_grad,
+    check_int_at_least,
+    check_nonnegative,
+    check_orthogonal_params,
+    check_positive,
+    param_tensors,
+)
+from .retraction import NORMS, dense_cayley, lowrank_coefficients
+
+FORMS = ("lowrank", "dense")
+
+#: What ``public_code_compat=True`` changes in the defaults of s, form, norm, renormalize, qr_period.
+COMPAT_DEFAULTS = dict(s=5, form="dense", norm="one", renormalize=True, qr_period=101)
+PLAIN_DEFAULTS = dict(s=2, form="lowrank", norm="fro", renormalize=False, qr_period=0)
+
+
+def resolve_defaults(compat: bool, **given: Any) -> dict[str, Any]:
+    """Fill the ``None`` entries of ``given`` with the plain or public-code default."""
+    table = COMPAT_DEFAULTS if check_bool("public_code_compat", compat) else PLAIN_DEFAULTS
+    return {k: (table[k] if v is None else v) for k, v in given.items()}
+
+
+def _native(t: torch.Tensor) -> torch.Tensor:
+    """``W2 = t.reshape(c_o, -1)``: ``θᵀ`` (rows layout) or ``θ``; a view when possible."""
+    return t.reshape(t.shape[0], -1)
+
+
+class Bucket:
+    """Equal-shape orthogonal layers with equal hyper-parameters, stacked as ``B = [X | M]``.
+
+    ``store`` is ``(L, 2p, n)`` (rows ``[Xᵀ; Mᵀ]``) when ``θ = W2ᵀ``, else ``(L, n, 2p)``; ``x``
+    and ``m`` are always the ``(L, n, p)`` column views, ``m_blocks`` the per-layer native
+    views of the M block (for ``torch._foreach_*`` against state tensors). On construction
+    the M block holds the gradient ``G``; the subclass's ``_moments`` turns it into ``M``.
+    """
+
+    def __init__(self, idx, params, states, group, qr_due: bool, check_finite: bool):
+        first = params[idx[0]]
+        n, p, rows = stiefel_shape(first.shape)
+        self.idx, self.group, self.qr_due, self.n, self.p, self.rows = idx, group, qr_due, n, p, rows
+        self.params = [params[i] for i in idx]
+        self.states = [states[i] for i in idx]  # read-only here; _commit writes optimizer.state[p]
+        shape = (len(idx), 2 * p, n) if rows else (len(idx), n, 2 * p)
+        self.store = torch.empty(shape, dtype=compute_dtype(first.dtype), device=first.device)
+        self.col = self.store.transpose(1, 2) if rows else self.store
+        x_block = self.store[:, :p, :] if rows else self.store[:, :, :p]
+        m_block = self.store[:, p:, :] if rows else self.store[:, :, p:]
+        torch._foreach_copy_(list(x_block.unbind(0)), [_native(t) for t in self.params])
+        self.m_blocks = list(m_block.unbind(0))
+        torch._foreach_copy_(self.m_blocks, [_native(t.grad) for t in self.params])
+        self.x, self.m = self.col[:, :, :p], self.col[:, :, p:]
+        # max |G| is NaN/Inf exactly when G has a NaN/Inf
+        self.finite = torch.isfinite(torch.linalg.vector_norm(self.m, float("inf"), dim=(1, 2))) if check_finite else None
+        self.step = [st.get("step", 0) for st in self.states]
+        self.scale: torch.Tensor | float = 1.0  # c of W_d = c·W, set by _moments
+        self.init: float | None = None  # σ of the start Y₀ = X + tσM (None: projected start)
+
+
+class CayleyBase(Optimizer):
+    """Common front end; subclasses define the moments and the Euclidean update."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        form: str,
+        norm: str,
+        public_code_compat: bool,
+        qr_period: int,
+        check_finite: bool,
+    ) -> None:
+        self.form, self.norm, self.public_code_compat = form, norm, public_code_compat
+        self.qr_period, self.check_finite = qr_period, check_finite
+        self._validate_options()
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    # -- subclass hooks -----------------------------------------------------------------------
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _bucket_key(self, group: dict[str, Any], state: dict[str, Any]) -> tuple:
+        """Hyper-parameters and state flags that must be equal within a bucket."""
+        raise NotImplementedError
+
+    def _moments(self, bucket: Bucket) -> tuple[torch.Tensor | float, float | None]:
+        """Turn ``bucket``'s M block from ``G`` into ``M`` (no writes elsewhere); return the
+        direction scale ``c`` and the start σ (``None``: projected start) for the retraction."""
+        raise NotImplementedError
+
+    def _commit(self, bucket: Bucket, wx: list[torch.Tensor]) -> None:
+        """Write the new state; ``wx[i]`` is ``W X`` of layer i in its native ``c_o × m`` view."""
+        raise NotImplementedError
+
+    def _euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    # -- validation ---------------------------------------------------------------------------
+    def _validate_options(self) -> None:
+        check_choice("form", self.form, FORMS)
+        check_choice("norm", self.norm, NORMS)
+        check_bool("public_code_compat", self.public_code_compat)
+        check_int_at_least("qr_period", self.qr_period, 0, "0 never re-orthonormalises by QR")
+        check_bool("check_finite", self.check_finite)
+        if self.form == "lowrank" and self.norm == "one":
+            raise ValueError(
+                "norm='one' (the matrix 1-norm of the n×n W) needs form='dense'; use norm='fro' "
+                "with form='lowrank', or form='dense'"
+            )
+
+    @staticmethod
+    def _validate_common(group: dict[str, Any]) -> None:
+        check_nonnegative("lr", group["lr"])
+        q = check_positive("q", group["q"], "the step bound t ≤ 2q/‖W‖; 0.5 is the paper's")
+        if q >= 1.0:
+            raise ValueError(
+                f"invalid q={q}: it must lie in (0, 1) so that the Cayley fixed-point iteration "
+                "contracts (factor ≤ q); 0.5 is the paper's"
+            )
+        check_int_at_least("s", group["s"], 1, "the number of Cayley fixed-point iterations; 2 is the paper's")
+        check_positive("eps", group["eps"], "e.g. eps=1e-8")
+        check_nonnegative("weight_decay", group["weight_decay"])
+        check_bool("renormalize", group["renormalize"])
+        check_bool("orthogonal", group["orthogonal"])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            params = param_group.get("params", [])
+            if not isinstance(params, (torch.Tensor, set)):
+                param_group["params"] = params = list(params)  # a generator is read only once
+            merged = {**self.defaults, **param_group}
+            self._validate_group(merged)
+            if merged["orthogonal"] and not isinstance(params, set):
+                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
+        super().add_param_group(param_group)
+
+    # -- the step -----------------------------------------------------------------------------
+    def _labels(self):
+        """(group, param, label) for every parameter; label = name or flat state index."""
+        flat = 0
+        for group in self.param_groups:
+            names = group.get("param_names") or group.get("names")
+            for j, p in enumerate(group["params"]):
+                yield group, p, (repr(names[j]) if names else f"#{flat}")
+                flat += 1
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimisation step; nothing changes if it raises."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate_options()
+        for group in self.param_groups:
+            self._validate_group(group)
+
+        # bucket = equal (shape, layout, dtype, device, group, QR due, subclass key)
+        params, states, labels, keys, extra = [], [], [], defaultdict(list), {}
+        for group, p, label in self._labels():
+            if p.grad is None:
+                continue
+            check_grad(p, f"parameter {label}")
+            if not group["orthogonal"] or p.numel() == 0:
+                continue
+            state = self.state.get(p, {})
+            n, pp, rows = stiefel_shape(p.shape)
+            step = state.get("step", 0)
+            qr_due = self.qr_period > 0 and (step + 1) % self.qr_period == 0
+            key = (n, pp, rows, p.dtype, p.device, id(group), qr_due) + self._bucket_key(group, state)
+            keys[key].append(len(params))
+            extra[key] = (group, qr_due)
+            params.append(p)
+            states.append(state)
+            labels.append(label)
+
+        buckets = []
+        for key, idx in keys.items():
+            b = Bucket(idx, params, states, *extra[key], check_finite=self.check_finite)
+            b.scale, b.init = self._moments(b)
+            buckets.append(b)
+        raise_if_invalid(  # the one host synchronisation; raises before any write
+            [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
+            [b.finite for b in buckets], [b.idx for b in buckets], labels,
+            check_finite=self.check_finite, check_manifold=False,
+        )
+        for b in buckets:
+            self._retract(b)
+        for group in self.param_groups:
+            if not group["orthogonal"]:
+                self._euclidean(group, [p for p in group["params"] if p.grad is not None])
+        return loss
+
+    def _retract(self, b: Bucket) -> None:
+        """Renormalise / QR ``X`` if asked, run the Cayley iteration, write θ and the state."""
+        g, x, p = b.group, b.x, b.p
+        if g["renormalize"]:
+            x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True).add_(g["eps"]))  # x_j ← x_j / (‖x_j‖ + ε)
+        if b.qr_due:
+            q, r = torch.linalg.qr(x)
+            sign = torch.sign(torch.diagonal(r, dim1=1, dim2=2))
+            x.copy_(q * torch.where(sign == 0, torch.ones_like(sign), sign).unsqueeze(1))  # X ← Q·sign(diag R)
+        hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
+        if self.form == "lowrank":
+            gram = torch.bmm(b.col.transpose(1, 2), b.col)  # BᵀB = [[A, E], [Eᵀ, C]]
+            coef = lowrank_coefficients(gram, b.scale, **hyper)  # Q with B Q = [Y − X | W X]
+            if b.rows:
+                out = torch.bmm(coef.transpose(1, 2), b.store)  # (BQ)ᵀ = Qᵀ Bᵀ, rows layout
+                y, wx = out[:, :p, :].add_(b.store[:, :p, :]), out[:, p:, :]  # Yᵀ = Xᵀ + (B d)ᵀ
+            else:
+                out = torch.bmm(b.store, coef)  # B Q
+                y, wx = out[:, :, :p].add_(x), out[:, :, p:]  # Y = X + B d
+        else:
+            y, wx = dense_cayley(x, b.m, b.scale, norm=self.norm, **hyper)
+            if b.rows:
+                y, wx = y.transpose(1, 2), wx.transpose(1, 2)
+        # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
+        torch._foreach_copy_(b.params, [t.reshape(q.shape) for t, q in zip(y.unbind(0), b.params)])
+        self._commit(b, list(wx.unbind(0)))
+
+    # -- state --------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim``, but the state of float16/bfloat16 orthogonal parameters stays float32.
+
+        (``Optimizer.load_state_dict`` casts floating state to the parameter's dtype.)
+        """
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for index, (group, p, _) in enumerate(self._labels()):
+            cdt = compute_dtype(p.dtype)
+            if index not in saved or cdt == p.dtype or not group["orthogonal"]:
+                continue
+            for name, value in saved[index].items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
+
+
+def store_state(state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
+    """``state[name] ← value`` reshaped to ``shape``: in place when it exists, else a new tensor."""
+    old = state.get(name)
+    if old is not None:
+        old.copy_(value.reshape(shape))
+    else:
+        state[name] = value.reshape(shape).clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,166 @@
+"""Contender optimizers from other libraries, set up for benchmarks (one concern: adapters).
+
+Each builder selects the weights to constrain with a rule of :func:`fgd_fast.select_stiefel`,
+projects them onto the manifold (``orthogonalize_``, as ``stiefel_param_groups`` does, so every
+contender starts from the same point), re-parametrises each one in place so that the other
+library sees the ``n × p`` matrix ``θ`` of FGD's convention (:mod:`fgd_fast._matrix`), and
+returns the optimizer over the whole model:
+
+* :func:`geoopt_stiefel_sgd` — ``geoopt.optim.RiemannianSGD`` with ``θ`` a
+  ``geoopt.ManifoldParameter`` on ``EuclideanStiefel`` (projection ``G − θ sym(θᵀG)``, QR
+  retraction) or, with ``canonical=True``, on ``CanonicalStiefel`` (``G − θGᵀθ``, Cayley
+  retraction by an ``n × n`` solve).
+* :func:`torch_orthogonal_sgd` — ``torch.nn.utils.parametrizations.orthogonal`` on ``θ`` and
+  plain ``torch.optim.SGD``.
+
+The module's weight becomes ``W = StiefelView(shape)(θ)`` (a reshape/transpose) computed on
+access; the trainable tensor is ``module.parametrizations.<name>.original``. Weight decay
+applies to the unconstrained parameters only, as in FGD. geoopt is imported when
+:func:`geoopt_stiefel_sgd` is called, so this module imports without it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .._matrix import as_stiefel, from_stiefel, stiefel_shape
+from ..manifold import orthogonalize_
+from ..selection import Rule, select_stiefel
+from ..validation import check_bool, check_nonnegative, check_unit_interval
+
+__all__ = ["StiefelView", "geoopt_stiefel_sgd", "torch_orthogonal_sgd"]
+
+
+class StiefelView(nn.Module):
+    """Parametrization ``θ (n × p) ↦ W`` of ``shape``: the inverse of ``as_stiefel``."""
+
+    def __init__(self, shape: torch.Size | tuple[int, ...]) -> None:
+        super().__init__()
+        stiefel_shape(shape)  # at least 2 dims
+        self.shape = tuple(shape)
+
+    def forward(self, theta: torch.Tensor) -> torch.Tensor:
+        return from_stiefel(theta, self.shape)
+
+
+def _require_geoopt():
+    try:
+        import geoopt
+    except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+        raise ImportError(
+            "geoopt_stiefel_sgd needs geoopt, which is not installed: pip install geoopt "
+            "(fgd_fast itself does not depend on it)"
+        ) from exc
+    return geoopt
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _reparametrize(
+    model: nn.Module, rule: Rule, orthogonalize: bool, attach: Callable[[nn.Module, str, torch.Tensor, torch.Size], None]
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """Constrain the weights ``rule`` selects; returns (constrained θ, other parameters)."""
+    chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
+    chosen_ids = {id(p) for _, p in chosen}
+    rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
+    orth = []
+    for name, p in chosen:
+        module, attr = _owner(model, name)
+        if parametrize.is_parametrized(module, attr) or isinstance(module, parametrize.ParametrizationList):
+            raise ValueError(f"{name} is already parametrized; build the contender on a fresh model")
+        if orthogonalize:
+            with torch.no_grad():
+                orthogonalize_(p.data)
+        theta = as_stiefel(p.detach()).clone(memory_format=torch.contiguous_format)  # θ, n × p
+        shape = p.shape
+        delattr(module, attr)
+        attach(module, attr, theta, shape)
+        orth.append((name, module.parametrizations[attr].original))
+    return orth, rest
+
+
+def _groups(orth, rest, weight_decay: float) -> list[dict[str, Any]]:
+    groups = [
+        dict(params=[p for _, p in orth], names=[n for n, _ in orth], weight_decay=0.0),
+        dict(params=[p for _, p in rest], names=[n for n, _ in rest], weight_decay=weight_decay),
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening) -> None:
+    check_nonnegative("lr", lr)
+    check_unit_interval("momentum", momentum)
+    check_nonnegative("weight_decay", weight_decay)
+    check_bool("nesterov", nesterov)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")
+
+
+def geoopt_stiefel_sgd(
+    model: nn.Module,
+    rule: Rule = "paper",
+    *,
+    lr: float,
+    momentum: float = 0.9,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    canonical: bool = False,
+    stabilize: int | None = None,
+    orthogonalize: bool = True,
+) -> torch.optim.Optimizer:
+    """``geoopt.optim.RiemannianSGD`` with the weights ``rule`` selects on a Stiefel manifold.
+
+    ``canonical=False``: ``geoopt.EuclideanStiefel`` (Euclidean metric, QR retraction);
+    ``canonical=True``: ``geoopt.CanonicalStiefel`` (canonical metric, Cayley retraction).
+    ``stabilize`` is geoopt's (project every ``stabilize`` steps; ``None``: never). Modifies
+    ``model`` in place (see the module docstring) and raises ``ImportError`` without geoopt.
+    """
+    _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening)
+    check_bool("canonical", canonical)
+    geoopt = _require_geoopt()
+    manifold = geoopt.CanonicalStiefel() if canonical else geoopt.EuclideanStiefel()
+
+    def attach(module, attr, theta, shape):
+        module.register_parameter(attr, geoopt.ManifoldParameter(theta, manifold=manifold))
+        parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)
+
+    orth, rest = _reparametrize(model, rule, orthogonalize, attach)
+    return geoopt.optim.RiemannianSGD(
+        _groups(orth, rest, weight_decay), lr=lr, momentum=momentum, dampening=dampening,
+        nesterov=nesterov, stabilize=stabilize,
+    )
+
+
+def torch_orthogonal_sgd(
+    model: nn.Module,
+    rule: Rule = "paper",
+    *,
+    lr: float,
+    momentum: float = 0.9,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    orthogonal_map: str | None = None,
+    orthogonalize: bool = True,
+) -> torch.optim.SGD:
+    """``torch.optim.SGD`` with ``torch.nn.utils.parametrizations.orthogonal`` on ``θ`` of the
+    weights ``rule`` selects (``orthogonal_map`` is torch's: ``None`` picks ``"matrix_exp"``
+    for square ``θ``, else ``"householder"``). Modifies ``model`` in place."""
+    _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening)
+
+    def attach(module, attr, theta, shape):
+        module.register_parameter(attr, nn.Parameter(theta))
+        torch.nn.utils.parametrizations.orthogonal(module, attr, orthogonal_map=orthogonal_map)  # θ = Q(original)
+        parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)  # W = view(θ)
+
+    orth, rest = _reparametrize(model, rule, orthogonalize, attach)
+    return torch.optim.SGD(
+        _groups(orth, rest, weight_decay), lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+    )
