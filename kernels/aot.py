@@ -107,6 +107,9 @@ def _job(args):
 
 
 def main(argv=None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("kernels/aot.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
+        return 2
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--subset", action="store_true", help="only float32 and float64 parameters (API-drift check)")

@@ -1,0 +1,90 @@
+"""Every Triton kernel configuration the backend can select compiles ahead of time for real
+GPUs (sm_80, sm_90) without spilling, with the Triton of this environment (3.8) and with the
+GPU machine's Triton 3.6; and the backend never launches a configuration outside that set."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+AOT = ROOT / "kernels" / "aot.py"
+TRITON36 = ROOT / ".venv-triton36" / "bin" / "python"
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+from fgd_fast.kernels import aot  # noqa: E402
+
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+
+
+def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
+    out = tmp_path / "aot.json"
+    run = subprocess.run(
+        [python, str(AOT), "--arch", "80", "90", "--json", str(out), *extra],
+        capture_output=True, text=True, timeout=3000, cwd=ROOT,
+        env=_clean_env(),
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_every_selectable_configuration_compiles_without_spills(tmp_path):
+    results = _compile_all(sys.executable, tmp_path)
+    assert len(results) == 2 * len(aot.configurations())
+    assert all(r["stack"] == 0 and "error" not in r for r in results)
+    # tensor-core precisions really use mma; fp32 "ieee" stays on FMA
+    for r in results:
+        if r["config"]["ACC"] == "fp32":
+            assert r["mma"] == (r["config"]["PRECISION"] != "ieee"), r
+
+
+@pytest.mark.skipif(not TRITON36.exists(), reason="no .venv-triton36 (bash .ci/setup-env creates it)")
+def test_gpu_machine_triton_compiles_every_configuration(tmp_path):
+    version = subprocess.run(
+        [str(TRITON36), "-c", "import triton; print(triton.__version__)"], capture_output=True, text=True, env=_clean_env()
+    )
+    assert version.stdout.strip() == "3.6.0", version.stderr
+    results = _compile_all(str(TRITON36), tmp_path)
+    assert len(results) == 2 * len(aot.configurations())
+
+
+def test_backend_launches_only_checked_configurations(monkeypatch):
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("records launches under the CPU interpreter")
+    import numpy as np
+
+    import fgd_fast
+    from fgd_fast.backends import triton as tb
+
+    allowed = {
+        (name, json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True), json.dumps(cfg, sort_keys=True))
+        for name, consts, cfg in aot.configurations()
+    }
+    seen = []
+    real = tb._launch
+
+    def record(kernel, grid, *args, **kw):
+        consts = {k: kw[k] for k in ("DTYPE", "ACC", "ROWS", "PRECISION", "BLOCK", "MODE", "HAS_PHI") if k in kw}
+        consts = {k: (str(v).removeprefix("tl.") if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
+        consts = {k: {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(v, v) for k, v in consts.items()}
+        cfg = {k: v for k, v in kw.items() if k in ("BP", "BK", "BR", "BN", "num_warps", "num_stages")}
+        seen.append((kernel.fn.__name__, json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True), json.dumps(cfg, sort_keys=True)))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(tb, "_launch", record)
+    rng = np.random.default_rng(0)
+    for dtype, momentum, precision in [(torch.float32, 0.9, "tf32x3"), (torch.bfloat16, 0.0, "ieee"), (torch.float64, 0.9, "tf32")]:
+        params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.tensor(rng.standard_normal(s), dtype=dtype))) for s in [(8, 4, 3, 3), (20, 6)]]
+        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, momentum=momentum, backend="triton", precision=precision)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    assert seen and set(seen) <= allowed, sorted(set(seen) - allowed)[:3]
