@@ -86,6 +86,11 @@ class FGD(Optimizer):
     ) -> None:
         self.backend = check_choice("backend", backend, BACKENDS)
         self.precision = check_choice("precision", precision, PRECISIONS)
+        if precision != "ieee" and backend not in ("auto", "triton"):
+            raise ValueError(
+                f"precision={precision!r} needs backend='triton' (or 'auto'); backend={backend!r} always "
+                "computes in full precision: drop precision= or choose backend='triton'"
+            )
         self.check_finite = check_bool("check_finite", check_finite)
         self.check_manifold = check_bool("check_manifold", check_manifold)
         self.max_distance = check_real("max_distance", max_distance)

@@ -62,6 +62,9 @@ def _trained(backend="auto", steps=2):
         (dict(lr=0.1, backend="tritonn"), "backend"),
         (dict(lr=0.1, max_distance=1.5), "max_distance"),
         (dict(lr=float("nan")), "lr"),
+        (dict(lr=0.1, precision="bf16"), "precision"),
+        (dict(lr=0.1, backend="torch", precision="tf32"), "precision"),
+        (dict(lr=0.1, backend="cuda", precision="tf32x3"), "precision"),
     ],
 )
 def test_construction_rejects_bad_hyper_parameters(kwargs, match):
