@@ -4,27 +4,24 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.optimizer import Optimizer
 
-from .backends import BACKENDS, PRECISIONS, compute_dtype
+from ._stiefel_optimizer import StiefelOptimizer, label
+from .backends import BACKENDS, PRECISIONS
 from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd, sgd
-from .manifold import stiefel_distance
 from .validation import (
     check_bool,
     check_choice,
     check_grad,
     check_nonnegative,
-    check_orthogonal_params,
     check_real,
     check_unit_interval,
-    param_tensors,
 )
 
 __all__ = ["FGD"]
 
 
-class FGD(Optimizer):
+class FGD(StiefelOptimizer):
     r"""Feedback Gradient Descent (Bu & Chang, AAAI 2022) with SGD for the other parameters.
 
     Parameters in a group with ``orthogonal=True`` are kept on the Stiefel manifold: with θ the
@@ -103,31 +100,10 @@ class FGD(Optimizer):
             lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
             dampening=dampening, nesterov=nesterov, orthogonal=False,
         )
-        _validate_group(defaults)
+        _check_group(defaults)
         super().__init__(params, defaults)
 
-    # -- validation -------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group, dict):
-            params = param_group.get("params", [])
-            if not isinstance(params, (torch.Tensor, set)):
-                param_group["params"] = params = list(params)  # a generator is read only once
-            merged = {**self.defaults, **param_group}
-            _validate_group(merged)
-            if merged["orthogonal"] and not isinstance(params, set):
-                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
-        super().add_param_group(param_group)
-
     # -- the step ---------------------------------------------------------------------------
-    def _labels(self):
-        """(group, param, label) for every parameter; label = name or flat state index."""
-        flat = 0
-        for group in self.param_groups:
-            names = group.get("param_names") or group.get("names")
-            for j, p in enumerate(group["params"]):
-                yield group, p, (names[j] if names else flat)
-                flat += 1
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
@@ -137,13 +113,13 @@ class FGD(Optimizer):
                 loss = closure()
 
         for group in self.param_groups:
-            _validate_group(group)
+            self._validate_group(group)
         orth = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
         eucl = []
-        for group, p, label in self._labels():
+        for group, p, key in self._keyed():
             if p.grad is None:
                 continue
-            text = repr(label) if isinstance(label, str) else f"#{label}"
+            text = label(key)
             check_grad(p, f"parameter {text}")
             if group["orthogonal"]:
                 orth["params"].append(p)
@@ -180,36 +156,16 @@ class FGD(Optimizer):
                     self.state[p]["momentum_buffer"] = buf
         return loss
 
-    # -- state ------------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim``, but Φ of float16/bfloat16 parameters stays float32.
-
-        (``Optimizer.load_state_dict`` casts floating state to the parameter's dtype.)
-        """
-        saved = state_dict["state"]
-        super().load_state_dict(state_dict)
-        for index, (group, p, _) in enumerate(self._labels()):
-            cdt = compute_dtype(p.dtype)
-            key = index if index in saved else None
-            if key is None or cdt == p.dtype or not group["orthogonal"]:
-                continue
-            buf = saved[key].get("momentum_buffer")
-            if buf is not None:
-                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=cdt, copy=True)
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _check_group(group)
 
     # -- introspection ----------------------------------------------------------------------
-    def orthogonality(self) -> dict[str | int, float]:
-        """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the
-        group has ``names`` (``stiefel_param_groups`` sets them) or torch's ``param_names``, else by the
-        parameter's flat index (the index ``state_dict`` uses)."""
-        return {label: stiefel_distance(p) for group, p, label in self._labels() if group["orthogonal"]}
-
     def resolved_backend(self, device: torch.device | str = "cpu") -> str:
         """The backend that ``step()`` runs on tensors of ``device``."""
         return backend_for(self.backend, device)
 
 
-def _validate_group(group: dict[str, Any]) -> None:
+def _check_group(group: dict[str, Any]) -> None:
     """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
     check_nonnegative("lr", group["lr"])
     check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive")

@@ -12,9 +12,10 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.optimizer import Optimizer
 
 from .._matrix import stiefel_shape
+from .._stiefel_optimizer import StiefelOptimizer
+from .._stiefel_optimizer import label as name_of
 from ..backends import compute_dtype
 from ..checks import raise_if_invalid
 from ..validation import (
@@ -23,9 +24,7 @@ from ..validation import (
     check_grad,
     check_int_at_least,
     check_nonnegative,
-    check_orthogonal_params,
     check_positive,
-    param_tensors,
 )
 from .retraction import NORMS, dense_cayley, lowrank_coefficients
 
@@ -78,7 +77,7 @@ class Bucket:
         self.init: float | None = None  # σ of the start Y₀ = X + tσM (None: projected start)
 
 
-class CayleyBase(Optimizer):
+class CayleyBase(StiefelOptimizer):
     """Common front end; subclasses define the moments and the Euclidean update."""
 
     def __init__(
@@ -146,27 +145,7 @@ class CayleyBase(Optimizer):
         check_bool("renormalize", group["renormalize"])
         check_bool("orthogonal", group["orthogonal"])
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group, dict):
-            params = param_group.get("params", [])
-            if not isinstance(params, (torch.Tensor, set)):
-                param_group["params"] = params = list(params)  # a generator is read only once
-            merged = {**self.defaults, **param_group}
-            self._validate_group(merged)
-            if merged["orthogonal"] and not isinstance(params, set):
-                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
-        super().add_param_group(param_group)
-
     # -- the step -----------------------------------------------------------------------------
-    def _labels(self):
-        """(group, param, label) for every parameter; label = name or flat state index."""
-        flat = 0
-        for group in self.param_groups:
-            names = group.get("param_names") or group.get("names")
-            for j, p in enumerate(group["params"]):
-                yield group, p, (repr(names[j]) if names else f"#{flat}")
-                flat += 1
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
@@ -180,7 +159,8 @@ class CayleyBase(Optimizer):
 
         # bucket = equal (shape, layout, dtype, device, group, QR due, subclass key)
         params, states, labels, keys, extra = [], [], [], defaultdict(list), {}
-        for group, p, label in self._labels():
+        for group, p, pkey in self._keyed():
+            label = name_of(pkey)
             if p.grad is None:
                 continue
             check_grad(p, f"parameter {label}")
@@ -240,23 +220,6 @@ class CayleyBase(Optimizer):
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
         torch._foreach_copy_(b.params, [t.reshape(q.shape) for t, q in zip(y.unbind(0), b.params)])
         self._commit(b, list(wx.unbind(0)))
-
-    # -- state --------------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim``, but the state of float16/bfloat16 orthogonal parameters stays float32.
-
-        (``Optimizer.load_state_dict`` casts floating state to the parameter's dtype.)
-        """
-        saved = state_dict["state"]
-        super().load_state_dict(state_dict)
-        for index, (group, p, _) in enumerate(self._labels()):
-            cdt = compute_dtype(p.dtype)
-            if index not in saved or cdt == p.dtype or not group["orthogonal"]:
-                continue
-            for name, value in saved[index].items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
-
 
 def store_state(state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
     """``state[name] ← value`` reshaped to ``shape``: in place when it exists, else a new tensor."""

@@ -1,0 +1,70 @@
+"""``StiefelOptimizer``: what every optimizer of the package shares around its step.
+
+Param groups carry ``orthogonal: bool``; a group is validated (by the subclass's
+``_validate_group``) before it is added, so a bad group never enters the optimizer; every
+parameter has a *key* — its name when the group has ``names`` (``stiefel_param_groups``) or
+torch's ``param_names``, else its flat index (the index ``state_dict`` uses); and floating
+state of float16/bfloat16 orthogonal parameters stays float32 across ``load_state_dict``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from .backends import compute_dtype
+from .manifold import stiefel_distance
+from .validation import check_orthogonal_params, param_tensors
+
+__all__ = ["StiefelOptimizer", "label"]
+
+
+def label(key: str | int) -> str:
+    """How messages name a parameter: ``'layer.weight'`` or ``#3``."""
+    return repr(key) if isinstance(key, str) else f"#{key}"
+
+
+class StiefelOptimizer(Optimizer):
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Raise (changing nothing) if a merged group's hyper-parameters are invalid."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            params = param_group.get("params", [])
+            if not isinstance(params, (torch.Tensor, set)):
+                param_group["params"] = params = list(params)  # a generator is read only once
+            merged = {**self.defaults, **param_group}
+            self._validate_group(merged)
+            if merged["orthogonal"] and not isinstance(params, set):
+                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
+        super().add_param_group(param_group)
+
+    def _keyed(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str | int]]:
+        """``(group, param, key)`` for every parameter, in ``state_dict`` order."""
+        flat = 0
+        for group in self.param_groups:
+            names = group.get("param_names") or group.get("names")
+            for j, p in enumerate(group["params"]):
+                yield group, p, (names[j] if names else flat)
+                flat += 1
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim``, but the floating state of float16/bfloat16 orthogonal parameters
+        stays float32 (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for index, (group, p, _) in enumerate(self._keyed()):
+            cdt = compute_dtype(p.dtype)
+            if index not in saved or cdt == p.dtype or not group["orthogonal"]:
+                continue
+            for name, value in saved[index].items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
+
+    def orthogonality(self) -> dict[str | int, float]:
+        """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the
+        group has ``names`` (``stiefel_param_groups`` sets them) or torch's ``param_names``,
+        else by the parameter's flat index (the index ``state_dict`` uses)."""
+        return {key: stiefel_distance(p) for group, p, key in self._keyed() if group["orthogonal"]}
