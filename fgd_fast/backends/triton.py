@@ -23,7 +23,11 @@ steady training) copies nothing to the device and never synchronises with the ho
 
 Scratch, bounded: Gram partials ``splits × Σ 4p²`` (only when splitting, capped at
 ``SCRATCH_BYTES``) and the update snapshot ``programs × BR × p_max`` (programs capped so it
-stays under ``SCRATCH_BYTES``; BR = 64 rows for float32); parameters whose memory is not a dense ``(c_o, m)`` matrix
+stays under ``SCRATCH_BYTES``; BR = 64 rows for float32), besides the Gram blocks
+``Σ 4p²`` and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official", Σp² =
+3.76e6) on an H100 (132 SMs): 60 MB of Gram blocks, 30 MB of M, no split partials (532
+symmetric tiles already fill the GPU) and 43 MB of snapshot (264 programs × 64 × 640 fp32),
+next to 135 MB of constrained parameters; parameters whose memory is not a dense ``(c_o, m)`` matrix
 (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
 Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (3×TF32 on tensor
@@ -210,7 +214,9 @@ class _Class:
         sh = self.shapes
         br = self.update_config["BR"]
         acc_bytes = torch.finfo(self.acc).bits // 8
-        programs = 2 * _programs_wanted(self.device) if self.device.type == "cuda" else 2
+        # persistent grid: ~2 programs per SM (the update configurations use 8 warps and
+        # ~230 registers per thread, one or two resident blocks per SM)
+        programs = _programs_wanted(self.device) // 2 if self.device.type == "cuda" else 2
         programs = max(1, min(programs, sh.update_work.shape[0], SCRATCH_BYTES // (br * self.p_max * acc_bytes)))
         scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=self.device)
         args = (self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, scratch, self.p_max)
