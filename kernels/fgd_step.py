@@ -110,7 +110,8 @@ def gram_kernel(
     m = mi[:, None] & mj[None, :]
     tl.store(out + oi[:, None] * p + oj[None, :], acc, mask=m)
     if BLOCK == 0 or BLOCK == 2:  # A, C symmetric: the mirror tile is the transpose
-        tl.store(out + oj[None, :] * p + oi[:, None], acc, mask=m)
+        # (not on the diagonal: the same addresses, and (a, b) and (b, a) need not round alike)
+        tl.store(out + oj[None, :] * p + oi[:, None], acc, mask=m & (ti != tj))
 
 
 @triton.jit
