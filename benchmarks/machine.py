@@ -1,0 +1,164 @@
+"""What a benchmark ran on, and what that machine can do (one concern: the machine).
+
+:func:`environment` records the device, its name and driver, the library versions and the git
+commit; :func:`device_rates` measures, in the same run as the benchmarks, the two rates the
+cost model divides by: the fp32 matmul rate (TF32 off) and the copy bandwidth (bytes read +
+written per second).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sources import source_digest
+
+__all__ = ["environment", "device_rates", "git_commit"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> dict[str, object]:
+    """``{"id", "dirty", "source"}`` of the checkout; ``FGD_BENCH_COMMIT`` when there is no git."""
+    commit = _run(["git", "rev-parse", "HEAD"], ROOT)
+    if commit:
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)
+        return {"id": commit, "dirty": bool(status), "source": "git"}
+    given = os.environ.get("FGD_BENCH_COMMIT")
+    if given:
+        return {"id": given, "dirty": None, "source": "FGD_BENCH_COMMIT"}
+    return {"id": "unknown", "dirty": None, "source": "no git checkout and FGD_BENCH_COMMIT unset"}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # not installed, or broken
+        return "not installed"
+
+
+def environment(device: torch.device) -> dict[str, object]:
+    """Device, names, driver, versions, threads, load and commit, as plain JSON values."""
+    env: dict[str, object] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "device": device.type,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+        "geoopt": _version("geoopt"),
+        "commit": git_commit(),
+        "source_digest": source_digest(ROOT),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        env.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            compute_capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+            driver=smi.splitlines()[0] if smi else "unknown (nvidia-smi unavailable)",
+        )
+    return env
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
+    fn()  # warm-up
+    if device.type == "cuda":
+        fn()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul():
+    """CUDA fp32 matmuls in full fp32 (no TF32) inside the block, with either torch API."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
+
+
+def device_rates(device: torch.device, *, small: bool = False) -> dict[str, object]:
+    """Measured fp32 matmul rate (flop/s, TF32 off) and copy bandwidth (bytes/s) of ``device``.
+
+    GPU: an 8192³ matmul and a 1 GiB copy; CPU: a 2048³ matmul and a 256 MiB copy (larger
+    than any cache); ``small`` shrinks both for smoke tests. Median of several runs.
+    """
+    gpu = device.type == "cuda"
+    n = 256 if small else (8192 if gpu else 2048)
+    copy_bytes = (4 if small else (1024 if gpu else 256)) * 2**20
+    with _ieee_fp32_matmul():
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, generator=gen)
+        b = torch.randn(n, n, device=device, generator=gen)
+        c = torch.empty(n, n, device=device)
+        t_mm = _median_seconds(lambda: torch.mm(a, b, out=c), device, 3 if small else (10 if gpu else 5))
+        del a, b, c
+        src = torch.randn(copy_bytes // 4, device=device, generator=gen)
+        dst = torch.empty_like(src)
+        t_copy = _median_seconds(lambda: dst.copy_(src), device, 3 if small else 10)
+    return {
+        "matmul_flops": 2.0 * n**3 / t_mm,
+        "matmul": f"fp32 {n}x{n}x{n} (TF32 off)",
+        "copy_bytes_per_s": 2.0 * copy_bytes / t_copy,  # read + write
+        "copy": f"{copy_bytes // 2**20} MiB copy_, read + write",
+    }

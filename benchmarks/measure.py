@@ -1,0 +1,112 @@
+"""One benchmark case, measured (one concern: the measurement protocol).
+
+:func:`gradient_pool` makes the gradients every contender sees; :func:`measure_case` runs the
+protocol of :mod:`plan` on a :class:`contenders.Case`:
+
+1. **Gradient stream.** ``POOL`` seeded random gradient sets, one tensor per constrained
+   weight, each scaled to unit Frobenius norm; step ``k`` uses set ``k mod POOL``. The same
+   seed (hence the same stream) for every contender of a workload. With ``lr = LR`` and
+   momentum 0.9 a layer moves by ‖Φ‖ ≈ 1e-3 per step, the training regime in which the
+   paper reports ‖θᵀθ − I‖_F of 1e-6 … 1e-5 for FGD.
+2. **Warm-up and stability.** The first ``warmup`` steps of the stream warm up (the last one
+   is timed: the probe); the stream then continues to ``stability_steps`` steps and
+   ``‖θᵀθ − I‖_F`` (float64) of every constrained weight is recorded: max and mean, and
+   the mean over layers of ‖ΔW‖_F in the last step (how far a step moves: the contenders
+   should be comparable, so the distances are too).
+3. **Timing.** The gradient is fixed to set 0 and ``benchmark.pedantic`` times one step per
+   round (synchronising inside the timed function on a GPU).
+4. **Memory.** One more step measures the peak extra memory (:mod:`memtrack`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import fgd_fast
+from contenders import Case
+from memtrack import peak_extra_bytes
+from plan import Budget, rounds_for
+
+__all__ = ["LR", "POOL", "GRAD_SEED", "gradient_pool", "measure_case", "synchronizer"]
+
+LR = 5e-4
+POOL = 8
+GRAD_SEED = 1234
+
+
+def gradient_pool(shapes: list[torch.Size], device: torch.device, sets: int = POOL) -> list[list[torch.Tensor]]:
+    """``sets`` lists of random tensors of ``shapes``, each of unit Frobenius norm (seeded)."""
+    gen = torch.Generator(device=device).manual_seed(GRAD_SEED)
+    pool = []
+    for _ in range(sets):
+        grads = [torch.randn(s, device=device, generator=gen) for s in shapes]
+        pool.append([g.div_(torch.linalg.vector_norm(g)) for g in grads])
+    return pool
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """Wait for ``device``'s queued work (a no-op on a CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def measure_case(
+    benchmark, case: Case, pool: list[list[torch.Tensor]], device: torch.device, budget: Budget, stability_skip: dict | None = None
+) -> dict:
+    """Run the protocol above; returns the extra information (stability, memory, rounds).
+
+    ``stability_skip`` (from :func:`plan.stability_skip`) leaves the stability run out."""
+    sync = synchronizer(device)
+
+    def stream_step(k: int) -> None:
+        case.set_grads(pool[k % len(pool)])
+        case.step()
+
+    probe = 0.0
+    for k in range(budget.warmup):
+        sync()
+        t0 = time.perf_counter()
+        stream_step(k)
+        sync()
+        probe = time.perf_counter() - t0
+
+    info: dict = {"probe_s": probe, "lr": LR, "grad_sets": len(pool)}
+    want = budget.stability_steps
+    if stability_skip:
+        info["stability"] = dict(stability_skip)
+    elif want * probe <= budget.stability_s:
+        t0 = time.perf_counter()
+        for k in range(budget.warmup, want - 1):
+            stream_step(k)
+        before = [w.clone() for w in case.weights()]
+        stream_step(want - 1)
+        sync()
+        moved = [float(torch.linalg.vector_norm(w.double() - b.double())) for w, b in zip(case.weights(), before)]
+        dist = [fgd_fast.stiefel_distance(w) for w in case.weights()]
+        info["stability"] = {
+            "steps": want, "max": max(dist), "mean": statistics.fmean(dist),
+            "step_norm": statistics.fmean(moved), "seconds": time.perf_counter() - t0,
+        }
+    else:
+        info["stability"] = {
+            "skipped": f"{want} steps ≈ {want * probe:.0f} s > the {budget.stability_s:g} s budget of this scale"
+        }
+
+    case.set_grads(pool[0])
+
+    def timed() -> None:
+        case.step()
+        sync()
+
+    rounds = rounds_for(budget, probe)
+    benchmark.pedantic(timed, rounds=rounds, warmup_rounds=0, iterations=1)
+    info["rounds"] = rounds
+
+    peak, method = peak_extra_bytes(case.step, device)
+    info["peak_extra_bytes"] = peak
+    info["memory_method"] = method
+    return info

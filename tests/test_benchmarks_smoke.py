@@ -1,0 +1,98 @@
+"""Smoke test of the benchmark suite (``benchmarks/``): every case runs once on tiny shapes,
+the report renders from both of its input formats, and ``gpu_check.py`` keeps what it
+measured when a phase fails or runs out of time. The benchmarks themselves are not part of
+the test run (``testpaths = tests``); this only checks that they work."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+ALWAYS = {"fgd-auto", "fgd-reference", "fgd-torch", "cayley-sgd-lowrank", "cayley-sgd-dense", "cayley-adam-lowrank", "torch-orthogonal", "sgd"}
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_check
+        import report
+        from test_optimizer_step import CASES
+
+        yield report, gpu_check, CASES
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The suite at ``--bench-scale tiny`` (one round, 3 stability steps per case)."""
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "FGD_BENCH_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider", "--bench-scale", "tiny",
+        f"--benchmark-json={out / 'run.json'}", f"--bench-record={out / 'run.jsonl'}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out
+
+
+def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
+    _, _, cases = bench_modules
+    data = json.loads((tiny_run / "run.json").read_text())
+    ran = {(b["extra_info"]["workload"], b["extra_info"]["contender"]): b for b in data["benchmarks"]}
+    skipped = {(s["workload"], s["contender"]): s["reason"] for s in data["fgd_bench"]["skips"]}
+    assert set(ran) | set(skipped) == set(cases) and not set(ran) & set(skipped)
+    assert all(reason for reason in skipped.values())
+    assert {c for _, c in ran} >= ALWAYS
+    if not torch.cuda.is_available():
+        assert {c for _, c in skipped} <= {"fgd-triton", "fgd-cuda", "geoopt-qr", "geoopt-canonical"}
+    for (w, c), b in ran.items():
+        info = b["extra_info"]
+        assert b["stats"]["median"] > 0 and b["stats"]["rounds"] == 1
+        stab = info["stability"]
+        assert stab.get("same_as") == "fgd-auto" if "skipped" in stab else stab["steps"] == 3, (w, c, stab)
+        assert info["peak_extra_bytes"] >= 0 and info["memory_method"]
+        assert (info.get("cost") is not None) == (info["family"] in ("fgd", "sgd")), (w, c)
+        if c != "sgd" and "max" in stab:
+            assert stab["max"] < 1e-4, (w, c, stab)  # every constrained contender stays on the manifold
+    session = data["fgd_bench"]
+    assert session["rates"]["matmul_flops"] > 0 and session["rates"]["copy_bytes_per_s"] > 0
+    assert session["environment"]["torch"] == torch.__version__ and session["environment"]["commit"]["id"]
+
+
+def test_report_renders_from_json_and_from_the_case_record(tiny_run, bench_modules, capsys):
+    report, _, _ = bench_modules
+    for source in ("run.json", "run.jsonl"):
+        md = tiny_run / f"{source}.md"
+        assert report.main([str(tiny_run / source), "-o", str(md)]) == 0
+        text = md.read_text()
+        assert "## Step time" in text and "| fgd-auto | " in text and "(1.00×)" in text
+        assert "measured rates" in text and "commit" in text and "## Stability" in text
+    capsys.readouterr()
+
+
+def test_gpu_check_keeps_results_of_failed_and_timed_out_phases(tmp_path, bench_modules):
+    _, gpu_check, _ = bench_modules
+    args = argparse.Namespace(
+        outdir=str(tmp_path), budget=120.0, commit="abc", cpu_dry_run=True, no_install=True, tests=None, digest=False,
+    )
+    check = gpu_check.Check(args)
+    slow = check.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert slow["timed_out"] and not slow["ok"] and slow["seconds"] < 30
+    bad = check.run("bad", [sys.executable, "-c", "raise SystemExit(3)"], timeout=30)
+    assert bad["rc"] == 3 and not bad["ok"]
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(saved["phases"]) == {"slow", "bad"} and saved["source_digest"]
+    gpu_check.report(check)
+    text = (tmp_path / "report.md").read_text()
+    assert "| slow | no |" in text and "timed out" in text and "No benchmark result" in text
