@@ -1,0 +1,474 @@
+"""The CUDA kernels of csrc/ on the CPU: the real ``.cu`` sources, built with g++ against a
+small emulator (tests/cuda_emulation, whose docstring says what this can and cannot show),
+driven by the real backend code of fgd_fast/backends/cuda.py with only the extension module
+swapped. Checked against the float64 NumPy oracle (float64 tightly, float32 within a small
+multiple of what plain float32 arithmetic loses), the reference backend (float16/bfloat16
+within one ulp), and for determinism, schedule independence, that ``prepare`` writes nothing
+and that writes stay inside their tensors. Needs g++ only (no GPU, no nvcc)."""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fgd_fast
+from cuda_emulation import EmulatedExtension, build_library, compiler, guards_intact, load_backend, rewrite_launches
+from cuda_emulation.build import CSRC
+from fgd_fast.backends import compute_dtype
+from fgd_fast.backends.reference import prepare_reference
+from oracle import fgd_step, random_stiefel, stiefel_dist
+
+
+@pytest.fixture(scope="session")
+def emu_ext(tmp_path_factory) -> EmulatedExtension:
+    """The emulated kernel library, built from csrc/ once per session."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the CUDA emulator (fibers, signals, mmap) is Linux-only")
+    if compiler() is None:
+        pytest.skip("g++ not found: the CUDA kernels cannot be built for the CPU emulator")
+    return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation")))
+
+
+@pytest.fixture(scope="session")
+def _backend(emu_ext):
+    return load_backend(emu_ext)
+
+
+@pytest.fixture
+def cuda(_backend, emu_ext, monkeypatch):
+    """The backend module (fgd_fast/backends/cuda.py) on the emulated kernels, with the test
+    knobs at their defaults: splits chosen by the backend for a 1-SM GPU (one split; update
+    grid of 4 blocks, so blocks stride over several row blocks), blocks and threads in order."""
+    monkeypatch.setattr(_backend, "force_splits", None)
+    monkeypatch.setattr(_backend, "_sm_count", lambda device: 1)
+    emu_ext.set_reverse_schedule(False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the matrices are tiny: more threads only contend (many times slower)
+    try:
+        yield _backend
+    finally:
+        torch.set_num_threads(threads)
+        emu_ext.set_reverse_schedule(False)
+
+
+# ------------------------------------------------------------------ problems
+
+# (shape, momentum) per layer. θ = W2ᵀ (unit row stride) when c_o <= prod(rest), else θ = W2.
+CASES = {
+    # p = 130: 3 tiles of 64 (the last 2 wide), n = 150 not a multiple of 32
+    "rows-p130": dict(layers=[((130, 150), 0.9)]),
+    # θ = W2 (unit column stride), p = 65: an edge tile 1 wide; 3 splits of n
+    "cols-p65": dict(layers=[((150, 65), 0.9)], splits=3),
+    # θ = W2 with p = 130; 4 splits of 96 rows: 3 K steps each, the last split 12 rows
+    "cols-p130": dict(layers=[((300, 130), 0.9)], splits=4),
+    # every kind of layer in one launch (reads Φ or not, both layouts, p = 1, square, conv);
+    # 7 splits: the small layers' later splits are empty
+    "ragged": dict(
+        layers=[((130, 150), 0.9), ((8, 4, 3, 3), 0.5), ((150, 65), 0.0), ((1, 9), 0.9), ((9, 1), 0.8),
+                ((65, 65), 0.9), ((20, 3, 3, 3), 0.0)],
+        splits=7,
+    ),
+    # the backend's own split choice for a 16-SM GPU (3 splits here)
+    "auto-splits": dict(layers=[((65, 2, 5, 9), 0.9)], sm_count=16),
+    # channels_last parameters and gradients (staged through contiguous copies), contiguous Φ
+    "channels-last": dict(layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2,
+                          channels_last=True),
+    # momentum 0: no Φ at all
+    "stateless": dict(layers=[((130, 150), 0.0), ((150, 65), 0.0), ((5, 11), 0.0)], splits=2),
+}
+
+
+def _setup(cuda, monkeypatch, case):
+    spec = CASES[case]
+    monkeypatch.setattr(cuda, "force_splits", spec.get("splits"))
+    monkeypatch.setattr(cuda, "_sm_count", lambda device: spec.get("sm_count", 1))
+    return spec["layers"], spec.get("channels_last", False)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_data(layers, steps, seed):
+    rng = np.random.default_rng(seed)
+    shapes = [s for s, _ in layers]
+    w0 = [random_stiefel(rng, s) for s in shapes]
+    grads = [[rng.standard_normal(s) / np.sqrt(np.prod(s)) for s in shapes] for _ in range(steps)]
+    hyper = dict(
+        lr=[0.05 + 0.01 * i for i in range(len(layers))],
+        momentum=[m for _, m in layers],
+        feedback=[0.45 - 0.03 * i for i in range(len(layers))],
+    )
+    return w0, grads, hyper
+
+
+def _data(layers, steps, seed):
+    """Initial θ (on the manifold), gradients per step and per-layer hyper-parameters (all
+    different, so a layer reading another's row of the hyper table is caught). Cached: the
+    same problem serves several tests."""
+    w0, grads, hyper = _cached_data(tuple(layers), steps, seed)
+    return [w.copy() for w in w0], grads, {k: list(v) for k, v in hyper.items()}
+
+
+def _tensor(cuda, a, dtype, channels_last=False):
+    """`a` as a fenced tensor: a read or write past its end fails the launch, one before it
+    reads NaN or breaks the guard band (guards_intact)."""
+    t = torch.tensor(a, dtype=dtype)
+    if channels_last and t.dim() == 4:
+        t = t.to(memory_format=torch.channels_last)
+        assert not t.is_contiguous()
+    return cuda._ext.fenced(t)
+
+
+def _run(cuda, layers, dtype, steps, *, seed=0, channels_last=False, oracle=True):
+    """`steps` steps with the emulated backend beside the float64 oracle (unless not
+    `oracle`). Returns the parameters, Φ buffers, the oracle's θ and Φ, and (backend,
+    oracle) distances per step."""
+    w0, grads, hyper = _data(layers, steps, seed)
+    count = len(layers)
+    params = [_tensor(cuda, w, dtype, channels_last) for w in w0]
+    strides = [p.stride() for p in params]
+    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), compute_dtype(dtype)) for s, m in layers]
+    ow, ophi, dists = [w.copy() for w in w0], [None] * count, []
+    for step in range(steps):
+        g = [_tensor(cuda, x, dtype, channels_last) for x in grads[step]]
+        fresh = [step == 0 or m == 0 for _, m in layers]
+        plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, check_finite=True)
+        assert plan.finite.tolist() == [True] * count
+        dists.append((plan.dist.tolist(), [stiefel_dist(w) for w in ow] if oracle else None))
+        plan.apply()
+        assert all(guards_intact(t) for t in [*params, *g, *(b for b in bufs if b is not None)])
+        for i in range(count if oracle else 0):
+            h = {k: v[i] for k, v in hyper.items()}
+            ow[i], ophi[i] = fgd_step(ow[i], grads[step][i], ophi[i], **h)
+    assert [p.stride() for p in params] == strides  # written through the parameters' own layout
+    return params, bufs, ow, ophi, dists
+
+
+def _rel_err(actual: torch.Tensor, expected: np.ndarray) -> float:
+    return float(np.abs(actual.double().numpy() - expected).max() / max(np.abs(expected).max(), 1e-300))
+
+
+def _plain_fp32_error(layers, steps, seed=0):
+    """What plain float32 arithmetic (the oracle run in float32) loses on the same data."""
+    w0, grads, hyper = _data(layers, steps, seed)
+    err = 0.0
+    for i, w in enumerate(w0):
+        h = {k: v[i] for k, v in hyper.items()}
+        w64, w32, phi64, phi32 = w.copy(), w.astype(np.float32), None, None
+        for step in range(steps):
+            w64, phi64 = fgd_step(w64, grads[step][i], phi64, **h)
+            w32, phi32 = fgd_step(w32, grads[step][i].astype(np.float32), phi32, **h, dtype=np.float32)
+        err = max(err, float(np.abs(w32 - w64).max()))
+    return err
+
+
+# ------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float64_matches_oracle(cuda, monkeypatch, case):
+    layers, channels_last = _setup(cuda, monkeypatch, case)
+    splits_before = cuda.launch_counts["sum_splits"]
+    steps = 3
+    params, bufs, ow, ophi, dists = _run(cuda, layers, torch.float64, steps, channels_last=channels_last)
+    for p, b, w, phi in zip(params, bufs, ow, ophi):
+        assert _rel_err(p, w) < 1e-12
+        assert (b is None) == (phi is None)
+        if b is not None:
+            assert _rel_err(fgd_fast.as_stiefel(b), phi) < 1e-11
+    for got, want in dists:  # ‖A − I‖_F from the Gram kernel's A
+        assert np.allclose(got, want, rtol=1e-9, atol=1e-13), (got, want)
+    split_launches = cuda.launch_counts["sum_splits"] - splits_before
+    assert split_launches == (0 if case == "rows-p130" else steps)  # the split-n path ran where meant
+
+
+@pytest.mark.parametrize("case", ["ragged", "rows-p130", "channels-last"])
+def test_float32_error_bounded_by_plain_float32(cuda, monkeypatch, case):
+    """float32 error vs the float64 oracle <= 4× what plain float32 arithmetic makes, plus 2
+    ulps of 1 (as tests/test_fgd_oracle.py asks of every backend)."""
+    layers, channels_last = _setup(cuda, monkeypatch, case)
+    steps = 3
+    params, _, ow, _, dists = _run(cuda, layers, torch.float32, steps, channels_last=channels_last)
+    err = max(float(np.abs(p.double().numpy() - w).max()) for p, w in zip(params, ow))
+    baseline = _plain_fp32_error(layers, steps)
+    assert err <= 4 * baseline + 2 * 2.0**-23, (err, baseline)
+    for got, want in dists:
+        assert np.allclose(got, want, rtol=0, atol=1e-5), (got, want)
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of each value of x in `dtype` (subnormals included)."""
+    fi = torch.finfo(dtype)
+    emin = round(math.log2(fi.tiny))
+    x = x.double().abs()
+    _, e = torch.frexp(x)  # x = m · 2^e, m in [0.5, 1)
+    e = torch.where(x > 0, e - 1, torch.full_like(e, emin)).clamp(min=emin)
+    return fi.eps * torch.pow(2.0, e.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_parameters_within_one_ulp_of_reference(cuda, monkeypatch, dtype):
+    """16-bit θ computes in float32 with a float32 Φ and is rounded once: per step, from the
+    same state, within one 16-bit ulp of the reference backend (another summation order may
+    round to the neighbour), Φ to float32 rounding."""
+    monkeypatch.setattr(cuda, "force_splits", 3)
+    layers = [((130, 150), 0.9), ((150, 65), 0.9), ((8, 4, 3, 3), 0.0)]
+    w0, grads, hyper = _data(layers, 3, seed=1)
+    params = [_tensor(cuda, w, dtype) for w in w0]
+    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), torch.float32) for s, m in layers]
+    for step, step_grads in enumerate(grads):
+        g = [cuda._ext.fenced(torch.tensor(x, dtype=torch.float32).to(dtype)) for x in step_grads]
+        ref_params = [p.clone() for p in params]
+        ref_bufs = [None if b is None else b.clone() for b in bufs]
+        fresh = [step == 0 or m == 0 for _, m in layers]
+        plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, check_finite=True)
+        ref = prepare_reference(ref_params, g, ref_bufs, fresh, **hyper, check_finite=True)
+        torch.testing.assert_close(plan.dist, ref.dist.double(), rtol=0, atol=1e-5)
+        plan.apply()
+        ref.apply()
+        for p, r in zip(params, ref_params):
+            assert p.dtype == dtype
+            diff = (p.double() - r.double()).abs()
+            assert bool((diff <= torch.maximum(_ulp(p, dtype), _ulp(r, dtype))).all()), float(diff.max())
+            # and mostly the same value: a store that truncated instead of rounding to
+            # nearest would still be within one ulp, but would differ about half the time
+            assert (p != r).float().mean() < 0.05
+        for b, r in zip(bufs, ref_bufs):
+            if b is not None:
+                assert b.dtype == torch.float32
+                torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6)
+        assert all(guards_intact(t) for t in [*params, *g, *(b for b in bufs if b is not None)])
+
+
+# ------------------------------------------------------------------ determinism and writes
+
+
+def _bits(ts):
+    return [None if t is None else t.detach().clone() for t in ts]
+
+
+def test_deterministic_and_independent_of_block_and_thread_order(cuda, emu_ext, monkeypatch):
+    """Bitwise equal results from two runs, and from a run with every launch's blocks and
+    every block's threads in reverse order (the barriers and the one-writer-per-element
+    design make the order irrelevant; a missing __syncthreads would not)."""
+    monkeypatch.setattr(cuda, "force_splits", 5)
+    layers = CASES["ragged"]["layers"]
+    runs = []
+    for reverse in (False, False, True):
+        emu_ext.set_reverse_schedule(reverse)
+        params, bufs, _, _, dists = _run(cuda, layers, torch.float32, 2, oracle=False)
+        runs.append((params, bufs, [d for d, _ in dists]))
+    for params, bufs, dists in runs[1:]:
+        for a, b in zip(params + bufs, runs[0][0] + runs[0][1]):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert dists == runs[0][2]
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of t's storage (guard bands included)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+def test_prepare_writes_nothing_and_apply_writes_only_its_tensors(cuda, monkeypatch):
+    monkeypatch.setattr(cuda, "force_splits", 2)
+    layers = [((130, 150), 0.9), ((150, 65), 0.9), ((9, 1), 0.0)]
+    w0, grads, hyper = _data(layers, 2, seed=2)
+    params = [_tensor(cuda, w, torch.float32) for w in w0]
+    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), torch.float32) for s, m in layers]
+    for step in range(2):  # the second step reads a non-zero Φ
+        g = [_tensor(cuda, x, torch.float32) for x in grads[step]]
+        fresh = [step == 0 or m == 0 for _, m in layers]
+        tensors = [*params, *g, *(b for b in bufs if b is not None)]
+        before = [_storage(t) for t in tensors]
+        plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, check_finite=True)
+        for t, b in zip(tensors, before):
+            assert torch.equal(_storage(t), b)  # prepare wrote nothing, anywhere
+        plan.apply()
+        for p, b in zip(params, before):
+            assert not torch.equal(_storage(p), b)  # apply wrote θ₊ …
+        for t in tensors:
+            assert guards_intact(t)  # … and nothing next to any tensor
+        for t, b in zip(g, before[len(params):]):
+            assert torch.equal(_storage(t), b)  # nor into the gradients
+
+
+def test_non_finite_gradient_is_flagged_and_nothing_written(cuda, monkeypatch):
+    monkeypatch.setattr(cuda, "_DEBUG_SYNC", True)  # FGD_FAST_CUDA_DEBUG=1: synchronize after each launch
+    layers = [((40, 90), 0.0), ((30, 5), 0.0), ((65, 65), 0.0)]
+    w0, grads, hyper = _data(layers, 1, seed=3)
+    params = [torch.tensor(w, dtype=torch.float32) for w in w0]
+    g = [torch.tensor(x, dtype=torch.float32) for x in grads[0]]
+    g[1][3, 2] = float("nan")
+    g[2][0, 64] = float("inf")
+    before = _bits(params)
+    plan = cuda.prepare_cuda(params, g, [None] * 3, [True] * 3, **hyper, check_finite=True)
+    assert plan.finite.tolist() == [True, False, False]
+    for a, b in zip(params, before):
+        assert torch.equal(a, b)
+
+
+def test_launch_count_does_not_grow_with_layers(cuda, monkeypatch):
+    monkeypatch.setattr(cuda, "force_splits", 2)  # gram + sum_splits + update
+
+    def launches(shapes):
+        layers = [(s, 0.9) for s in shapes]
+        before, emulated = sum(cuda.launch_counts.values()), cuda._ext.stats()["launches"]
+        _run(cuda, layers, torch.float32, 1, oracle=False)
+        count = sum(cuda.launch_counts.values()) - before
+        assert cuda._ext.stats()["launches"] - emulated == count  # each one ran the emulated kernel
+        return count
+
+    few = launches([(16, 144), (32, 288)])
+    many = launches([(16, 144), (32, 288)] * 6 + [(24, 50)] * 5)
+    assert few == many == 3
+
+
+def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
+    """fgd_fast.FGD(backend="cuda") end to end (first-step and later Φ flags, per-group
+    hyper-parameters, a momentum-0 group in the same launch), float64, vs the oracle."""
+    from fgd_fast import functional
+
+    real = functional._cached_backend
+    monkeypatch.setattr(
+        functional, "_cached_backend",
+        lambda name, device_type: ("cuda", cuda.prepare_cuda) if name == "cuda" else real(name, device_type),
+    )
+    groups = [
+        ([(130, 150), (8, 4, 3, 3)], dict(lr=0.1, momentum=0.9, feedback=0.4)),
+        ([(150, 65)], dict(lr=0.05, momentum=0.0, feedback=0.3)),
+        ([(9, 1), (20, 3, 3, 3)], dict(lr=0.08, momentum=0.5, feedback=0.2)),
+    ]
+    rng = np.random.default_rng(4)
+    layers = [(s, h) for shapes, h in groups for s in shapes]
+    w0 = [random_stiefel(rng, s) for s, _ in layers]
+    params = [_tensor(cuda, w, torch.float64).requires_grad_() for w in w0]
+    it = iter(params)
+    opt = fgd_fast.FGD([dict(params=[next(it) for _ in shapes], orthogonal=True, **h) for shapes, h in groups],
+                       lr=0.1, backend="cuda")
+    ow, ophi = [w.copy() for w in w0], [None] * len(layers)
+    for _ in range(3):
+        grads = [rng.standard_normal(s) / np.sqrt(np.prod(s)) for s, _ in layers]
+        for p, g in zip(params, grads):
+            p.grad = _tensor(cuda, g, torch.float64)
+        opt.step()
+        for i, (_, h) in enumerate(layers):
+            ow[i], ophi[i] = fgd_step(ow[i], grads[i], ophi[i], **h)
+    for p, w, phi in zip(params, ow, ophi):
+        assert _rel_err(p.detach(), w) < 1e-12
+        buf = opt.state[p].get("momentum_buffer")
+        assert (buf is None) == (phi is None)
+        if buf is not None:
+            assert _rel_err(fgd_fast.as_stiefel(buf), phi) < 1e-11
+
+
+# ------------------------------------------------------------------ the emulator itself
+
+
+@pytest.mark.parametrize("switch", ["assembly", "ucontext"])
+def test_emulator_catches_barrier_and_memory_errors(emu_ext, switch):
+    """The emulator itself: a missing barrier gives a wrong result in either order; a
+    divergent one, a bad configuration, a read or write past the end of a buffer and an
+    endless loop fail the launch, and it runs on normally afterwards; with either way of
+    switching threads."""
+    threads, blocks = 64, 3
+    want = torch.tensor([(t + 1) % threads + 1000 * b for b in range(blocks) for t in range(threads)],
+                        dtype=torch.float32)
+    was = emu_ext.use_ucontext(switch == "ucontext")
+    try:
+        for reverse in (False, True):
+            emu_ext.set_reverse_schedule(reverse)
+            rc, _, out = emu_ext.selftest("exchange", blocks, threads)
+            assert rc == 0 and torch.equal(out, want)
+            rc, _, out = emu_ext.selftest("exchange-without-barrier", blocks, threads)
+            assert rc == 0 and not torch.equal(out, want)  # a race the sequential threads expose
+        emu_ext.set_reverse_schedule(False)
+        rc, message, _ = emu_ext.selftest("divergent-barrier", 1, threads)
+        assert rc != 0 and "divergent __syncthreads()" in message
+        rc, message, _ = emu_ext.selftest("exchange", 1, 2048)  # more threads than a block may have
+        assert rc != 0 and "invalid launch configuration" in message
+        for which in ("read-past-end", "write-past-end"):
+            rc, message, out = emu_ext.selftest(which, blocks, threads)
+            assert rc == 700 and "illegal address" in message, (which, rc, message)  # cudaErrorIllegalAddress
+            assert f"block ({blocks - 1}, 0, 0), thread {threads - 1}" in message, message
+            assert guards_intact(out)
+        timeout = emu_ext.set_launch_timeout(0.3)
+        try:
+            rc, message, _ = emu_ext.selftest("endless-loop", 1, threads)
+        finally:
+            emu_ext.set_launch_timeout(timeout)
+        assert rc == 702 and "timed out" in message and "thread 0" in message, (rc, message)  # cudaErrorLaunchTimeout
+        rc, _, out = emu_ext.selftest("exchange", blocks, threads)
+        assert rc == 0 and torch.equal(out, want)  # errors do not stick, abandoned threads do no harm
+    finally:
+        emu_ext.use_ucontext(was)
+        emu_ext.set_reverse_schedule(False)
+
+
+def test_emulated_16_bit_conversions_match_torch(emu_ext):
+    """__half2float, __float2half_rn, __bfloat162float and __float2bfloat16_rn of the
+    emulator against torch: every 16-bit value, and float32 values at and around every
+    rounding tie, plus random bit patterns."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        up = emu_ext.convert(every, dtype)
+        want = every.float()
+        assert torch.equal(up.isnan(), want.isnan())
+        assert torch.equal(up[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))
+
+        finite = want[want.isfinite()].double().unique()  # sorted
+        mid = ((finite[1:] + finite[:-1]) / 2).float()  # exact in float32: the ties
+        mid = mid[(mid.double() == (finite[1:] + finite[:-1]) / 2)]
+        bits = mid.view(torch.int32)
+        near = torch.cat([bits - 1, bits, bits + 1]).view(torch.float32)
+        rand = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+        special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65519.99, 65520.0, 1e-8, 2.0**-25,
+                                2.0**-24, 3 * 2.0**-26, 2.0**-14, 3.4e38, 1e-45], dtype=torch.float32)
+        x = torch.cat([near, rand.view(torch.float32), special, -special])
+        down = emu_ext.convert(x, dtype)
+        want = x.to(dtype)
+        assert torch.equal(down.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(down[ok].view(torch.int16), want[ok].view(torch.int16)), dtype
+
+
+def test_launch_rewrite_keeps_lines_and_skips_comments():
+    src = (
+        "// not a launch: k<<<1, 2>>>(x);\n"
+        "void f() {\n"
+        "    fgd::kern<__nv_bfloat16>\n"
+        "        <<<grid, fgd::NT, 0, stream>>>(a, (float*)b,\n"
+        "                                       f(c, d));\n"
+        "    other<<<dim3(1, 2), 32>>>();\n"
+        "}\n"
+    )
+    out, count = rewrite_launches(src)
+    assert count == 2
+    assert out.count("\n") == src.count("\n")
+    assert 'emu_launch("fgd::kern<__nv_bfloat16>", [&] { fgd::kern<__nv_bfloat16>(a, (float*)b,\n' in out
+    assert "f(c, d)); }, grid, fgd::NT, 0, stream)" in out
+    assert 'emu_launch("other", [&] { other(); }, dim3(1, 2), 32);' in out
+    assert out.startswith("// not a launch: k<<<1, 2>>>(x);")
+    for cu in CSRC.glob("*.cu"):  # every launch of the real sources is found
+        text = cu.read_text()
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+        assert rewrite_launches(text)[1] == code.count("<<<") > 0, cu.name
+
+
+def test_stand_in_has_the_bindings_functions_arguments_and_constants(emu_ext):
+    """The stand-in must not drift from csrc/fgd_binding.cpp: same functions with the same
+    number of arguments, and the same keys in constants()."""
+    src = (CSRC / "fgd_binding.cpp").read_text()
+    defs = re.findall(r'm\.def\("(\w+)",\s*&(\w+)', src)
+    assert {name for name, _ in defs} == {"gram", "sum_splits", "update", "synchronize", "constants"}
+    for name, fn in defs:
+        params = re.search(rf"\b{fn}\(([^)]*)\)\s*{{", src).group(1)
+        want = len([p for p in params.split(",") if p.strip()])
+        assert len(inspect.signature(getattr(emu_ext, name)).parameters) == want, name
+    consts = emu_ext.constants()
+    assert set(re.findall(r'\bd\["(\w+)"\]', src)) == set(consts)
+    assert set(re.findall(r'\bfields\["(\w+)"\]', src)) == set(consts["FIELDS"])
