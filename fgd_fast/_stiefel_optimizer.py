@@ -8,12 +8,13 @@ state of float16/bfloat16 orthogonal parameters stays float32 across ``load_stat
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import Optimizer
 
 from .backends import compute_dtype
+from .functional import sgd
 from .manifold import stiefel_distance
 from .validation import check_orthogonal_params, param_tensors
 
@@ -40,6 +41,29 @@ class StiefelOptimizer(Optimizer):
             if merged["orthogonal"] and not isinstance(params, set):
                 check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
         super().add_param_group(param_group)
+
+    def _run_closure(self, closure: Callable[[], float] | None) -> float | None:
+        """Evaluate ``closure`` with gradients enabled and re-validate every group (a
+        scheduler may have changed a hyper-parameter), before anything is written."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._validate_group(group)
+        return loss
+
+    def _sgd(self, params: list[torch.Tensor], group: dict[str, Any], *, momentum: float,
+             dampening: float = 0.0, nesterov: bool = False) -> None:
+        """``torch.optim.SGD`` on Euclidean ``params`` of ``group``, Φ in ``momentum_buffer``."""
+        bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+        sgd(
+            params, [p.grad for p in params], bufs, lr=group["lr"], momentum=momentum,
+            dampening=dampening, weight_decay=group["weight_decay"], nesterov=nesterov,
+        )
+        if momentum != 0.0:
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
 
     def _keyed(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str | int]]:
         """``(group, param, key)`` for every parameter, in ``state_dict`` order."""

@@ -8,7 +8,7 @@ import torch
 from ._stiefel_optimizer import StiefelOptimizer, label
 from .backends import BACKENDS, PRECISIONS
 from .checks import MAX_DISTANCE
-from .functional import backend_for, fgd, sgd
+from .functional import backend_for, fgd
 from .validation import (
     check_bool,
     check_choice,
@@ -107,13 +107,7 @@ class FGD(StiefelOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        for group in self.param_groups:
-            self._validate_group(group)
+        loss = self._run_closure(closure)
         orth = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
         eucl = []
         for group, p, key in self._keyed():
@@ -146,14 +140,7 @@ class FGD(StiefelOptimizer):
                 if buf is not None:
                     self.state[p]["momentum_buffer"] = buf
         for group, ps in eucl:
-            bufs = [self.state.get(p, {}).get("momentum_buffer") for p in ps]
-            sgd(
-                ps, [p.grad for p in ps], bufs, lr=group["lr"], momentum=group["momentum"],
-                dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-            )
-            if group["momentum"] != 0.0:
-                for p, buf in zip(ps, bufs):
-                    self.state[p]["momentum_buffer"] = buf
+            self._sgd(ps, group, momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"])
         return loss
 
     def _validate_group(self, group: dict[str, Any]) -> None:

@@ -1,7 +1,6 @@
 """Bad input: a clear error, and nothing modified by a step that fails."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from torch import nn
 
 import fgd_fast
 from fgd_fast.backends import BackendUnavailable, resolve_backend
-from helpers import backend_params, device_for_tests
+from helpers import assert_unchanged, backend_params, device_for_tests, snapshot
 
 
 def _model():
@@ -20,21 +19,6 @@ def _model():
 def _loss(net):
     torch.manual_seed(1)
     return net(torch.randn(4, 3, 8, 8, device=device_for_tests())).square().mean()
-
-
-def _snapshot(net, opt):
-    return [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())
-
-
-def _assert_unchanged(net, opt, snap):
-    params, state = snap
-    for p, q in zip(net.parameters(), params):
-        assert torch.equal(p, q)
-    now = opt.state_dict()
-    assert now["state"].keys() == state["state"].keys()
-    for k, entry in state["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(now["state"][k][key], value)
 
 
 def _trained(backend="auto", steps=2):
@@ -102,10 +86,10 @@ def test_far_from_manifold_raises_and_changes_nothing(backend):
     net, opt = _trained(backend)
     with torch.no_grad():
         net[1].weight.mul_(2.0)  # ‖θᵀθ − I‖ = 3√p
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(ValueError, match="orthogonalize_"):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
     with torch.no_grad():
         fgd_fast.orthogonalize_(net[1].weight)
     opt.step()  # the advice works
@@ -117,10 +101,10 @@ def test_far_from_manifold_raises_and_changes_nothing(backend):
 def test_non_finite_gradient_raises_and_changes_nothing(backend, bad):
     net, opt = _trained(backend)
     net[1].weight.grad[0, 0, 0, 0] = bad
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(FloatingPointError, match="non-finite"):
         opt.step()
-    _assert_unchanged(net, opt, snap)  # Euclidean parameters and Φ included
+    assert_unchanged(net, opt, snap)  # Euclidean parameters and Φ included
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -129,10 +113,10 @@ def test_non_finite_gradient_on_first_step_creates_no_state(backend):
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend=backend)
     _loss(net).backward()
     net[0].weight.grad.view(-1)[-1] = float("nan")
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(FloatingPointError):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
     assert len(opt.state) == 0
 
 
@@ -173,10 +157,10 @@ def test_sparse_and_complex_gradients_raise():
 def test_hyper_parameter_changed_after_construction_is_checked_at_step():
     net, opt = _trained()
     opt.param_groups[0]["lr"] = -1.0
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(ValueError, match="lr"):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
 
 
 def test_explicit_backend_that_cannot_run_fails_loudly(monkeypatch):
@@ -192,7 +176,7 @@ def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():
     net = _model().cpu()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend="cuda")
     net(torch.randn(2, 3, 8, 8)).square().mean().backward()
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(BackendUnavailable, match="cuda"):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)

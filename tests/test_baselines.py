@@ -18,6 +18,7 @@ import cayley_oracle as co
 import fgd_fast
 from fgd_fast.baselines import CayleyADAM, CayleySGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
 from fgd_fast.baselines.retraction import skew_fro_norm
+from helpers import assert_unchanged, snapshot
 from oracle import random_stiefel
 
 # conv-shaped, wide and tall Linear, p = 1 both ways, square, odd sizes, equal shapes in one group
@@ -531,22 +532,6 @@ def _trained(cls, steps=2, **kwargs):
     return net, opt
 
 
-def _snapshot(net, opt):
-    return [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())
-
-
-def _assert_unchanged(net, opt, snap):
-    params, state = snap
-    for p, q in zip(net.parameters(), params):
-        assert torch.equal(p, q)
-    now = opt.state_dict()
-    assert now["state"].keys() == state["state"].keys()
-    for k, entry in state["state"].items():
-        for key, value in entry.items():
-            now_value = now["state"][k][key]
-            assert torch.equal(now_value, value) if isinstance(value, torch.Tensor) else now_value == value
-
-
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("form", ["lowrank", "dense"])
 @pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
@@ -554,10 +539,10 @@ def _assert_unchanged(net, opt, snap):
 def test_non_finite_gradient_raises_and_changes_nothing(cls, form, bad):
     net, opt = _trained(cls, form=form)
     net[1].weight.grad[0, 0, 0, 0] = bad
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(FloatingPointError, match="non-finite"):
         opt.step()
-    _assert_unchanged(net, opt, snap)  # Euclidean parameters, M, v and step counts included
+    assert_unchanged(net, opt, snap)  # Euclidean parameters, M, v and step counts included
 
 
 @pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
@@ -566,10 +551,10 @@ def test_non_finite_gradient_on_first_step_creates_no_state(cls):
     opt = cls(fgd_fast.stiefel_param_groups(net), lr=0.01)
     _loss(net).backward()
     net[0].weight.grad.view(-1)[-1] = float("nan")
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(FloatingPointError):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
     assert len(opt.state) == 0
 
 
@@ -602,16 +587,16 @@ def test_sparse_and_complex_gradients_raise(cls):
 def test_hyper_parameter_changed_after_construction_is_checked_at_step(cls):
     net, opt = _trained(cls)
     opt.param_groups[0]["s"] = 0
-    snap = _snapshot(net, opt)
+    snap = snapshot(net, opt)
     with pytest.raises(ValueError, match="s=0"):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
     opt.param_groups[0]["s"] = 2
     opt.form = "lowrank"
     opt.norm = "one"
     with pytest.raises(ValueError, match="form='dense'"):
         opt.step()
-    _assert_unchanged(net, opt, snap)
+    assert_unchanged(net, opt, snap)
 
 
 # -- adapters --------------------------------------------------------------------------------------

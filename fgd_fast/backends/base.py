@@ -21,13 +21,14 @@ tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into ``buf
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
 
-__all__ = ["PRECISIONS", "StepPlan", "Backend", "compute_dtype", "in_input_order"]
+__all__ = ["PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "in_input_order"]
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
@@ -53,6 +54,20 @@ class Backend(Protocol):
         check_finite: bool,
         precision: str = "ieee",
     ) -> StepPlan: ...
+
+
+class TableCache(OrderedDict):
+    """A small LRU dict for the device tables of the fused backends (metadata, work lists),
+    keyed on what they are built from, so steady-state steps copy nothing to the device."""
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        if len(self) > 64:
+            self.popitem(last=False)
+        return value
 
 
 @lru_cache(maxsize=64)

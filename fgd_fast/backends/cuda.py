@@ -51,14 +51,14 @@ reported at the kernel that caused it.
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, compute_dtype
+from .base import PRECISIONS, StepPlan, TableCache, compute_dtype
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 
@@ -91,20 +91,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class _Cache(OrderedDict):
-    """A small LRU dict of device tables."""
-
-    def get_or(self, key, make):
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        value = self[key] = make()
-        if len(self) > 64:
-            self.popitem(last=False)
-        return value
-
-
-_tables = _Cache()
+_tables = TableCache()
 
 
 def _operand(t: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, int, int]:

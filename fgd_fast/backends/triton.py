@@ -37,7 +37,7 @@ off the manifold). float64 layers always compute in float64 ("ieee").
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,7 @@ from fgd_fast.kernels import fgd_step as K
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, compute_dtype, in_input_order
+from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, in_input_order
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
@@ -72,20 +72,7 @@ def _programs_wanted(device: torch.device) -> int:
     return 1  # the interpreter runs programs one after another
 
 
-class _Cache(OrderedDict):
-    """A small LRU dict of device tables."""
-
-    def get_or(self, key, make):
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        value = self[key] = make()
-        if len(self) > 64:
-            self.popitem(last=False)
-        return value
-
-
-_tables = _Cache()
+_tables = TableCache()
 
 
 @dataclass

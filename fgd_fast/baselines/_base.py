@@ -149,13 +149,8 @@ class CayleyBase(StiefelOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self._validate_options()
-        for group in self.param_groups:
-            self._validate_group(group)
+        loss = self._run_closure(closure)
 
         # bucket = equal (shape, layout, dtype, device, group, QR due, subclass key)
         params, states, labels, keys, extra = [], [], [], defaultdict(list), {}

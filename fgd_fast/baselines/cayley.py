@@ -31,7 +31,6 @@ from typing import Any, Iterable
 
 import torch
 
-from ..functional import sgd
 from ..validation import check_bool, check_real, check_unit_interval
 from ._base import Bucket, CayleyBase, _native, resolve_defaults, store_state
 
@@ -149,14 +148,7 @@ class CayleySGD(CayleyBase):
             st["step"] = st.get("step", 0) + 1
 
     def _euclidean(self, group, params):
-        bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params]
-        sgd(
-            params, [p.grad for p in params], bufs, lr=group["lr"], momentum=group["momentum"],
-            dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-        )
-        if group["momentum"] != 0.0:
-            for p, buf in zip(params, bufs):
-                self.state[p]["momentum_buffer"] = buf
+        self._sgd(params, group, momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"])
 
 
 class CayleyADAM(CayleyBase):
@@ -252,12 +244,4 @@ class CayleyADAM(CayleyBase):
             st["step"] = st.get("step", 0) + 1
 
     def _euclidean(self, group, params):
-        beta1 = group["betas"][0]
-        bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params]
-        sgd(
-            params, [p.grad for p in params], bufs, lr=group["lr"], momentum=beta1,
-            dampening=0.0, weight_decay=group["weight_decay"], nesterov=False,
-        )
-        if beta1 != 0.0:
-            for p, buf in zip(params, bufs):
-                self.state[p]["momentum_buffer"] = buf
+        self._sgd(params, group, momentum=group["betas"][0])  # the public code: SGD with momentum β₁
