@@ -165,9 +165,18 @@ def tests(check: Check) -> None:
     selection = check.args.tests.split() if check.args.tests else (["tests/test_bad_input.py", "-k", "construction"] if check.args.cpu_dry_run else full)
     junit = check.out / "tests-junit.xml"
     cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rfE", f"--junitxml={junit}", "-p", "no:cacheprovider"]
+    if check.args.workers and not check.args.cpu_dry_run and _has_xdist():
+        # Triton compiles on the host CPUs: a few workers share one GPU and cut the wall time
+        cmd += ["-n", str(check.args.workers)]
     check.run("tests", cmd, min(TESTS_MAX_S, check.left() - BENCH_MIN_S - REPORT_RESERVE_S))
     check.result["test_summary"] = junit_summary(junit)
     check.save()
+
+
+def _has_xdist() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
 
 
 def junit_summary(path: Path) -> dict:
@@ -254,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU: tiny shapes, a few tests")
     ap.add_argument("--no-install", action="store_true", help="skip the pip installs (the package is installed already)")
     ap.add_argument("--tests", help="pytest selection for the tests phase (default: tests; dry run: a few fast ones)")
+    ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)")
     ap.add_argument("--digest", action="store_true", help="print this checkout's source digest and exit")
     args = ap.parse_args(argv)
     if args.digest:

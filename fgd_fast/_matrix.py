@@ -46,7 +46,7 @@ def as_stiefel(t: torch.Tensor) -> torch.Tensor:
     Writers must go through :func:`from_stiefel` + ``copy_`` rather than assume a view.
     """
     n, p, transposed = stiefel_shape(t.shape)
-    w2 = t.reshape(t.shape[0], -1)
+    w2 = t.reshape(t.shape[0], n if transposed else p)  # explicit: a 0-size -1 is ambiguous
     return w2.t() if transposed else w2
 
 

@@ -16,7 +16,7 @@ from torch.optim.optimizer import Optimizer
 from .backends import compute_dtype
 from .functional import sgd
 from .manifold import stiefel_distance
-from .validation import check_orthogonal_params, param_tensors
+from .validation import check_orthogonal_params, check_state_tensor, param_tensors
 
 __all__ = ["StiefelOptimizer", "label"]
 
@@ -52,6 +52,12 @@ class StiefelOptimizer(Optimizer):
         for group in self.param_groups:
             self._validate_group(group)
         return loss
+
+    def _check_sgd_state(self, p: torch.Tensor, label: str) -> None:
+        """Before any write: a Euclidean parameter's ``momentum_buffer`` must fit it."""
+        buf = self.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            check_state_tensor(buf, p, p.dtype, label, "momentum_buffer")
 
     def _sgd(self, params: list[torch.Tensor], group: dict[str, Any], *, momentum: float,
              dampening: float = 0.0, nesterov: bool = False) -> None:

@@ -37,7 +37,7 @@ def raise_if_invalid(
     """
     if not (check_finite or check_manifold) or not labels:
         return
-    dist_all = [float("nan")] * len(labels)
+    dist_all = [0.0] * len(labels)  # layers in no batch (zero-size) are trivially on the manifold
     fin_all = [True] * len(labels)
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor | None, Sequence[int]]]] = {}
     for d, f, idx in zip(dist, finite, index):

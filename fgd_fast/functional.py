@@ -20,6 +20,7 @@ import torch
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .checks import MAX_DISTANCE, raise_if_invalid
+from .validation import check_state_tensor
 
 __all__ = ["fgd", "sgd", "backend_for"]
 
@@ -77,8 +78,11 @@ def fgd(
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
-        if g.shape != p.shape or g.device != p.device:
-            raise ValueError(f"{labels[i]}: gradient {tuple(g.shape)} on {g.device} does not match the parameter {tuple(p.shape)} on {p.device}")
+        if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
+            raise ValueError(
+                f"{labels[i]}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the "
+                f"parameter {tuple(p.shape)} {p.dtype} on {p.device}"
+            )
         if betas[i] == 0.0:
             bufs.append(None)
             fresh.append(True)
@@ -88,11 +92,7 @@ def fgd(
             bufs.append(torch.zeros(p.shape, dtype=cdt, device=p.device))  # Φ = 0: first step
             fresh.append(True)
             continue
-        if buf.shape != p.shape or buf.dtype != cdt or buf.device != p.device:
-            raise ValueError(
-                f"{labels[i]}: momentum_buffer is {tuple(buf.shape)} {buf.dtype} on {buf.device}, expected "
-                f"{tuple(p.shape)} {cdt} on {p.device}; was the state loaded for another model?"
-            )
+        check_state_tensor(buf, p, cdt, labels[i], "momentum_buffer")
         bufs.append(buf)
         fresh.append(False)
 

@@ -16,8 +16,8 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
     of ``tensor.reshape(c_o, -1)``, see :mod:`fgd_fast._matrix`) and ``θ = QR`` its reduced
     QR factorisation, ``θ ← Q·diag(sign(diag R))`` (``sign(0) := 1``). The sign fix makes the
     result unique and continuous in ``θ`` and keeps an already orthonormal ``θ`` unchanged
-    (up to rounding). The QR runs in float64 for float32/float64 tensors and in float32 for
-    float16/bfloat16 tensors (LAPACK has no half precision); only the stored tensor is rounded.
+    (up to rounding). The QR runs in float64 whatever the tensor's dtype; only the stored
+    tensor is rounded.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"orthogonalize_ expects a torch.Tensor, got {type(tensor).__name__}")

@@ -42,8 +42,9 @@ class FGD(StiefelOptimizer):
 
     Args:
         params: parameters or parameter groups; ``fgd_fast.stiefel_param_groups(model)``
-            builds them. A group may override every hyper-parameter below and sets
-            ``orthogonal: bool`` (default ``False``).
+            builds them. A group may override ``lr``, ``momentum``, ``feedback``,
+            ``weight_decay``, ``dampening`` and ``nesterov``, and sets ``orthogonal: bool``
+            (default ``False``); the other arguments are optimizer-wide.
         lr: learning rate η (>= 0).
         momentum: β in [0, 1) (the paper's γ = 1 − β).
         feedback: α in [0, 1), pull back towards θᵀθ = I; 0.5 cancels first-order drift
@@ -57,10 +58,12 @@ class FGD(StiefelOptimizer):
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
             ``fgd_fast.orthogonalize_`` first).
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
-        precision: fp32 products of the fused backends (``"triton"``, ``"cuda"``):
-            ``"ieee"`` (default), ``"tf32x3"`` (tensor cores, close to fp32) or ``"tf32"``
-            (opt-in; ~1e-3 relative error in θᵀθ, so θ settles ~1e-3 off the manifold).
-            ``"reference"``/``"torch"`` always compute in full precision.
+        precision: fp32 products of the Triton backend (``backend="triton"``, or ``"auto"``
+            when it resolves to Triton): ``"ieee"`` (default), ``"tf32x3"`` (tensor cores,
+            close to fp32) or ``"tf32"`` (opt-in; ~1e-3 relative error in θᵀθ, so θ settles
+            ~1e-3 off the manifold). The other backends always compute in full precision
+            (whatever torch's global TF32 setting), so an explicit one with a precision other
+            than ``"ieee"`` is refused.
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph.
     """
@@ -115,7 +118,9 @@ class FGD(StiefelOptimizer):
                 continue
             text = label(key)
             check_grad(p, f"parameter {text}")
-            if group["orthogonal"]:
+            if not group["orthogonal"]:
+                self._check_sgd_state(p, f"parameter {text}")
+            else:
                 orth["params"].append(p)
                 orth["grads"].append(p.grad)
                 orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if group["momentum"] > 0 else None)

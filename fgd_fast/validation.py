@@ -23,6 +23,7 @@ __all__ = [
     "check_choice",
     "check_orthogonal_params",
     "check_grad",
+    "check_state_tensor",
     "param_tensors",
 ]
 
@@ -113,6 +114,17 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
         stiefel_shape(p.shape)
 
 
+def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str) -> None:
+    """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
+    ``load_state_dict`` from another model)."""
+    if not isinstance(value, torch.Tensor) or value.shape != p.shape or value.dtype != dtype or value.device != p.device:
+        got = f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(
+            f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}; "
+            "was the optimizer state loaded for another model?"
+        )
+
+
 def check_grad(p: torch.Tensor, label: str) -> None:
     """Refuse gradients no optimizer of this package can use."""
     g = p.grad
@@ -128,5 +140,8 @@ def check_grad(p: torch.Tensor, label: str) -> None:
             f"{label} is complex ({p.dtype}); fgd_fast optimizers support real parameters only "
             "(split it with torch.view_as_real)"
         )
-    if g.shape != p.shape:
-        raise ValueError(f"{label}: gradient shape {tuple(g.shape)} != parameter shape {tuple(p.shape)}")
+    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+        raise ValueError(
+            f"{label}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the parameter "
+            f"{tuple(p.shape)} {p.dtype} on {p.device}"
+        )

@@ -180,3 +180,43 @@ def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():
     with pytest.raises(BackendUnavailable, match="cuda"):
         opt.step()
     assert_unchanged(net, opt, snap)
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+def test_zero_size_orthogonal_parameter_is_skipped(backend):
+    dev = device_for_tests()
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 3, 3, 3, device=dev)))
+    empty = nn.Parameter(torch.zeros(5, 0, device=dev))
+    opt = fgd_fast.FGD([dict(params=[w, empty], orthogonal=True)], lr=0.01, backend=backend)
+    w.grad, empty.grad = torch.randn_like(w), torch.zeros_like(empty)
+    before = w.detach().clone()
+    opt.step()
+    assert not torch.equal(w, before)
+    assert opt.orthogonality()[1] == 0.0
+
+
+def test_mismatched_euclidean_state_raises_before_any_write():
+    """A state dict from a model that differs in a bias: the step raises and changes nothing
+    (the orthogonal update, which runs first, included)."""
+    net, opt = _trained()
+    other = _model()
+    other[3] = nn.Linear(8 * 4 * 4, 4).to(device_for_tests())  # 4 classes instead of 5
+    opt_other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(other, "paper"), lr=0.01)
+    opt_other.zero_grad()
+    _loss(other).backward()
+    opt_other.step()
+    opt.load_state_dict(opt_other.state_dict())
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+
+
+def test_gradient_of_another_dtype_is_refused():
+    """(torch >= 2.12 refuses such a .grad itself; the functional form must refuse it too.)"""
+    p = fgd_fast.orthogonalize_(torch.randn(6, 3, dtype=torch.float16))
+    before = p.clone()
+    bufs = [None]
+    with pytest.raises(ValueError, match="does not match the parameter"):
+        fgd_fast.fgd([p], [torch.randn(6, 3)], bufs, lr=0.01, momentum=0.9, feedback=0.4)
+    assert torch.equal(p, before) and bufs == [None]

@@ -111,4 +111,14 @@ def test_step_without_checks_never_reads_device_values(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     if device_for_tests().type == "cuda":
         monkeypatch.setattr(torch.Tensor, "cpu", forbidden)
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
+        try:
+            opt.step()
+            for p, g in zip(params, grads):  # a new gradient (new addresses) and a new lr
+                p.grad = g.clone()
+            opt.param_groups[0]["lr"] = 0.05
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
     opt.step()

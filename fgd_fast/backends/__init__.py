@@ -47,8 +47,8 @@ def _load_triton(device: torch.device) -> Backend:
         )
     try:
         from .triton import prepare_triton
-    except ImportError as exc:  # Triton missing or too old
-        raise BackendUnavailable(f"backend='triton' is unavailable: {exc}") from exc
+    except Exception as exc:  # Triton missing, too old, or failing at import (driver, ...)
+        raise BackendUnavailable(f"backend='triton' is unavailable: {type(exc).__name__}: {exc}") from exc
     return prepare_triton
 
 
@@ -57,8 +57,8 @@ def _load_cuda(device: torch.device) -> Backend:
         raise BackendUnavailable(f"backend='cuda' needs CUDA tensors, got {device.type} tensors; use backend='torch'")
     try:
         from .cuda import prepare_cuda
-    except ImportError as exc:
-        raise BackendUnavailable(f"backend='cuda' is unavailable: {exc}") from exc
+    except Exception as exc:  # extension missing or failing to build or load
+        raise BackendUnavailable(f"backend='cuda' is unavailable: {type(exc).__name__}: {exc}") from exc
     return prepare_cuda
 
 

@@ -22,13 +22,16 @@ tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into ``buf
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
 
-__all__ = ["PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "in_input_order"]
+__all__ = [
+    "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "full_precision", "in_input_order",
+]
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
@@ -70,11 +73,34 @@ class TableCache(OrderedDict):
         return value
 
 
+def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built table on ``device`` without synchronising the host: on CUDA it goes
+    through pinned memory with a non-blocking copy (the caching host allocator keeps the pinned
+    block alive until the copy is done)."""
+    table = torch.tensor(rows, dtype=dtype)
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+@contextmanager
+def full_precision():
+    """fp32 matmuls in IEEE precision inside, whatever the global TF32 setting (restored
+    after): the Gram A = θᵀθ sets the distance the feedback term can reach."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 @lru_cache(maxsize=64)
 def _inverse_permutation(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return inverse.to(device)
+    inverse = [0] * len(order)
+    for position, i in enumerate(order):
+        inverse[i] = position
+    return device_table(inverse, torch.long, device)
 
 
 def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:

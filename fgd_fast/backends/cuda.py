@@ -58,7 +58,7 @@ import torch
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, TableCache, compute_dtype
+from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, device_table, full_precision, in_input_order
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 
@@ -165,11 +165,11 @@ class _Class:
             r[_F["CHUNK"]] = _cdiv(_cdiv(r[_F["N"]], splits), _BK) * _BK
         self.meta = _tables.get_or(
             ("meta", device, tuple(map(tuple, rows))),
-            lambda: torch.tensor(rows, dtype=torch.int64).to(device),
+            lambda: device_table(rows, torch.int64, device),
         )
         hyper = tuple((lr[i], beta[i], alpha[i]) for i in order)
         self.hyper = _tables.get_or(
-            ("hyper", device, self.acc, hyper), lambda: torch.tensor(hyper, dtype=self.acc).to(device)
+            ("hyper", device, self.acc, hyper), lambda: device_table(hyper, self.acc, device)
         )
 
         # pass 1: Gram blocks of every layer, then the fixed-order sum of the splits
@@ -187,10 +187,11 @@ class _Class:
             cnt, nb = hi - lo, (4 if reads else 2)
             blocks = gram[g_at:g_at + cnt * nb * p * p].view(cnt, nb, p, p)  # [A, E, B, C] per layer
             h = self.hyper[lo:hi].view(cnt, 3, 1, 1)
-            mid = middle(
-                blocks[:, 0], blocks[:, 2] if reads else None, blocks[:, 3] if reads else None, blocks[:, 1],
-                lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
-            )
+            with full_precision():  # IEEE fp32 products whatever the global TF32 setting
+                mid = middle(
+                    blocks[:, 0], blocks[:, 2] if reads else None, blocks[:, 3] if reads else None, blocks[:, 1],
+                    lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
+                )
             out = self.mats[m_at:m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
             out[:, 0].copy_(mid.m_theta)  # M_θ = M_Φ − α(A − I)
             out[:, 1].copy_(mid.m_phi)  # M_Φ = N[−C − (β−1)S + η sym(E) + NBS − α(BᵀN + B)]
@@ -198,15 +199,17 @@ class _Class:
             finites.append(mid.finite)
         self.dist = torch.cat(dists).to(torch.float64)
         self.finite = torch.cat(finites)
+        # the update's scratch is reserved here, so that apply() allocates nothing: a step that
+        # fails for lack of memory fails before any write
+        acc_bytes = torch.finfo(self.acc).bits // 8
+        grid = min(self.total_blocks, 4 * _sm_count(device), SCRATCH_BYTES // (_ROWS * self.p_max * acc_bytes))
+        self.grid = max(1, grid)
+        self.scratch = torch.empty(self.grid * _ROWS * self.p_max, dtype=self.acc, device=device)
 
     def apply(self) -> None:
-        acc_bytes = torch.finfo(self.acc).bits // 8
-        grid = min(self.total_blocks, 4 * _sm_count(self.device), SCRATCH_BYTES // (_ROWS * self.p_max * acc_bytes))
-        grid = max(1, grid)
-        scratch = torch.empty(grid * _ROWS * self.p_max, dtype=self.acc, device=self.device)
         _launch(
             "update", _ext.update,
-            self.meta, self.hyper, self.mats, scratch, self.total_blocks, grid, self.p_max, self.code,
+            self.meta, self.hyper, self.mats, self.scratch, self.total_blocks, self.grid, self.p_max, self.code,
         )
         for dst, src in self.copy_back:
             dst.copy_(src.view(dst.shape))  # staged copies are contiguous (c_o, m)
@@ -231,12 +234,9 @@ def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_fi
         _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype) for dtype, idx in classes.items()
     ]
     dev = params[0].device if params else torch.device("cpu")
-    order = torch.tensor([i for c in built for i in c.layers], dtype=torch.long)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order))
-    inverse = inverse.to(dev)
-    dist = torch.cat([c.dist for c in built])[inverse] if built else torch.zeros(0, dtype=torch.float64, device=dev)
-    finite = torch.cat([c.finite for c in built])[inverse] if check_finite and built else None
+    order = [i for c in built for i in c.layers]
+    dist = in_input_order([c.dist.to(torch.float64) for c in built], order, dev)
+    finite = in_input_order([c.finite for c in built], order, dev) if check_finite else None
 
     def apply() -> None:
         for c in built:

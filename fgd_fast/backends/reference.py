@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .base import StepPlan, compute_dtype
+from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
 
@@ -47,28 +47,30 @@ def _velocity(theta, phi, g, *, lr, momentum, feedback):
 
 
 def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
-    dists, finite = [], []
-    for param, grad in zip(params, grads):
-        theta = as_stiefel(param).to(compute_dtype(param.dtype))
-        a = theta.t() @ theta
-        dists.append(torch.linalg.matrix_norm(a - torch.eye(a.shape[0], dtype=a.dtype, device=a.device)))
-        if check_finite:
-            finite.append(torch.isfinite(grad).all())
-
-    def apply() -> None:
+    """Compute every θ₊, Φ₊ now (nothing is written); ``apply`` only copies them into place."""
+    dists, finite, results = [], [], []
+    with full_precision():  # IEEE fp32 products whatever the global TF32 setting
         for i, param in enumerate(params):
             cdt = compute_dtype(param.dtype)
             theta = as_stiefel(param).to(cdt, copy=True)
+            eye = torch.eye(theta.shape[1], dtype=cdt, device=theta.device)
+            a_minus_i = theta.t() @ theta - eye  # A − I
+            dists.append(torch.linalg.matrix_norm(a_minus_i))
+            if check_finite:
+                finite.append(torch.isfinite(grads[i]).all())
             g = as_stiefel(grads[i]).to(cdt)
             buf = bufs[i]
             phi = None if buf is None or fresh[i] else as_stiefel(buf).to(cdt)
             phi_new = _velocity(theta, phi, g, lr=lr[i], momentum=momentum[i], feedback=feedback[i])
-            eye = torch.eye(theta.shape[1], dtype=cdt, device=theta.device)
-            fb_theta = -feedback[i] * theta @ (theta.t() @ theta - eye)
+            fb_theta = -feedback[i] * theta @ a_minus_i  # fb_θ = −α θ (A − I)
             theta_new = theta + phi_new + fb_theta
-            param.copy_(from_stiefel(theta_new, param.shape))
+            results.append((from_stiefel(theta_new, param.shape), from_stiefel(phi_new, param.shape)))
+
+    def apply() -> None:
+        for param, buf, (theta_new, phi_new) in zip(params, bufs, results):
+            param.copy_(theta_new)
             if buf is not None:
-                buf.copy_(from_stiefel(phi_new, buf.shape))
+                buf.copy_(phi_new)
 
     dev = params[0].device if params else torch.device("cpu")
     return StepPlan(

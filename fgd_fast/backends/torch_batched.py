@@ -9,7 +9,9 @@ runs without a Python loop over its layers:
 2. O(p³) algebra on ``(L, p, p)`` tensors (:mod:`.algebra`), with ``N = 2I − A`` and
    ``S = sym(B)``: ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]`` and
    ``M_θ = M_Φ − α(A − I)``.
-3. Update pass, two ``baddbmm``: ``U = βΦ − ηg``, ``Φ₊ = U + θM_Φ``, ``θ₊ = θ + U + θM_θ``.
+3. Update pass, two ``baddbmm``: ``U = βΦ − ηg``, ``Φ₊ = U + θM_Φ``, ``θ₊ = θ + U + θM_θ``,
+   into new tensors during ``prepare``; ``apply`` only copies them into place, so a step that
+   fails (including for lack of memory) fails before any write.
 
 A first step (Φ = 0) is the same formula with ``B = C = 0``; ``momentum == 0`` is that
 formula without storing Φ.
@@ -26,7 +28,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import StepPlan, compute_dtype, in_input_order
+from .base import StepPlan, compute_dtype, full_precision, in_input_order
 
 __all__ = ["prepare_torch"]
 
@@ -76,17 +78,21 @@ class _Bucket:
             return torch.baddbmm(u.transpose(1, 2), m.transpose(1, 2), theta.transpose(1, 2))
         return torch.baddbmm(u, theta, m)
 
-    def apply(self) -> None:
+    def update(self) -> None:
+        """Pass 2 into new tensors (nothing is written yet: a failure here changes nothing)."""
         p, x = self.p, self.x
         u = x[:, :, -p:] * (-self.lr)  # U = βΦ − ηg
         if self.reads_phi:
             u.add_(x[:, :, p:2 * p], alpha=self.beta)
-        phi_new = self._times_plus(u, self.m_phi)  # Φ₊ = U + θ M_Φ
-        theta_new = self._times_plus(u.add_(x[:, :, :p]), self.m_theta)  # θ₊ = (θ + U) + θ M_θ
+        self.phi_new = self._times_plus(u, self.m_phi)  # Φ₊ = U + θ M_Φ
+        self.theta_new = self._times_plus(u.add_(x[:, :, :p]), self.m_theta)  # θ₊ = (θ + U) + θ M_θ
+        self.x = None  # the stacked inputs are no longer needed
+
+    def apply(self) -> None:
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
-        torch._foreach_copy_(self.params, [t.reshape(q.shape) for t, q in zip(theta_new.unbind(0), self.params)])
+        torch._foreach_copy_(self.params, [t.reshape(q.shape) for t, q in zip(self.theta_new.unbind(0), self.params)])
         if self.writes_phi:
-            torch._foreach_copy_(self.bufs, [t.reshape(q.shape) for t, q in zip(phi_new.unbind(0), self.bufs)])
+            torch._foreach_copy_(self.bufs, [t.reshape(q.shape) for t, q in zip(self.phi_new.unbind(0), self.bufs)])
 
 
 def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
@@ -96,7 +102,10 @@ def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_f
         reads_phi = bufs[i] is not None and not fresh[i]
         key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
         groups[key].append(i)
-    buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
+    with full_precision():  # IEEE fp32 products whatever the global TF32 setting
+        buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
+        for b in buckets:  # compute θ₊, Φ₊ here: apply() then only copies, so it cannot fail half-way
+            b.update()
     dev = params[0].device if params else torch.device("cpu")
     order = [i for b in buckets for i in b.idx]
     dist = in_input_order([b.dist.to(torch.float64) for b in buckets], order, dev)

@@ -48,7 +48,7 @@ from fgd_fast.kernels import fgd_step as K
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, in_input_order
+from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, device_table, full_precision, in_input_order
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
@@ -112,7 +112,7 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
         if layer == len(np_list) or np_list[layer][1] != np_list[start][1]:
             runs.append((np_list[start][1], start, layer))
             start = layer
-    as_table = lambda rows, width: torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(device)  # noqa: E731
+    as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return _Shapes(
         as_table(gram_sym, 3), as_table(gram_full, 3), as_table(update_work, 2),
         gram_off, m_off, chunk, splits, g_total, m_total, runs,
@@ -155,13 +155,14 @@ class _Class:
             (t.data_ptr(), self.phi[k].data_ptr() if has_phi else 0, self.grad[k].data_ptr())
             for k, t in enumerate(self.theta)
         )
-        self.meta = _tables.get_or(("meta", device, ptrs, tuple(np_list), sh.splits), lambda: torch.tensor(
+        self.meta = _tables.get_or(("meta", device, ptrs, tuple(np_list), sh.splits), lambda: device_table(
             [[*pt, n, p, sh.gram_off[k], sh.m_off[k], sh.chunk[k]] for k, (pt, (n, p)) in enumerate(zip(ptrs, np_list))],
-            dtype=torch.int64,
-        ).to(device))
+            torch.int64, device,
+        ))
         hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
-        self.hyper = _tables.get_or(("hyper", device, hyper_values, self.acc), lambda: torch.tensor(
-            hyper_values, dtype=self.acc).to(device))  # (L, 3): η, β, α
+        self.hyper = _tables.get_or(
+            ("hyper", device, hyper_values, self.acc), lambda: device_table(hyper_values, self.acc, device)
+        )  # (L, 3): η, β, α
 
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
         partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
@@ -175,41 +176,47 @@ class _Class:
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
         # the O(p³) middle, one batch per distinct p
+        # (IEEE fp32 products whatever the global TF32 setting)
         self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
         dists, finites = [], []
-        for p, lo, hi in sh.p_runs:
-            blocks = gram[sh.gram_off[lo]:sh.gram_off[lo] + (hi - lo) * 4 * p * p].view(hi - lo, 4, p, p)
-            h = self.hyper[lo:hi].view(hi - lo, 3, 1, 1)
-            mid = middle(
-                blocks[:, 0], blocks[:, 1] if has_phi else None, blocks[:, 2] if has_phi else None, blocks[:, 3],
-                lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
-            )
-            out = self.mats[sh.m_off[lo]:sh.m_off[lo] + (hi - lo) * 2 * p * p].view(hi - lo, 2, p, p)
-            if has_phi:
-                out[:, 0].copy_(mid.m_phi)  # Φ₊ = U + θ M_Φ
-                out[:, 1].copy_(mid.feedback)  # θ₊ = θ + Φ₊ + θ(−α(A − I))
-            else:
-                out[:, 1].copy_(mid.m_theta)  # θ₊ = θ − ηg + θ M_θ
-            dists.append(mid.dist)
-            finites.append(mid.finite)
+        with full_precision():
+            for p, lo, hi in sh.p_runs:
+                blocks = gram[sh.gram_off[lo]:sh.gram_off[lo] + (hi - lo) * 4 * p * p].view(hi - lo, 4, p, p)
+                h = self.hyper[lo:hi].view(hi - lo, 3, 1, 1)
+                mid = middle(
+                    blocks[:, 0], blocks[:, 1] if has_phi else None, blocks[:, 2] if has_phi else None, blocks[:, 3],
+                    lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
+                )
+                out = self.mats[sh.m_off[lo]:sh.m_off[lo] + (hi - lo) * 2 * p * p].view(hi - lo, 2, p, p)
+                if has_phi:
+                    out[:, 0].copy_(mid.m_phi)  # Φ₊ = U + θ M_Φ
+                    out[:, 1].copy_(mid.feedback)  # θ₊ = θ + Φ₊ + θ(−α(A − I))
+                else:
+                    out[:, 1].copy_(mid.m_theta)  # θ₊ = θ − ηg + θ M_θ
+                dists.append(mid.dist)
+                finites.append(mid.finite)
         self.dist = torch.cat(dists).to(torch.float64)
         self.finite = torch.cat(finites)
         self.p_max = max(p for p, _, _ in sh.p_runs)
         self.device = device
 
-    def apply(self) -> None:
-        sh = self.shapes
-        br = self.update_config["BR"]
-        acc_bytes = torch.finfo(self.acc).bits // 8
+        # the update's scratch is reserved here too, so that apply() allocates nothing: a step
+        # that fails for lack of memory fails before any write.
         # persistent grid: ~2 programs per SM (the update configurations use 8 warps and
         # ~230 registers per thread, one or two resident blocks per SM)
-        programs = _programs_wanted(self.device) // 2 if self.device.type == "cuda" else 2
+        br = self.update_config["BR"]
+        acc_bytes = torch.finfo(self.acc).bits // 8
+        programs = _programs_wanted(device) // 2 if device.type == "cuda" else 2
         programs = max(1, min(programs, sh.update_work.shape[0], SCRATCH_BYTES // (br * self.p_max * acc_bytes)))
-        scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=self.device)
-        args = (self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, scratch, self.p_max)
+        self.programs = programs
+        self.scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=device)
+
+    def apply(self) -> None:
+        sh = self.shapes
+        args = (self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max)
         modes = (K.MODE_PHI, K.MODE_THETA) if self.has_phi else (K.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
-            _launch(K.update_kernel, (programs,), *args, MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config)
+            _launch(K.update_kernel, (self.programs,), *args, MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config)
         for dst, src in self.copy_back:
             dst.copy_(src)
 

@@ -159,7 +159,10 @@ class CayleyBase(StiefelOptimizer):
             if p.grad is None:
                 continue
             check_grad(p, f"parameter {label}")
-            if not group["orthogonal"] or p.numel() == 0:
+            if not group["orthogonal"]:
+                self._check_sgd_state(p, f"parameter {label}")
+                continue
+            if p.numel() == 0:
                 continue
             state = self.state.get(p, {})
             n, pp, rows = stiefel_shape(p.shape)
