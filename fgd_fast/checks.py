@@ -54,6 +54,8 @@ def raise_if_invalid(
         flat_idx = [i for _, _, idx in items for i in idx]
         for i, dv, fv in zip(flat_idx, dists, fins):
             dist_all[i], fin_all[i] = dv, fv != 0.0
+    if check_manifold:  # a non-finite parameter first: fused backends' finite flags see it too (θᵀg)
+        _raise_if_off_manifold(dist_all, labels, max_distance, only_non_finite=True)
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_all) if not ok]
         if bad:
@@ -64,12 +66,18 @@ def raise_if_invalid(
                 "this check off"
             )
     if check_manifold:
-        for i, dv in enumerate(dist_all):
-            if not dv <= max_distance:  # also catches NaN
-                what = "is not finite" if dv != dv else f"is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold"
-                raise ValueError(
-                    f"orthogonal parameter {labels[i]} {what} (the limit is max_distance={max_distance};  "
-                    "2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not applied. Project it "
-                    "first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
-                    "for you); check_manifold=False turns this check off"
-                )
+        _raise_if_off_manifold(dist_all, labels, max_distance)
+
+
+def _raise_if_off_manifold(dist_all: list[float], labels: Sequence[str], max_distance: float, *, only_non_finite: bool = False) -> None:
+    for i, dv in enumerate(dist_all):
+        if only_non_finite and dv == dv:
+            continue
+        if not dv <= max_distance:  # also catches NaN
+            what = "is not finite" if dv != dv else f"is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold"
+            raise ValueError(
+                f"orthogonal parameter {labels[i]} {what} (the limit is max_distance={max_distance};  "
+                "2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not applied. Project it "
+                "first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
+                "for you); check_manifold=False turns this check off"
+            )

@@ -36,13 +36,16 @@ def bench_modules():
 def tiny_run(tmp_path_factory):
     """The suite at ``--bench-scale tiny`` (one round, 3 stability steps per case)."""
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "FGD_BENCH_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+    # not as an xdist worker: pytest-benchmark disables itself when PYTEST_XDIST_WORKER is set
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(FGD_BENCH_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider", "--bench-scale", "tiny",
         f"--benchmark-json={out / 'run.json'}", f"--bench-record={out / 'run.jsonl'}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert (out / "run.json").stat().st_size, "pytest-benchmark wrote no JSON:\n" + (proc.stdout + proc.stderr)[-4000:]
     return out
 
 
