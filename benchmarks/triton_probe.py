@@ -1,0 +1,180 @@
+"""Where the Triton step's time goes, and which kernel configuration is fastest (GPU only).
+
+Usage (repository root, on a GPU machine, after ``gpu_check.py`` or an editable install)::
+
+    python benchmarks/triton_probe.py OUT.json [--budget 180] [--workload wrn-28-10]
+
+On the full-size workload (default WRN-28-10, rule "official"), with ``triton.testing.do_bench``
+(median of CUDA-event timings after warm-up, random data):
+
+1. the reference points: an fp32 ``bmm`` Gram ``θᵀθ`` of the same layers (TF32 off), and the
+   whole step of ``backend="torch"``;
+2. the Triton step split into its phases: the Gram launches, prepare (Gram + middle), apply
+   (the update launches), for each precision;
+3. a sweep of Gram and update configurations for ``("float32", "ieee")`` (each timed alone,
+   the other kernel at its default). A configuration measured here is only a candidate: it is
+   selectable only after ``kernels/aot.py`` compiles it without spills for sm_80 and sm_90.
+
+Results go to OUT.json as they come (a run cut off keeps what it measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GRAM_CANDIDATES = [
+    dict(BP=64, BK=32, num_warps=8, num_stages=3),
+    dict(BP=64, BK=16, num_warps=4, num_stages=3),
+    dict(BP=64, BK=32, num_warps=4, num_stages=2),
+    dict(BP=128, BK=16, num_warps=8, num_stages=2),
+    dict(BP=128, BK=32, num_warps=8, num_stages=2),
+    dict(BP=32, BK=32, num_warps=4, num_stages=3),
+    dict(BP=64, BK=64, num_warps=8, num_stages=2),
+]
+UPDATE_CANDIDATES = [
+    dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
+    dict(BR=64, BN=64, BK=16, num_warps=8, num_stages=1),
+    dict(BR=128, BN=32, BK=16, num_warps=8, num_stages=1),
+    dict(BR=128, BN=64, BK=16, num_warps=8, num_stages=1),
+    dict(BR=32, BN=64, BK=32, num_warps=4, num_stages=1),
+    dict(BR=64, BN=64, BK=32, num_warps=8, num_stages=2),
+    dict(BR=64, BN=128, BK=16, num_warps=8, num_stages=1),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--budget", type=float, default=180.0)
+    ap.add_argument("--workload", default="wrn-28-10")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU (TRITON_INTERPRET=1, tiny shapes)")
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget
+
+    import fgd_fast
+
+    from fgd_fast.backends import triton as TB
+    from fgd_fast.kernels import fgd_step as K
+    from fgd_fast.functional import fgd
+    from machine import environment
+    from workloads import layer_shapes, weight_shapes, workloads
+
+    dev = torch.device("cpu" if args.cpu_dry_run else "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.cpu_dry_run:  # rehearsal under the interpreter: tiny shapes, wall-clock timing
+        def do_bench(fn):
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    else:
+        from triton.testing import do_bench
+    w = {x.name: x for x in workloads("tiny" if args.cpu_dry_run else "full")}[args.workload]
+    shapes = weight_shapes(w)
+    np_list = layer_shapes(w)
+    out: dict = {"environment": environment(dev), "workload": args.workload, "layers": np_list, "results": []}
+    path = Path(args.out)
+
+    def record(**kw):
+        out["results"].append(kw)
+        path.write_text(json.dumps(out, indent=1, default=str))
+        print(json.dumps(kw), flush=True)
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    params = [fgd_fast.orthogonalize_(torch.randn(s, device=dev, generator=g)) for s in shapes]
+    grads = [torch.randn(s, device=dev, generator=g) / 100 for s in shapes]
+    flops = 10 * sum(n * p * p for n, p in np_list)
+
+    def fresh_bufs():
+        return [torch.randn(s, device=dev, generator=g) / 1000 for s in shapes]
+
+    bufs = fresh_bufs()
+
+    def step(backend, **kw):
+        fgd(params, grads, bufs, lr=1e-4, momentum=0.9, feedback=0.4, backend=backend, **kw)
+
+    # 1. reference points
+    thetas = [p.reshape(p.shape[0], -1) for p in params]
+    thetas = [t if t.shape[0] >= t.shape[1] else t.T for t in thetas]
+    by_shape: dict = {}
+    for t in thetas:
+        by_shape.setdefault(tuple(t.shape), []).append(t)
+    stacks = [torch.stack(v) for v in by_shape.values()]
+    ms = do_bench(lambda: [torch.bmm(s.transpose(1, 2), s) for s in stacks])
+    record(what="torch bmm Gram A (fp32)", ms=ms, tflops=sum(2 * s.shape[0] * s.shape[1] * s.shape[2] ** 2 for s in stacks) / ms / 1e9)
+    ms = do_bench(lambda: step("torch"))
+    record(what="step torch", ms=ms, tflops=flops / ms / 1e9)
+
+    # 2. phases of the Triton step
+    for precision in ("ieee", "tf32x3", "tf32"):
+        if time.monotonic() > deadline:
+            break
+        ms = do_bench(lambda: step("triton", precision=precision))
+        record(what=f"step triton {precision}", ms=ms, tflops=flops / ms / 1e9)
+        plan_box = {}
+
+        def prep():
+            plan_box["plan"] = TB.prepare_triton(params, grads, bufs, [False] * len(params), lr=[1e-4] * len(params),
+                                                 momentum=[0.9] * len(params), feedback=[0.4] * len(params),
+                                                 check_finite=True, precision=precision)
+        ms = do_bench(prep)
+        record(what=f"prepare (gram + middle) {precision}", ms=ms)
+        ms = do_bench(lambda: plan_box["plan"].apply())
+        record(what=f"apply (update) {precision}", ms=ms)
+
+    # 3. configuration sweeps, float32 ieee
+    def phase_times(label, table, key, cfg):
+        old = table[key]
+        table[key] = cfg
+        try:
+            t0 = time.monotonic()
+            step("triton")
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            compile_s = time.monotonic() - t0
+            box = {}
+
+            def prep():
+                box["plan"] = TB.prepare_triton(params, grads, bufs, [False] * len(params), lr=[1e-4] * len(params),
+                                                momentum=[0.9] * len(params), feedback=[0.4] * len(params),
+                                                check_finite=True, precision="ieee")
+            p_ms = do_bench(prep)
+            a_ms = do_bench(lambda: box["plan"].apply())
+            record(what=f"sweep {label}", cfg=cfg, prepare_ms=p_ms, apply_ms=a_ms, compile_s=compile_s)
+        except Exception as exc:  # a candidate that fails to compile or run is a result too
+            record(what=f"sweep {label}", cfg=cfg, error=repr(exc)[:300])
+        finally:
+            table[key] = old
+
+    key = ("float32", "ieee")
+    for gc, uc in zip(GRAM_CANDIDATES, UPDATE_CANDIDATES):
+        if time.monotonic() > deadline:
+            break
+        phase_times("gram", K.GRAM_CONFIG, key, gc)
+        if time.monotonic() > deadline:
+            break
+        phase_times("update", K.UPDATE_CONFIG, key, uc)
+    # the update's persistent grid: programs per SM
+    for per_sm in (1, 4, 8):
+        if time.monotonic() > deadline:
+            break
+        old = TB._programs_wanted
+        TB._programs_wanted = lambda d, k=per_sm: 2 * k * (torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 1)
+        try:
+            ms = do_bench(lambda: step("triton"))
+            record(what=f"step triton ieee, update programs {per_sm}/SM", ms=ms)
+        finally:
+            TB._programs_wanted = old
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
