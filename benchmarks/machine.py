@@ -36,14 +36,18 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git_commit() -> dict[str, object]:
-    """``{"id", "dirty", "source"}`` of the checkout; ``FGD_BENCH_COMMIT`` when there is no git."""
+    """``{"id", "dirty", "source"}``: ``FGD_BENCH_COMMIT`` when set, else the checkout's HEAD.
+
+    The explicit value wins: a copied working tree (the GPU machine's) can carry a ``.git``
+    whose HEAD is older than the files; the source digest identifies the files either way.
+    """
+    given = os.environ.get("FGD_BENCH_COMMIT")
+    if given:
+        return {"id": given, "dirty": None, "source": "FGD_BENCH_COMMIT"}
     commit = _run(["git", "rev-parse", "HEAD"], ROOT)
     if commit:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)
         return {"id": commit, "dirty": bool(status), "source": "git"}
-    given = os.environ.get("FGD_BENCH_COMMIT")
-    if given:
-        return {"id": given, "dirty": None, "source": "FGD_BENCH_COMMIT"}
     return {"id": "unknown", "dirty": None, "source": "no git checkout and FGD_BENCH_COMMIT unset"}
 
 

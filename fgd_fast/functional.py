@@ -26,13 +26,14 @@ __all__ = ["fgd", "sgd", "backend_for"]
 
 
 @lru_cache(maxsize=None)
-def _cached_backend(name: str, device_type: str) -> tuple[str, Backend]:
-    return resolve_backend(name, torch.device(device_type))
+def _cached_backend(name: str, device_type: str, precision: str = "ieee") -> tuple[str, Backend]:
+    return resolve_backend(name, torch.device(device_type), precision)
 
 
-def backend_for(name: str, device: torch.device | str) -> str:
-    """The backend ``name`` resolves to for tensors on ``device`` (raises if it cannot run)."""
-    return _cached_backend(name, torch.device(device).type)[0]
+def backend_for(name: str, device: torch.device | str, precision: str = "ieee") -> str:
+    """The backend ``name`` resolves to for tensors on ``device`` at ``precision`` (raises if
+    it cannot run)."""
+    return _cached_backend(name, torch.device(device).type, precision)[0]
 
 
 def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:
@@ -103,7 +104,7 @@ def fgd(
 
     plans, index = [], []
     for device, idx in by_device.items():
-        _, prepare = _cached_backend(backend, device.type)
+        _, prepare = _cached_backend(backend, device.type, precision)
         pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
         plans.append(
             prepare(

@@ -51,21 +51,23 @@ class FGD(StiefelOptimizer):
             (the paper's α relates as α = η·α_paper/4).
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
-            ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run).
+            ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run). On an H200
+            the ``"torch"`` backend was measured fastest in full fp32 precision, so ``"auto"``
+            is ``"torch"`` unless ``precision="tf32"`` asks for Triton's tensor-core path.
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
             parameter's gradient has NaN/Inf.
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
-            ``fgd_fast.orthogonalize_`` first).
+            ``fgd_fast.orthogonalize_`` first). Both checks share one host synchronisation
+            per step; turn both off to capture ``step()`` in a CUDA graph.
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
-        precision: fp32 products of the Triton backend (``backend="triton"``, or ``"auto"``
-            when it resolves to Triton): ``"ieee"`` (default), ``"tf32x3"`` (tensor cores,
-            close to fp32) or ``"tf32"`` (opt-in; ~1e-3 relative error in θᵀθ, so θ settles
-            ~1e-3 off the manifold). The other backends always compute in full precision
-            (whatever torch's global TF32 setting), so an explicit one with a precision other
-            than ``"ieee"`` is refused.
-            Both checks share one host synchronisation per step; turn both off to capture
-            ``step()`` in a CUDA graph.
+        precision: fp32 products of the Triton backend: ``"ieee"`` (default), ``"tf32x3"``
+            (3×TF32 on tensor cores, close to fp32) or ``"tf32"`` (opt-in; ~1e-3 relative
+            error in θᵀθ, so θ settles ~1e-3 off the manifold). ``"auto"`` picks Triton on
+            CUDA tensors for ``"tf32"`` (faster than the torch backend) and the full-precision
+            torch backend otherwise (``"tf32x3"`` measured slower than it). The other
+            backends always compute in full precision (whatever torch's global TF32
+            setting), so an explicit one with a precision other than ``"ieee"`` is refused.
     """
 
     def __init__(
@@ -154,7 +156,7 @@ class FGD(StiefelOptimizer):
     # -- introspection ----------------------------------------------------------------------
     def resolved_backend(self, device: torch.device | str = "cpu") -> str:
         """The backend that ``step()`` runs on tensors of ``device``."""
-        return backend_for(self.backend, device)
+        return backend_for(self.backend, device, self.precision)
 
 
 def _check_group(group: dict[str, Any]) -> None:

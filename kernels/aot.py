@@ -37,8 +37,6 @@ def _kernels():
         return module
 
 
-# parameter element type -> accumulation type, as fgd_fast.backends.base.compute_dtype
-ACC_OF = {"float32": "float32", "float16": "float32", "bfloat16": "float32", "float64": "float64"}
 PRECISIONS = {"float32": ("ieee", "tf32x3", "tf32"), "float64": ("ieee",)}
 _PTR = {"float32": "*fp32", "float64": "*fp64"}
 
@@ -47,13 +45,13 @@ def configurations():
     """Every (kernel, constexprs, options) the dispatcher can launch."""
     K = _kernels()
     out = []
-    for dtype, acc in ACC_OF.items():
+    for dtype, acc in K.ACC_OF.items():
         for precision, rows in itertools.product(PRECISIONS[acc], (True, False)):
             common = dict(DTYPE=dtype, ACC=acc, ROWS=rows, PRECISION=precision)
             for block in (K.BLOCK_A, K.BLOCK_B, K.BLOCK_C, K.BLOCK_E):
-                out.append(("gram_kernel", dict(common, BLOCK=block), K.GRAM_CONFIG[acc, precision]))
+                out.append(("gram_kernel", dict(common, BLOCK=block), K.kernel_config(K.GRAM_CONFIG, dtype, precision)))
             for mode, has_phi in ((K.MODE_PHI, True), (K.MODE_THETA, True), (K.MODE_THETA, False)):
-                out.append(("update_kernel", dict(common, MODE=mode, HAS_PHI=has_phi), K.UPDATE_CONFIG[acc, precision]))
+                out.append(("update_kernel", dict(common, MODE=mode, HAS_PHI=has_phi), K.kernel_config(K.UPDATE_CONFIG, dtype, precision)))
     return out
 
 

@@ -178,19 +178,36 @@ def update_kernel(
             tl.debug_barrier()  # every read of the slab is done before the next snapshot
 
 
-# Tile sizes, warps and pipeline stages per (accumulation type, precision). A selectable
-# configuration must compile for sm_80 and sm_90 without spilling: kernels/aot.py compiles
-# every one (tests/test_triton_aot.py runs it). Chosen from a compile-only sweep (no GPU
-# timing yet): the largest tiles that keep STACK:0 on both targets with triton 3.6 and 3.8.
+# Tile sizes, warps and pipeline stages per (element type, precision); an element type
+# without its own entry uses its accumulation type's (see ``kernel_config``). A selectable
+# configuration must compile for sm_80 and sm_90 without spilling, with triton 3.6 and 3.8:
+# kernels/aot.py compiles every one (tests/test_triton_aot.py runs it). float32 "ieee": the
+# fastest spill-free candidates of a GPU sweep (benchmarks/triton_probe.py on an H200,
+# WRN-28-10 "official"; benchmarks/results/gpu-h200-2026-11-26-triton-probe.md): Gram
+# 12.3 ms and update 3.7 ms against 19.5 ms and 5.7 ms for the compile-only choice they
+# replace, which fp16/bf16 parameters keep (converting from 16 bits, the new tiles spill a
+# few bytes). The other entries: the largest tiles that keep STACK:0 (compile-only sweep,
+# not yet timed on a GPU).
 GRAM_CONFIG = {
-    ("float32", "ieee"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
+    ("float32", "ieee"): dict(BP=64, BK=16, num_warps=4, num_stages=3),
+    ("float16", "ieee"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
+    ("bfloat16", "ieee"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
     ("float32", "tf32x3"): dict(BP=64, BK=16, num_warps=8, num_stages=3),
     ("float32", "tf32"): dict(BP=64, BK=32, num_warps=8, num_stages=3),
     ("float64", "ieee"): dict(BP=32, BK=16, num_warps=8, num_stages=3),
 }
 UPDATE_CONFIG = {
-    ("float32", "ieee"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
+    ("float32", "ieee"): dict(BR=32, BN=64, BK=32, num_warps=4, num_stages=1),
+    ("float16", "ieee"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
+    ("bfloat16", "ieee"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
     ("float32", "tf32x3"): dict(BR=64, BN=32, BK=16, num_warps=8, num_stages=1),
     ("float32", "tf32"): dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
     ("float64", "ieee"): dict(BR=32, BN=32, BK=16, num_warps=8, num_stages=1),
 }
+#: parameter element type -> accumulation type (as fgd_fast.backends.base.compute_dtype)
+ACC_OF = {"float32": "float32", "float16": "float32", "bfloat16": "float32", "float64": "float64"}
+
+
+def kernel_config(table: dict, dtype: str, precision: str) -> dict:
+    """The configuration of ``table`` for parameters of element type ``dtype``."""
+    return table.get((dtype, precision)) or table[ACC_OF[dtype], precision]

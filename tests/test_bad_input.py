@@ -172,6 +172,25 @@ def test_explicit_backend_that_cannot_run_fails_loudly(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu"))[0] == "torch"  # auto never raises
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_is_the_measured_fastest(device, precision):
+    """auto = torch (fastest in full precision on an H200), Triton only for tf32 on CUDA
+    devices, and only when it loads; resolving needs no GPU."""
+    name = resolve_backend("auto", torch.device(device), precision)[0]
+    if device == "cuda" and precision == "tf32":
+        try:
+            resolve_backend("triton", torch.device("cuda"))
+            expected = "triton"
+        except BackendUnavailable:
+            expected = "torch"
+    else:
+        expected = "torch"
+    assert name == expected
+    opt = fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, precision=precision)
+    assert opt.resolved_backend(device) == expected
+
+
 def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():
     net = _model().cpu()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend="cuda")

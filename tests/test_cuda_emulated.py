@@ -335,7 +335,7 @@ def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
     real = functional._cached_backend
     monkeypatch.setattr(
         functional, "_cached_backend",
-        lambda name, device_type: ("cuda", cuda.prepare_cuda) if name == "cuda" else real(name, device_type),
+        lambda name, device_type, precision="ieee": ("cuda", cuda.prepare_cuda) if name == "cuda" else real(name, device_type, precision),
     )
     groups = [
         ([(130, 150), (8, 4, 3, 3)], dict(lr=0.1, momentum=0.9, feedback=0.4)),

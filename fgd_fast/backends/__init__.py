@@ -62,12 +62,17 @@ def _load_cuda(device: torch.device) -> Backend:
     return prepare_cuda
 
 
-def resolve_backend(name: str, device: torch.device) -> tuple[str, Backend]:
+def resolve_backend(name: str, device: torch.device, precision: str = "ieee") -> tuple[str, Backend]:
     """``(resolved name, prepare function)`` for ``name`` on ``device``.
 
-    ``"auto"`` picks the fastest backend that loads (triton, then cuda on CUDA devices;
-    torch otherwise) and never raises; an explicit name that cannot run raises
-    :class:`BackendUnavailable` with the reason.
+    ``"auto"`` picks the fastest backend that loads and never raises. Measured on an H200
+    (``benchmarks/results/gpu-h200-2026-11-26.md``), the ``torch`` backend's cuBLAS products
+    beat both fused backends in full fp32 precision (WRN-28-10: torch 7.9 ms, cuda 15.4 ms,
+    triton 25.7 ms), so ``"auto"`` is ``torch`` on every device, except that for
+    ``precision="tf32"`` (Triton only) it picks ``triton`` on CUDA devices when it loads
+    (5.6 ms against the torch backend's 7.0 ms; ``"tf32x3"`` at 19 ms is slower than full
+    precision in the torch backend, so it stays there).
+    An explicit name that cannot run raises :class:`BackendUnavailable` with the reason.
     """
     loaders: dict[str, Callable[[], Backend]] = {
         "reference": _load_reference,
@@ -79,10 +84,9 @@ def resolve_backend(name: str, device: torch.device) -> tuple[str, Backend]:
         if name not in loaders:
             raise ValueError(f"unknown backend={name!r}: choose one of {', '.join(map(repr, BACKENDS))}")
         return name, loaders[name]()
-    if device.type == "cuda":
-        for candidate in ("triton", "cuda"):
-            try:
-                return candidate, loaders[candidate]()
-            except BackendUnavailable:
-                continue
+    if device.type == "cuda" and precision == "tf32":
+        try:
+            return "triton", loaders["triton"]()
+        except BackendUnavailable:
+            pass
     return "torch", _load_torch()

@@ -23,10 +23,10 @@ steady training) copies nothing to the device and never synchronises with the ho
 
 Scratch, bounded: Gram partials ``splits × Σ 4p²`` (only when splitting, capped at
 ``SCRATCH_BYTES``) and the update snapshot ``programs × BR × p_max`` (programs capped so it
-stays under ``SCRATCH_BYTES``; BR = 64 rows for float32), besides the Gram blocks
+stays under ``SCRATCH_BYTES``; BR = 32 rows for float32), besides the Gram blocks
 ``Σ 4p²`` and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official", Σp² =
 3.76e6) on an H100 (132 SMs): 60 MB of Gram blocks, 30 MB of M, no split partials (532
-symmetric tiles already fill the GPU) and 43 MB of snapshot (264 programs × 64 × 640 fp32),
+symmetric tiles already fill the GPU) and 22 MB of snapshot (264 programs × 32 × 640 fp32),
 next to 135 MB of constrained parameters; parameters whose memory is not a dense ``(c_o, m)`` matrix
 (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
@@ -134,8 +134,9 @@ class _Class:
         acc_name = str(self.acc).removeprefix("torch.")
         precision = "ieee" if self.acc == torch.float64 else precision
         self.consts = dict(DTYPE=_TL[dtype], ACC=_TL[self.acc], ROWS=rows, PRECISION=precision)
-        self.gram_config = K.GRAM_CONFIG[acc_name, precision]
-        self.update_config = K.UPDATE_CONFIG[acc_name, precision]
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.gram_config = K.kernel_config(K.GRAM_CONFIG, dtype_name, precision)
+        self.update_config = K.kernel_config(K.UPDATE_CONFIG, dtype_name, precision)
         layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)  # group equal p
         self.layers = layers
         np_list = [stiefel_shape(params[i].shape)[:2] for i in layers]
@@ -202,8 +203,8 @@ class _Class:
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
         # that fails for lack of memory fails before any write.
-        # persistent grid: ~2 programs per SM (the update configurations use 8 warps and
-        # ~230 registers per thread, one or two resident blocks per SM)
+        # persistent grid: ~2 programs per SM (on an H200, 1, 2, 4 or 8 per SM timed within
+        # 3% of each other: benchmarks/results/gpu-h200-2026-11-26-triton-probe.md)
         br = self.update_config["BR"]
         acc_bytes = torch.finfo(self.acc).bits // 8
         programs = _programs_wanted(device) // 2 if device.type == "cuda" else 2
