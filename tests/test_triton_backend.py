@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fgd_fast
-from helpers import backend_reason, device_for_tests
+from helpers import backend_params, backend_reason, device_for_tests
 from oracle import random_stiefel
 
 pytestmark = pytest.mark.skipif(
@@ -95,12 +95,14 @@ def test_unknown_precision_is_refused():
         fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, precision="fp8")
 
 
-def test_step_without_checks_never_reads_device_values(monkeypatch):
+@pytest.mark.parametrize("backend", backend_params(("torch", "triton", "cuda")))
+def test_step_without_checks_never_reads_device_values(monkeypatch, backend):
     """With both checks off, step() makes no host synchronisation (capturable): no
-    .item()/.tolist()/.cpu()/bool() on a tensor happens inside it."""
+    .item()/.tolist()/.cpu()/bool() on a tensor happens inside it. ``"torch"`` too: it is
+    what ``"auto"`` runs."""
     shapes = [(8, 4, 3, 3), (20, 6)]
     params, grads = _problem(shapes)
-    opt = _steps(params, grads, "triton", steps=2, check_finite=False, check_manifold=False)
+    opt = _steps(params, grads, backend, steps=2, check_finite=False, check_manifold=False)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host synchronisation inside step()")
