@@ -59,7 +59,9 @@ class FGD(StiefelOptimizer):
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
             ``fgd_fast.orthogonalize_`` first). Both checks share one host synchronisation
-            per step; turn both off to capture ``step()`` in a CUDA graph.
+            per step; turn both off to capture ``step()`` in a CUDA graph (warm up with two
+            steps first; a replay reuses the captured step's hyper-parameters, so a new lr
+            means a new capture).
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
         precision: fp32 products of the Triton backend: ``"ieee"`` (default), ``"tf32x3"``
             (3×TF32 on tensor cores, close to fp32) or ``"tf32"`` (opt-in; ~1e-3 relative

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
@@ -59,17 +58,36 @@ class Backend(Protocol):
     ) -> StepPlan: ...
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class TableCache(OrderedDict):
     """A small LRU dict for the device tables of the fused backends (metadata, work lists),
-    keyed on what they are built from, so steady-state steps copy nothing to the device."""
+    keyed on what they are built from, so steady-state steps copy nothing to the device.
+
+    A table used while a CUDA graph is being captured is pinned: the graph reads its memory
+    at every replay, so it is never evicted (an evicted table's memory could be reused).
+    At most ``capacity`` unpinned entries are kept.
+    """
+
+    def __init__(self, capacity: int = 64):
+        super().__init__()
+        self.capacity = capacity
+        self.pinned: set = set()
 
     def get_or(self, key, make):
         if key in self:
             self.move_to_end(key)
-            return self[key]
-        value = self[key] = make()
-        if len(self) > 64:
-            self.popitem(last=False)
+            value = self[key]
+        else:
+            value = self[key] = make()
+        if _capturing():
+            self.pinned.add(key)
+        unpinned = [k for k in self if k not in self.pinned]  # oldest first
+        for k in unpinned[: max(0, len(unpinned) - self.capacity)]:
+            del self[k]
         return value
 
 
@@ -95,12 +113,17 @@ def full_precision():
         torch.set_float32_matmul_precision(saved)
 
 
-@lru_cache(maxsize=64)
+_permutations = TableCache()
+
+
 def _inverse_permutation(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    inverse = [0] * len(order)
-    for position, i in enumerate(order):
-        inverse[i] = position
-    return device_table(inverse, torch.long, device)
+    def make() -> torch.Tensor:
+        inverse = [0] * len(order)
+        for position, i in enumerate(order):
+            inverse[i] = position
+        return device_table(inverse, torch.long, device)
+
+    return _permutations.get_or((order, device), make)
 
 
 def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:
