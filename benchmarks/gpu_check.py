@@ -16,7 +16,10 @@ Phases, each in a subprocess with its own timeout (its output in ``OUTDIR/<phase
    JUnit XML (``tests-junit.xml``).
 3. **bench**: ``python -m pytest benchmarks`` on the full workloads (``bench.json``, and
    ``bench-cases.jsonl`` written case by case, which survives a timeout).
-4. **report**: ``bench-report.md`` from ``benchmarks/report.py``, and ``report.md`` with the
+4. **triton-probe** (GPU only; ``--no-probe`` skips it): ``benchmarks/triton_probe.py``, the
+   phases of the Triton step and a tile sweep on WRN-28-10 (``triton_probe.json``), in the
+   last ~75 s the benchmarks leave.
+5. **report**: ``bench-report.md`` from ``benchmarks/report.py``, and ``report.md`` with the
    machine (device, driver, torch, triton, commit, source digest), every phase's outcome, the
    test summary and the benchmark report.
 
@@ -48,6 +51,7 @@ REPORT_RESERVE_S = 25
 BUILD_MAX_S = 200
 TESTS_MAX_S = 180
 BENCH_MIN_S = 150
+PROBE_S = 75  # kept for the Triton probe after the benchmarks (GPU runs)
 
 
 class Check:
@@ -207,7 +211,40 @@ def bench(check: Check) -> None:
         f"--benchmark-json={check.out / 'bench.json'}", f"--bench-record={check.out / 'bench-cases.jsonl'}",
         "--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name",
     ]
-    check.run("bench", cmd, check.left() - REPORT_RESERVE_S)
+    check.run("bench", cmd, check.left() - REPORT_RESERVE_S - (PROBE_S if _probing(check) else 0))
+
+
+def _probing(check: Check) -> bool:
+    return getattr(check.args, "probe", True) and not check.args.cpu_dry_run
+
+
+def probe(check: Check) -> None:
+    """``benchmarks/triton_probe.py``: phases of the Triton step and a tile sweep (GPU only)."""
+    if not _probing(check):
+        check.result["phases"]["triton-probe"] = {"ok": True, "skipped": "--no-probe or CPU dry run"}
+        return
+    budget = check.left() - REPORT_RESERVE_S - 15
+    if budget < 30:
+        check.result["phases"]["triton-probe"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
+        return
+    cmd = [sys.executable, "benchmarks/triton_probe.py", str(check.out / "triton_probe.json"), "--budget", str(round(budget - 20))]
+    check.run("triton-probe", cmd, budget)
+
+
+def _probe_lines(check: Check) -> list[str]:
+    try:
+        results = json.loads((check.out / "triton_probe.json").read_text(encoding="utf-8"))["results"]
+    except (OSError, ValueError, KeyError):
+        return []
+    lines = ["", "## Triton probe (WRN-28-10, `benchmarks/triton_probe.py`)", ""]
+    for r in results:
+        if "ms" in r:
+            lines.append(f"- {r['what']}: {r['ms']:.3g} ms")
+        elif "error" in r:
+            lines.append(f"- {r['what']} {r.get('cfg')}: {r['error']}")
+        else:
+            lines.append(f"- {r['what']} {r.get('cfg')}: prepare {r['prepare_ms']:.3g} ms, apply {r['apply_ms']:.3g} ms")
+    return lines
 
 
 def report(check: Check) -> None:
@@ -252,6 +289,7 @@ def render(check: Check) -> str:
         lines += ["#" + ln if ln.startswith("#") else ln for ln in text]  # one heading level down
     else:
         lines.append("No benchmark result; see `bench.log`.")
+    lines += _probe_lines(check)
     return "\n".join(lines) + "\n"
 
 
@@ -263,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU: tiny shapes, a few tests")
     ap.add_argument("--no-install", action="store_true", help="skip the pip installs (the package is installed already)")
     ap.add_argument("--tests", help="pytest selection for the tests phase (default: tests; dry run: a few fast ones)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe after the benchmarks")
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)")
     ap.add_argument("--digest", action="store_true", help="print this checkout's source digest and exit")
     args = ap.parse_args(argv)
@@ -272,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.outdir:
         ap.error("OUTDIR is required")
     check = Check(args)
-    for phase in (build, tests, bench):
+    for phase in (build, tests, bench, probe):
         try:
             phase(check)
         except Exception as exc:  # an orchestration bug must not lose the other phases

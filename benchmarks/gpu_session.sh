@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine does a whole GPU session's checks:
+#
+#   bash benchmarks/gpu_session.sh COMMIT [BUDGET_S]      # from the repository root
+#
+# installs any wheels carried in .whl/ (e.g. geoopt; the machine has no network) into
+# /tmp/site, runs benchmarks/gpu_check.py into /tmp/gpu_check (build, tests, benchmarks,
+# Triton probe, report; COMMIT is recorded because a copied .git may be stale), then copies
+# the reports and raw JSON into $OUT (default /tmp/gpu_out) with everything, logs included, in
+# one all.tgz: few files, since a device call returns only a handful. Exit status: gpu_check's.
+set -u
+commit=${1:?usage: bash benchmarks/gpu_session.sh COMMIT [BUDGET_S]}
+budget=${2:-500}
+out=${OUT:-/tmp/gpu_out}
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>/dev/null
+timeout $((budget + 30)) python3 benchmarks/gpu_check.py /tmp/gpu_check --budget "$budget" --commit "$commit" > /tmp/gpu_check.out 2>&1
+rc=$?
+grep -A12 "^| phase" /tmp/gpu_check.out
+grep -A4 "^## Tests" /tmp/gpu_check.out | head -8
+mkdir -p "$out"
+for f in report.md gpu_check.json bench.json tests-junit.xml triton_probe.json; do
+  [ -f "/tmp/gpu_check/$f" ] && cp "/tmp/gpu_check/$f" "$out/"
+done
+tar czf "$out/all.tgz" -C /tmp gpu_check gpu_check.out
+echo "gpu_check exit $rc; files in $out"
+exit $rc
