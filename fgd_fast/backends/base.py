@@ -30,6 +30,7 @@ import torch
 
 __all__ = [
     "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "full_precision", "in_input_order",
+    "plan_of",
 ]
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -134,6 +135,21 @@ def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.de
     if not parts:
         return torch.zeros(0, device=device)
     return torch.cat(parts)[_inverse_permutation(tuple(order), device)]
+
+
+def plan_of(units: list, device: torch.device, check_finite: bool) -> StepPlan:
+    """The :class:`StepPlan` of a backend's units (launch classes, buckets): each has
+    ``layers`` (its positions in the input lists), per-layer ``dist`` and ``finite`` device
+    tensors and an ``apply()`` that performs its writes."""
+    order = [i for u in units for i in u.layers]
+    dist = in_input_order([u.dist.to(torch.float64) for u in units], order, device)
+    finite = in_input_order([u.finite for u in units], order, device) if check_finite else None
+
+    def apply() -> None:
+        for u in units:
+            u.apply()
+
+    return StepPlan(dist=dist, finite=finite, apply=apply)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

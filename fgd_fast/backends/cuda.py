@@ -58,7 +58,7 @@ import torch
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, device_table, full_precision, in_input_order
+from .base import PRECISIONS, TableCache, compute_dtype, device_table, full_precision, plan_of
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 
@@ -233,13 +233,4 @@ def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_fi
     built = [
         _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype) for dtype, idx in classes.items()
     ]
-    dev = params[0].device if params else torch.device("cpu")
-    order = [i for c in built for i in c.layers]
-    dist = in_input_order([c.dist.to(torch.float64) for c in built], order, dev)
-    finite = in_input_order([c.finite for c in built], order, dev) if check_finite else None
-
-    def apply() -> None:
-        for c in built:
-            c.apply()
-
-    return StepPlan(dist=dist, finite=finite, apply=apply)
+    return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

@@ -28,7 +28,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import StepPlan, compute_dtype, full_precision, in_input_order
+from .base import compute_dtype, full_precision, plan_of
 
 __all__ = ["prepare_torch"]
 
@@ -44,7 +44,7 @@ class _Bucket:
     def __init__(self, idx, params, grads, bufs, key, check_finite):
         n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
         cdt = compute_dtype(dtype)
-        self.idx, self.lr, self.beta, self.rows = idx, lr, beta, rows
+        self.layers, self.lr, self.beta, self.rows = idx, lr, beta, rows
         self.reads_phi, self.writes_phi, self.p = reads_phi, writes_phi, p
         self.params = [params[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
@@ -106,13 +106,4 @@ def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_f
         buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
         for b in buckets:  # compute θ₊, Φ₊ here: apply() then only copies, so it cannot fail half-way
             b.update()
-    dev = params[0].device if params else torch.device("cpu")
-    order = [i for b in buckets for i in b.idx]
-    dist = in_input_order([b.dist.to(torch.float64) for b in buckets], order, dev)
-    finite = in_input_order([b.finite for b in buckets], order, dev) if check_finite else None
-
-    def apply() -> None:
-        for b in buckets:
-            b.apply()
-
-    return StepPlan(dist=dist, finite=finite, apply=apply)
+    return plan_of(buckets, params[0].device if params else torch.device("cpu"), check_finite)

@@ -48,7 +48,7 @@ from fgd_fast.kernels import fgd_step as K
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import PRECISIONS, StepPlan, TableCache, compute_dtype, device_table, full_precision, in_input_order
+from .base import PRECISIONS, TableCache, compute_dtype, device_table, full_precision, plan_of
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
@@ -234,13 +234,4 @@ def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_
         _Class(idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision)
         for (dtype, has_phi, rows), idx in classes.items()
     ]
-    dev = params[0].device if params else torch.device("cpu")
-    order = [i for c in built for i in c.layers]
-    dist = in_input_order([c.dist for c in built], order, dev)
-    finite = in_input_order([c.finite for c in built], order, dev) if check_finite else None
-
-    def apply() -> None:
-        for c in built:
-            c.apply()
-
-    return StepPlan(dist=dist, finite=finite, apply=apply)
+    return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)
