@@ -19,10 +19,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>/dev/null
-timeout $((budget + 30)) python3 benchmarks/gpu_check.py /tmp/gpu_check --budget "$budget" --commit "$commit" > /tmp/gpu_check.out 2>&1
+# GPU_CHECK_ARGS: more options for gpu_check.py (e.g. "--cpu-dry-run --no-install" to rehearse)
+# shellcheck disable=SC2086
+timeout $((budget + 30)) python3 benchmarks/gpu_check.py /tmp/gpu_check --budget "$budget" --commit "$commit" ${GPU_CHECK_ARGS:-} > /tmp/gpu_check.out 2>&1
 rc=$?
-grep -A12 "^| phase" /tmp/gpu_check.out
-grep -A4 "^## Tests" /tmp/gpu_check.out | head -8
+sed -n '/^| phase/,/^$/p' /tmp/gpu_check.out
+grep -m1 -A2 "^## Tests" /tmp/gpu_check.out
 mkdir -p "$out"
 for f in report.md gpu_check.json bench.json tests-junit.xml triton_probe.json; do
   [ -f "/tmp/gpu_check/$f" ] && cp "/tmp/gpu_check/$f" "$out/"
