@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
+import fgd_fast
 from fgd_fast.backends import BackendUnavailable, resolve_backend
+from oracle import random_stiefel
 
 
 def backend_reason(name: str, device: str = "cpu") -> str | None:
@@ -31,6 +34,25 @@ def backend_params(names=("reference", "torch", "triton", "cuda")):
 
 def device_for_tests() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def stiefel_problem(shapes, seed=0, dtype=torch.float32):
+    """Orthonormal parameters of ``shapes`` and fixed gradients of norm ~1, on the tests' device."""
+    rng = np.random.default_rng(seed)
+    dev = device_for_tests()
+    params = [torch.nn.Parameter(torch.tensor(random_stiefel(rng, s), dtype=dtype, device=dev)) for s in shapes]
+    grads = [torch.tensor(rng.standard_normal(s) / np.sqrt(np.prod(s)), dtype=dtype, device=dev) for s in shapes]
+    return params, grads
+
+
+def fgd_steps(params, grads, backend, steps=2, **kw):
+    """``steps`` FGD steps (lr 0.1) of ``backend`` with the same gradients; returns the optimizer."""
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, backend=backend, **kw)
+    for _ in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return opt
 
 
 def snapshot(net, opt):

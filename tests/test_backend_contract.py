@@ -1,0 +1,155 @@
+"""What every backend promises, parametrised over every backend (skipped per parameter, with
+the reason, where this machine cannot run it): which backend ``"auto"`` and explicit names
+resolve to, which precisions each accepts, no host synchronisation with the checks off, and
+CUDA graph capture. (Numerics against the oracle: ``test_fgd_oracle.py``; a failed step
+changes nothing: ``test_failed_step_contract.py``.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fgd_fast
+import fgd_fast.backends as registry
+from fgd_fast.backends import PRECISIONS, BackendUnavailable, resolve_backend
+from helpers import backend_params, device_for_tests, fgd_steps, stiefel_problem
+
+# The selection rule, as the README's backends table states it: (device type, precision) ->
+# what "auto" resolves to when Triton loads, and when it does not. "torch" was measured
+# fastest in full fp32 precision; only "tf32" (Triton's tensor-core path) picks "triton".
+AUTO_RESOLVES_TO = {
+    ("cpu", "ieee"): ("torch", "torch"),
+    ("cpu", "tf32x3"): ("torch", "torch"),
+    ("cpu", "tf32"): ("torch", "torch"),
+    ("cuda", "ieee"): ("torch", "torch"),
+    ("cuda", "tf32x3"): ("torch", "torch"),
+    ("cuda", "tf32"): ("triton", "torch"),
+}
+# The precisions an explicit backend accepts; the others are refused at construction.
+ACCEPTED_PRECISIONS = {
+    "auto": {"ieee", "tf32x3", "tf32"},
+    "reference": {"ieee"},
+    "torch": {"ieee"},
+    "triton": {"ieee", "tf32x3", "tf32"},
+    "cuda": {"ieee"},
+}
+
+
+@pytest.mark.parametrize("triton_loads", [True, False], ids=["triton-loads", "no-triton"])
+@pytest.mark.parametrize("device, precision", sorted(AUTO_RESOLVES_TO))
+def test_auto_resolves_as_the_selection_table_states(monkeypatch, device, precision, triton_loads):
+    """Resolution needs no GPU: the Triton loader is replaced by one that succeeds or fails."""
+
+    def fake_triton_loader(dev):
+        if not triton_loads:
+            raise BackendUnavailable("backend='triton' is unavailable: (test) not installed")
+        return fake_triton_loader
+
+    monkeypatch.setattr(registry, "_load_triton", fake_triton_loader)
+    name, prepare = resolve_backend("auto", torch.device(device), precision)
+    assert name == AUTO_RESOLVES_TO[device, precision][0 if triton_loads else 1]
+    assert (prepare is fake_triton_loader) == (name == "triton")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_auto_on_cpu_tensors_is_the_torch_backend(precision):
+    opt = fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, precision=precision)
+    assert opt.resolved_backend("cpu") == AUTO_RESOLVES_TO["cpu", precision][0] == "torch"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["reference", "torch", "triton", "cuda"])
+def test_explicit_backend_is_itself_or_fails_with_the_reason(name, device):
+    """An explicit name never resolves to another backend: it runs, or it raises
+    ``BackendUnavailable`` naming itself and why."""
+    try:
+        resolved, prepare = resolve_backend(name, torch.device(device))
+    except BackendUnavailable as exc:
+        assert f"backend={name!r}" in str(exc)
+        assert name in ("triton", "cuda")  # reference and torch run anywhere
+        return
+    assert resolved == name and callable(prepare)
+
+
+def test_unknown_backend_name_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'reference', 'torch', 'triton', 'cuda'"):
+        resolve_backend("tritonn", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", [*PRECISIONS, "fp8"])
+@pytest.mark.parametrize("backend", sorted(ACCEPTED_PRECISIONS))
+def test_precision_the_backend_cannot_honour_is_refused_at_construction(backend, precision):
+    """Checked at construction, so it needs no device: nothing silently runs in another precision."""
+
+    def make():
+        return fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, backend=backend, precision=precision)
+
+    if precision in ACCEPTED_PRECISIONS[backend]:
+        assert make().precision == precision
+    else:
+        with pytest.raises(ValueError, match="precision"):
+            make()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_step_without_checks_never_reads_device_values(monkeypatch, backend):
+    """With both checks off, step() makes no host synchronisation (capturable): no
+    .item()/.tolist()/.cpu()/bool() on a tensor happens inside it, in any backend."""
+    shapes = [(8, 4, 3, 3), (20, 6)]
+    params, grads = stiefel_problem(shapes)
+    opt = fgd_steps(params, grads, backend, steps=2, check_finite=False, check_manifold=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation inside step()")
+
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    for name in ("item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    if device_for_tests().type == "cuda":
+        monkeypatch.setattr(torch.Tensor, "cpu", forbidden)
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
+        try:
+            opt.step()
+            for p, g in zip(params, grads):  # a new gradient (new addresses) and a new lr
+                p.grad = g.clone()
+            opt.param_groups[0]["lr"] = 0.05
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+    opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+@pytest.mark.parametrize("backend", backend_params(("torch", "triton", "cuda")))
+def test_step_captured_in_a_cuda_graph_replays_like_eager_steps(backend):
+    """With both checks off, step() of the fast backends (the reference is the oracle, not
+    promised capturable) can be captured in a CUDA graph (after warm-up steps on a side
+    stream, as any capture needs); replays continue exactly like eager steps."""
+    params, grads = stiefel_problem([(8, 4, 3, 3), (20, 6), (40, 40)])
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(lr=0.1, backend=backend, check_finite=False, check_manifold=False)
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], **kw)
+    eager = fgd_fast.FGD([dict(params=twins, orthogonal=True)], **kw)
+    for p, t, g in zip(params, twins, grads):
+        p.grad, t.grad = g.clone(), g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the first step creates Φ; the second is the captured form
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()  # recorded, not run
+    for _ in range(2):
+        eager.step()
+    for _ in range(3):
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], eager.state[t]["momentum_buffer"], rtol=1e-6, atol=1e-6
+        )
