@@ -1,6 +1,6 @@
 """The work one step must do, and the floor it implies (one concern: the cost model).
 
-For FGD's two-pass form (``/work/shared/ALGORITHM.md``): a Gram pass (A, C symmetric:
+For FGD's two-pass form (``docs/algorithm.md`` §4): a Gram pass (A, C symmetric:
 ``n·p²`` flops each; B, E: ``2·n·p²`` each) and an update pass (``4·n·p²``), i.e.
 ``10·Σ n·p²`` flops; memory traffic: read θ, Φ, g twice and write θ, Φ once, i.e.
 ``8·Σ n·p`` float32 values = ``32·Σ n·p`` bytes. The O(p³) algebra is left out.

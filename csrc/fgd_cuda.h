@@ -2,7 +2,7 @@
  *
  * Plain C/C++ with no ATen or torch header, so the kernels compile with nvcc alone.
  * fgd_fast/backends/cuda.py builds the tables described here; keep the two in step
- * (the binding exports these numbers and cuda.py checks them when it loads).
+ * (the binding exports these numbers in constants(), which cuda.py reads when it loads).
  *
  * Matrix convention: layer l is θ (n × p, n >= p); element θ[r, c] lives at
  * theta + r * sr + c * sc (strides in elements), and the same for Φ and g with their own

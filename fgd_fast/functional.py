@@ -3,13 +3,7 @@
 As in ``torch.optim``, the optimizer class collects state and validates arguments; these
 functions do the arithmetic. :func:`fgd` dispatches to one backend implementation per device
 (see :mod:`fgd_fast.backends`); all of them share one signature, compute the same update
-
-    M_Φ = N [ −C − (β − 1) S + η sym(E) + N B S − α (Bᵀ N + B) ]
-    Φ  ← βΦ − ηg + θ M_Φ
-    θ  ← θ + Φ − α θ (A − I)
-
-(``A = θᵀθ``, ``N = 2I − A``, ``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg``, ``S = sym(B)``; Φ = 0 on
-the first step and, unstored, for ``momentum == 0``), and check the step before writing.
+(docs/algorithm.md §2), and check the step before writing.
 """
 from __future__ import annotations
 

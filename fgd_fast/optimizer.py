@@ -39,6 +39,8 @@ class FGD(StiefelOptimizer):
     The first step uses Φ = 0; ``momentum=0`` is the stateless form
     ``θ ← θ − η(g − θN\,sym(θᵀg)) − αθ(A − I)``. Weight decay, dampening and Nesterov do not
     apply to orthogonal parameters. All other parameters get exactly ``torch.optim.SGD``.
+    What each term does, the two-pass form the fast backends compute, the cost model and the
+    precision notes: ``docs/algorithm.md``.
 
     Args:
         params: parameters or parameter groups; ``fgd_fast.stiefel_param_groups(model)``

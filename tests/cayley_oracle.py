@@ -1,7 +1,7 @@
 """Independent NumPy oracles for Cayley SGD / ADAM (float64 unless asked otherwise).
 
-Written from the equations of ALGORITHM.md ("Baseline: Cayley SGD / Cayley ADAM") and of the
-paper, one layer at a time and with the dense n×n skew matrix; nothing here reads the package.
+Written from the equations of docs/algorithm.md §7 and of the paper, one layer at a time and
+with the dense n×n skew matrix; nothing here reads the package.
 The ``public_*`` functions transcribe what the public code computes (its rows convention
 ``X = W2ᵀ``, renormalised rows, s = 5, the 1-norm, the un-projected start, SGD momentum lost).
 """

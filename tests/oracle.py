@@ -1,7 +1,7 @@
 """Independent NumPy oracles (float64 by default) used by the tests.
 
-Written from ALGORITHM.md without reading the package: the matrix convention, the authors'
-term-by-term FGD sequence, and SGD.
+Written from the math (docs/algorithm.md §1–§3) without reading the package: the matrix
+convention, the authors' term-by-term FGD sequence, and SGD.
 """
 from __future__ import annotations
 

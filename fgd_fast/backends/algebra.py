@@ -1,16 +1,9 @@
-"""The O(p³) middle of the two-pass step, shared by every batched backend.
+"""The O(p³) middle of the two-pass step (docs/algorithm.md §3), shared by every batched backend.
 
 Given the Gram blocks of a batch of layers with the same p — ``A = θᵀθ``, ``B = θᵀΦ``,
-``C = ΦᵀΦ``, ``E = θᵀg``, each ``(L, p, p)`` — it returns the two ``p × p`` matrices of the
-update pass and the per-layer checks:
-
-    N   = 2I − A                     (truncated Neumann series of A⁻¹)
-    S   = sym(B)
-    M_Φ = N [ −C − (β − 1) S + η sym(E) + N B S − α (Bᵀ N + B) ]
-    M_θ = M_Φ − α (A − I)
-
-so that ``Φ₊ = U + θ M_Φ`` and ``θ₊ = θ + U + θ M_θ`` with ``U = βΦ − ηg``. Without Φ (first
-step, ``momentum == 0``) pass ``b = c = None``: ``M_Φ = η N sym(E)``.
+``C = ΦᵀΦ``, ``E = θᵀg``, each ``(L, p, p)`` — it returns ``M_Φ`` and ``M_θ`` of the update
+pass (``Φ₊ = U + θ M_Φ``, ``θ₊ = θ + U + θ M_θ``, ``U = βΦ − ηg``) and the per-layer checks.
+Without Φ (first step, ``momentum == 0``) pass ``b = c = None``.
 
 ``lr``, ``beta``, ``alpha`` are floats or ``(L, 1, 1)`` tensors (per-layer values).
 """

@@ -1,19 +1,7 @@
-"""Reference backend: one parameter at a time, term by term, as the authors' code does it.
+"""Reference backend: one parameter at a time, term by term, as the authors' code does it
+(the sequence of docs/algorithm.md §3, everything evaluated at the pre-step θ).
 
-This is the oracle every faster backend is tested against, so it favours legibility over
-speed. With ``sym(M) = (M + Mᵀ)/2``, ``A = θᵀθ``, ``N = 2I − A`` (truncated Neumann series
-of ``A⁻¹``), ``B = θᵀΦ`` and everything evaluated at the pre-step θ, one step is
-
-    con   = −θ N (ΦᵀΦ)                                  # centripetal term
-    rd    = (β − 1)Φ − η g;  rd ← rd − θ N sym(θᵀ rd)  # damped gradient, projected
-    ext   = θ N N B sym(B)                              # extension of the vector field
-    fb_Φ  = −α θ N (Bᵀ N + B)                           # feedback on the tangency of Φ
-    Φ    ← Φ + con + rd + ext + fb_Φ
-    fb_θ  = −α θ (A − I)                                # feedback on θᵀθ = I
-    θ    ← θ + Φ + fb_θ
-
-On the first step (no Φ yet) and for ``momentum == 0`` the velocity is the projected
-gradient ``Φ = −η (g − θ N sym(θᵀ g))``.
+Every faster backend is tested against it, so it favours legibility over speed.
 """
 from __future__ import annotations
 
@@ -34,15 +22,15 @@ def _velocity(theta, phi, g, *, lr, momentum, feedback):
     p = theta.shape[1]
     eye = torch.eye(p, dtype=theta.dtype, device=theta.device)
     a = theta.t() @ theta
-    n_inv = 2.0 * eye - a  # N ≈ (θᵀθ)⁻¹
-    if phi is None:
-        return -lr * (g - theta @ n_inv @ _sym(theta.t() @ g))
-    b = theta.t() @ phi
-    con = -theta @ n_inv @ (phi.t() @ phi)
-    rd = (momentum - 1.0) * phi - lr * g
-    rd = rd - theta @ n_inv @ _sym(theta.t() @ rd)
-    ext = theta @ n_inv @ n_inv @ b @ _sym(b)
-    fb_phi = -feedback * theta @ n_inv @ (b.t() @ n_inv + b)
+    n_inv = 2.0 * eye - a  # N = 2I − A ≈ (θᵀθ)⁻¹
+    if phi is None:  # first / stateless step: the projected gradient
+        return -lr * (g - theta @ n_inv @ _sym(theta.t() @ g))  # Φ = −η(g − θN sym(θᵀg))
+    b = theta.t() @ phi  # B = θᵀΦ
+    con = -theta @ n_inv @ (phi.t() @ phi)  # centripetal: −θN(ΦᵀΦ)
+    rd = (momentum - 1.0) * phi - lr * g  # damped gradient (β − 1)Φ − ηg ...
+    rd = rd - theta @ n_inv @ _sym(theta.t() @ rd)  # ... projected: rd − θN sym(θᵀrd)
+    ext = theta @ n_inv @ n_inv @ b @ _sym(b)  # extension: θNNB sym(B)
+    fb_phi = -feedback * theta @ n_inv @ (b.t() @ n_inv + b)  # feedback on Φ's tangency: −αθN(BᵀN + B)
     return phi + con + rd + ext + fb_phi
 
 

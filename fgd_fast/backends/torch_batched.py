@@ -1,4 +1,4 @@
-"""Torch backend: the two-pass form of ALGORITHM.md, batched with ``bmm``.
+"""Torch backend: the two-pass form of the step (docs/algorithm.md §3), batched with ``bmm``.
 
 Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, writes Φ)``; each
 bucket is stacked once into ``X = [θ | Φ | g]`` (``[θ | g]`` when Φ is zero or absent) and
@@ -6,9 +6,7 @@ runs without a Python loop over its layers:
 
 1. Gram pass, one ``bmm``: ``θᵀX = [A | B | E]`` with ``A = θᵀθ, B = θᵀΦ, E = θᵀg``; plus
    ``C = ΦᵀΦ``.
-2. O(p³) algebra on ``(L, p, p)`` tensors (:mod:`.algebra`), with ``N = 2I − A`` and
-   ``S = sym(B)``: ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]`` and
-   ``M_θ = M_Φ − α(A − I)``.
+2. O(p³) algebra on ``(L, p, p)`` tensors (:mod:`.algebra`): ``M_Φ`` and ``M_θ``.
 3. Update pass, two ``baddbmm``: ``U = βΦ − ηg``, ``Φ₊ = U + θM_Φ``, ``θ₊ = θ + U + θM_θ``,
    into new tensors during ``prepare``; ``apply`` only copies them into place, so a step that
    fails (including for lack of memory) fails before any write.

@@ -1,6 +1,6 @@
 r"""The Cayley retraction of Li, Li & Todorovic (ICLR 2020), batched over equal-shape layers.
 
-Notation (row convention of ALGORITHM.md): ``X`` is ``n × p`` with orthonormal columns, ``M``
+Notation (docs/algorithm.md §7): ``X`` is ``n × p`` with orthonormal columns, ``M``
 (``n × p``) the momentum, and every tensor here carries a leading batch dimension ``L``.
 The skew matrix of the update is
 
