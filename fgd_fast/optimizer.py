@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._stiefel_optimizer import StiefelOptimizer, label
-from .backends import BACKENDS, PRECISIONS
+from .backends import BACKENDS, PRECISION_BACKENDS, PRECISIONS
 from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd
 from .validation import (
@@ -65,13 +65,14 @@ class FGD(StiefelOptimizer):
             steps first; a replay reuses the captured step's hyper-parameters, so a new lr
             means a new capture).
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
-        precision: fp32 products of the Triton backend: ``"ieee"`` (default), ``"tf32x3"``
-            (3×TF32 on tensor cores, close to fp32) or ``"tf32"`` (opt-in; ~1e-3 relative
-            error in θᵀθ, so θ settles ~1e-3 off the manifold). ``"auto"`` picks Triton on
-            CUDA tensors for ``"tf32"`` (faster than the torch backend) and the full-precision
-            torch backend otherwise (``"tf32x3"`` measured slower than it). The other
-            backends always compute in full precision (whatever torch's global TF32
-            setting), so an explicit one with a precision other than ``"ieee"`` is refused.
+        precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"ieee"``
+            (default, IEEE fp32), ``"tf32x3"`` (TF32 tensor cores with θᵀθ split into
+            hi + lo parts: near-fp32 accuracy where it matters) or ``"tf32"`` (opt-in; ~1e-3
+            relative error in θᵀθ, so θ settles ~1e-3 off the manifold). A CPU has no TF32 and
+            computes every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for
+            ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
+            compute in full precision (whatever torch's global TF32 setting), so an explicit one
+            with a precision other than ``"ieee"`` is refused.
     """
 
     def __init__(
@@ -92,10 +93,10 @@ class FGD(StiefelOptimizer):
     ) -> None:
         self.backend = check_choice("backend", backend, BACKENDS)
         self.precision = check_choice("precision", precision, PRECISIONS)
-        if precision != "ieee" and backend not in ("auto", "triton"):
+        if precision != "ieee" and backend not in PRECISION_BACKENDS:
             raise ValueError(
-                f"precision={precision!r} needs backend='triton' (or 'auto'); backend={backend!r} always "
-                "computes in full precision: drop precision= or choose backend='triton'"
+                f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "
+                "computes in full precision: drop precision= or choose one of those backends"
             )
         self.check_finite = check_bool("check_finite", check_finite)
         self.check_manifold = check_bool("check_manifold", check_manifold)

@@ -28,7 +28,7 @@ AUTO_RESOLVES_TO = {
 ACCEPTED_PRECISIONS = {
     "auto": {"ieee", "tf32x3", "tf32"},
     "reference": {"ieee"},
-    "torch": {"ieee"},
+    "torch": {"ieee", "tf32x3", "tf32"},
     "triton": {"ieee", "tf32x3", "tf32"},
     "cuda": {"ieee"},
 }

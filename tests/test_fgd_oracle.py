@@ -35,7 +35,7 @@ def _layers(problem):
     return [s if isinstance(s[1], int) and isinstance(s[0], tuple) else (s, 0) for s in shapes], hypers
 
 
-def _run(problem, backend, dtype, steps, seed=0, device=None):
+def _run(problem, backend, dtype, steps, seed=0, device=None, precision="ieee"):
     """Run the optimizer and the oracle on the same gradient stream; return both."""
     device = device or device_for_tests()
     layers, hypers = _layers(problem)
@@ -51,7 +51,7 @@ def _run(problem, backend, dtype, steps, seed=0, device=None):
         dict(params=[p for p, (_, gi) in zip(params, layers) if gi == k], orthogonal=True, **h)
         for k, h in enumerate(hypers)
     ]
-    opt = fgd_fast.FGD(groups, lr=0.1, backend=backend)
+    opt = fgd_fast.FGD(groups, lr=0.1, backend=backend, precision=precision)
     oracle_w, oracle_phi = [w.copy() for w in w0], [None] * len(layers)
     for step in range(steps):
         for p, g in zip(params, grads[step]):

@@ -13,9 +13,10 @@ import torch
 
 from .base import PRECISIONS, Backend, StepPlan, compute_dtype
 
-__all__ = ["BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
+__all__ = ["BACKENDS", "PRECISION_BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
+PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
 
 
 class BackendUnavailable(RuntimeError):

@@ -12,8 +12,8 @@ over the orthogonal parameters of one device:
   else the parameter dtype), or ``None`` for the stateless ``momentum == 0`` form;
 * ``fresh[i]`` — Φ is known to be zero (first step): a backend may skip reading it;
 * ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α;
-* ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products of fused
-  kernels; ``reference`` and ``torch`` always compute in full precision and ignore it.
+* ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products (``torch``,
+  ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it.
 
 ``prepare`` must not write any parameter or buffer. It returns a :class:`StepPlan` with the
 per-layer distance ``‖θᵀθ − I‖_F`` (and gradient finiteness when ``check_finite``) as device
@@ -29,8 +29,8 @@ from typing import Callable, Protocol
 import torch
 
 __all__ = [
-    "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "full_precision", "in_input_order",
-    "plan_of",
+    "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "fp32_matmuls", "full_precision",
+    "in_input_order", "plan_of",
 ]
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -103,15 +103,21 @@ def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 @contextmanager
-def full_precision():
-    """fp32 matmuls in IEEE precision inside, whatever the global TF32 setting (restored
-    after): the Gram A = θᵀθ sets the distance the feedback term can reach."""
+def fp32_matmuls(precision: str = "ieee"):
+    """fp32 matmuls at ``precision`` inside, whatever the global setting (restored after):
+    ``"ieee"`` in IEEE fp32, ``"tf32"``/``"tf32x3"`` with TF32 tensor cores allowed (a CPU
+    computes them in fp32). The Gram A = θᵀθ sets the distance the feedback term can reach."""
     saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+def full_precision():
+    """fp32 matmuls in IEEE precision inside (``fp32_matmuls("ieee")``)."""
+    return fp32_matmuls("ieee")
 
 
 _permutations = TableCache()

@@ -26,7 +26,8 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import middle
-from .base import compute_dtype, full_precision, plan_of
+from .base import PRECISIONS, compute_dtype, fp32_matmuls, plan_of
+from .tf32 import split_tf32
 
 __all__ = ["prepare_torch"]
 
@@ -39,7 +40,7 @@ def _native(t: torch.Tensor) -> torch.Tensor:
 class _Bucket:
     """Grams and M matrices of a set of equal-shape layers; ``apply`` writes them."""
 
-    def __init__(self, idx, params, grads, bufs, key, check_finite):
+    def __init__(self, idx, params, grads, bufs, key, check_finite, precision):
         n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
         cdt = compute_dtype(dtype)
         self.layers, self.lr, self.beta, self.rows = idx, lr, beta, rows
@@ -57,7 +58,15 @@ class _Bucket:
         self.x = x
         theta = x[:, :, :p]
         gram = torch.bmm(theta.transpose(1, 2), x)  # θᵀ[θ | Φ | g] = [A | B | E]
-        a, e = gram[:, :, :p], gram[:, :, (k - 1) * p:]
+        a = gram[:, :, :p]
+        if precision == "tf32x3" and cdt == torch.float32:
+            # lean 3×TF32, only A is split: hi = tf32(θ), lo = tf32(θ − hi) are TF32 numbers, so
+            # a TF32 product sees them exactly; A ≈ H + L + Lᵀ with H = hiᵀhi, L = hiᵀlo
+            hi, lo = split_tf32(theta)
+            both = torch.bmm(hi.transpose(1, 2), torch.cat([hi, lo], dim=2))  # hiᵀ[hi | lo] = [H | L]
+            low = both[:, :, p:]
+            a = both[:, :, :p] + (low + low.transpose(1, 2))  # A ≈ H + (L + Lᵀ)
+        e = gram[:, :, (k - 1) * p:]
         b = c = None
         if reads_phi:
             phi = x[:, :, p:2 * p]
@@ -100,8 +109,10 @@ def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_f
         reads_phi = bufs[i] is not None and not fresh[i]
         key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
         groups[key].append(i)
-    with full_precision():  # IEEE fp32 products whatever the global TF32 setting
-        buckets = [_Bucket(idx, params, grads, bufs, key, check_finite) for key, idx in groups.items()]
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
+        buckets = [_Bucket(idx, params, grads, bufs, key, check_finite, precision) for key, idx in groups.items()]
         for b in buckets:  # compute θ₊, Φ₊ here: apply() then only copies, so it cannot fail half-way
             b.update()
     return plan_of(buckets, params[0].device if params else torch.device("cpu"), check_finite)
