@@ -61,6 +61,11 @@ setup(
     packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels"],
     package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"triton": ["triton>=3.0"], "test": ["pytest", "pytest-benchmark"]},
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest", "pytest-benchmark"],
+        # benchmarks/train.py: the digits data set, the figure, the progress bars
+        "examples": ["scikit-learn", "matplotlib", "tqdm"],
+    },
     **_cuda_extension(),
 )

@@ -4,7 +4,11 @@
 * ``resnet50()``: the bottleneck ResNet-50 (ImageNet stem), ``width`` scales every channel;
 * ``vgg16()``: VGG-16 (configuration D), with ``width`` scaling;
 * ``transformer(layers=12, d_model=768)``: pre-norm blocks with separate q, k, v, o
-  projections and a 4× MLP.
+  projections and a 4× MLP;
+* ``cifar_resnet(depth=18)``: ResNet-18/34 with basic blocks and the CIFAR stem (3×3 conv,
+  no max-pool), as trained on 32×32 images;
+* ``small_cnn()``: four 3×3 conv layers with batch norm for small images (the 8×8 digits of
+  ``benchmarks/train.py``).
 
 Every constructor takes a ``width`` multiplier so CPU runs can use the same structure, narrower.
 """
@@ -40,6 +44,52 @@ def wide_resnet(depth: int = 28, width: float = 10, num_classes: int = 10) -> nn
             layers.append(_WideBasic(cin, cout, 2 if (stage > 0 and b == 0) else 1))
             cin = cout
     layers += [nn.BatchNorm2d(cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class _Basic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout else nn.Identity()
+        )
+
+    def forward(self, x):
+        o = nn.functional.relu(self.bn1(self.conv1(x)))
+        return nn.functional.relu(self.bn2(self.conv2(o)) + self.down(x))
+
+
+def cifar_resnet(depth: int = 18, width: float = 1.0, num_classes: int = 10) -> nn.Module:
+    """ResNet-18 or -34 (basic blocks) with the CIFAR stem: a 3×3 stride-1 conv, no max-pool."""
+    counts = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}.get(depth)
+    if counts is None:
+        raise ValueError(f"cifar_resnet: depth={depth} is not one of 18, 34")
+    stem = _c(64 * width)
+    layers, cin = [nn.Conv2d(3, stem, 3, 1, 1, bias=False), nn.BatchNorm2d(stem), nn.ReLU()], stem
+    for i, (count, cout) in enumerate(zip(counts, (64, 128, 256, 512))):
+        cout = _c(cout * width)
+        for b in range(count):
+            layers.append(_Basic(cin, cout, 2 if (i > 0 and b == 0) else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def small_cnn(in_channels: int = 1, width: float = 1.0, num_classes: int = 10) -> nn.Module:
+    """Four 3×3 conv + batch-norm + ReLU layers (32, 64, 64, 128 channels at ``width=1``), one
+    2×2 max-pool after the second, global average pooling and a linear classifier. Under the
+    ``"paper"`` rule every conv but the first (whose c_i·k1·k2 = 9 < 32) is constrained."""
+    chans = [_c(c * width) for c in (32, 64, 64, 128)]
+    layers, cin = [], in_channels
+    for i, cout in enumerate(chans):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+        if i == 1:
+            layers.append(nn.MaxPool2d(2))
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
     return nn.Sequential(*layers)
 
 

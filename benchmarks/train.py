@@ -1,0 +1,368 @@
+"""Train one network with several optimizers, side by side, and compare what users care about:
+test accuracy, time per training step, and how far the constrained weights are from the
+Stiefel manifold.
+
+Usage (from the repository root; ``pip install 'fgd_fast[examples]'`` brings scikit-learn,
+matplotlib and tqdm)::
+
+    python benchmarks/train.py                                   # digits, sgd/fgd/cayley-sgd/cayley-adam
+    python benchmarks/train.py --dataset digits --epochs 3 --out OUT
+    python benchmarks/train.py --dataset cifar10 --data-dir DIR --epochs 200   # the paper's run
+    python benchmarks/train.py --dataset synthetic --model wrn --depth 28 --width 10 \\
+        --optimizers sgd,fgd,cayley-sgd --epochs 2 --steps-per-epoch 50      # GPU timing only
+    python benchmarks/train.py --optimizers all --set fgd.lr=0.1 --set fgd.feedback=0.2
+
+Every optimizer starts from the same weights (the constrained ones orthonormalised once) and
+sees the same batches in the same order. The learning rates follow the authors' schedule,
+× ``--gamma`` (0.2) after 30 %, 60 % and 80 % of the steps (their epochs 60/120/160 of 200),
+scaled to the run's length; the settings are in ``benchmarks/train_optimizers.py``.
+
+Measured per optimizer: forward + backward time and optimizer-step time (medians over the
+steps after the first few; CUDA events on a GPU, ``perf_counter`` on a CPU), the full
+training step's ratio to ``sgd``'s (the paper's WRN-28-10 table: FGD 1.24× SGD), training
+loss, test accuracy, and max / mean ‖θᵀθ − I‖_F over the constrained layers, at
+``--evals-per-epoch`` points per epoch. On a GPU the run uses what users run: bf16 autocast
+and channels_last (``--amp``, ``--channels-last``), recorded in the output.
+
+Writes ``OUT/train.json`` (``{"optimizers": {NAME: {"test_accuracy", "max_distance",
+"step_seconds", "fwd_bwd_seconds", "train_step_ratio_to_sgd", ..., "history": ...}},
+"config", "device", "versions", "commit"}``) and ``OUT/train.png`` (loss, accuracy and
+distance against step; time per step), and prints a summary table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fgd_fast  # noqa: E402
+from machine import environment  # noqa: E402
+from models import cifar_resnet, small_cnn, wide_resnet  # noqa: E402
+from train_data import DATASETS, Dataset, load_dataset  # noqa: E402
+from train_optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
+from train_report import plot, summary_lines  # noqa: E402
+
+DEFAULT_OPTIMIZERS = "sgd,fgd,cayley-sgd,cayley-adam"
+MILESTONES = (0.3, 0.6, 0.8)  # the authors' epochs 60, 120, 160 of 200
+
+
+# -- set-up ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", choices=DATASETS, default="digits")
+    ap.add_argument("--data-dir", help="cifar10: the folder holding cifar-10-batches-py/")
+    ap.add_argument("--model", choices=("auto", "cnn", "wrn", "resnet"), default="auto",
+                    help="auto: cnn for digits, wrn otherwise")
+    ap.add_argument("--depth", type=int, help="wrn: 28 (default); resnet: 18 (default) or 34")
+    ap.add_argument("--width", type=float, help="width multiplier (wrn: k; default 10 on a GPU, 1 on a CPU)")
+    ap.add_argument("--rule", default="paper", help="which weights are constrained: paper, official or all")
+    ap.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
+                    help=f"comma-separated from {', '.join(FAMILIES)}, fgd-<backend>; 'all' adds every "
+                    "backend the device runs")
+    ap.add_argument("--set", action="append", default=[], metavar="OPT.KEY=VALUE",
+                    help="override a setting, e.g. fgd.lr=0.1, fgd.feedback=0.2, sgd.lr=0.05 (repeatable)")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--steps-per-epoch", type=int, help="cap (or, for synthetic data, set) the steps of an epoch")
+    ap.add_argument("--batch-size", type=int, help="default 128 (the authors'); 32 for digits (1,437 images)")
+    ap.add_argument("--gamma", type=float, default=0.2, help="lr factor at 30 %%, 60 %% and 80 %% of the steps")
+    ap.add_argument("--evals-per-epoch", type=int,
+                    help="test accuracy and distance points per epoch (digits: 4, else 1)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto",
+                    help="autocast (auto: bf16 on a GPU; fp16 adds a GradScaler)")
+    ap.add_argument("--channels-last", choices=("auto", "on", "off"), default="auto", help="auto: on on a GPU")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
+                    help="torch CPU threads (default: FGD_BENCH_THREADS, else torch's; 1 is faster on a busy machine)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/train", help="folder for train.json and train.png")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap.parse_args(argv)
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        opt, dot, name = key.rpartition(".")
+        if not (sep and dot and opt and name):
+            raise SystemExit(f"--set {item!r}: expected OPT.KEY=VALUE, e.g. fgd.lr=0.1")
+        out.setdefault(opt, {})[name] = value
+    return out
+
+
+def optimizer_names(spec: str, device: torch.device) -> tuple[list[str], dict[str, str]]:
+    ok, why = available_fgd_backends(device)
+    if spec == "all":
+        auto = fgd_fast.functional.backend_for("auto", device)
+        names = ["sgd", "fgd"] + [f"fgd-{b}" for b in ok if b != auto] + ["cayley-sgd", "cayley-adam"]
+        return names, {f"fgd-{b}": r for b, r in why.items()}
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in names:
+        if family(n) not in FAMILIES or (n.startswith("fgd-") and n[4:] not in ok + list(why)):
+            raise SystemExit(f"--optimizers: unknown {n!r}; choose from {', '.join(FAMILIES)}, fgd-<backend>, or all")
+        if n.startswith("fgd-") and n[4:] in why:
+            raise SystemExit(f"--optimizers {n}: {why[n[4:]]}")
+    return names, {}
+
+
+def make_model(args: argparse.Namespace, data: Dataset, device: torch.device) -> tuple[nn.Module, str]:
+    kind = args.model if args.model != "auto" else ("cnn" if data.name == "digits" else "wrn")
+    if kind == "cnn":
+        width = args.width or 1.0
+        return small_cnn(data.in_channels, width, data.num_classes), f"small CNN (width {width:g})"
+    if data.in_channels != 3:
+        raise SystemExit(f"--model {kind} expects 3-channel images; use --model cnn for {data.name}")
+    if kind == "wrn":
+        depth, width = args.depth or 28, args.width or (10 if device.type == "cuda" else 1)
+        return wide_resnet(depth, width, data.num_classes), f"WRN-{depth}-{width:g}"
+    depth, width = args.depth or 18, args.width or 1.0
+    return cifar_resnet(depth, width, data.num_classes), f"ResNet-{depth} (CIFAR stem, width {width:g})"
+
+
+# -- one training run ------------------------------------------------------------------------
+class StepTimer:
+    """Forward+backward and optimizer-step time of every step: CUDA events on a GPU (read once
+    per evaluation, so timing adds no host synchronisation), ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple] = []
+        self.fwd_bwd: list[float] = []
+        self.step: list[float] = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add(self, t0, t1, t2) -> None:
+        self.pending.append((t0, t1, t2))
+
+    def flush(self) -> None:
+        if self.cuda and self.pending:
+            self.pending[-1][2].synchronize()
+        for t0, t1, t2 in self.pending:
+            if self.cuda:
+                self.fwd_bwd.append(t0.elapsed_time(t1) / 1e3)
+                self.step.append(t1.elapsed_time(t2) / 1e3)
+            else:
+                self.fwd_bwd.append(t1 - t0)
+                self.step.append(t2 - t1)
+        self.pending.clear()
+
+
+def distances(model: nn.Module, names: list[str]) -> list[float]:
+    params = dict(model.named_parameters())
+    return [fgd_fast.stiefel_distance(params[n].detach()) for n in names]
+
+
+@torch.no_grad()
+def test_accuracy(model: nn.Module, data: Dataset, autocast, memory_format) -> float:
+    model.eval()
+    correct = 0
+    for x, y in data.test_batches(1024, memory_format):
+        with autocast():
+            correct += (model(x).argmax(1) == y).sum().item()
+    model.train()
+    return correct / len(data.test_y)
+
+
+def train_one(name: str, base: nn.Module, data: Dataset, cfg: dict, settings: dict, progress: bool) -> dict:
+    """Train a copy of ``base`` with optimizer ``name``; the per-optimizer record of train.json."""
+    device = torch.device(cfg["device"])
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    model = copy.deepcopy(base).to(device=device, memory_format=memory_format)
+    opt = build_optimizer(name, model, cfg["rule"], settings)
+    total = cfg["epochs"] * cfg["steps_per_epoch"]
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [max(1, round(f * total)) for f in MILESTONES], cfg["gamma"])
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["amp"])
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg["amp"] == "fp16")
+    loss_fn = nn.CrossEntropyLoss()
+    timer = StepTimer(device)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    every = max(1, cfg["steps_per_epoch"] // cfg["evals_per_epoch"])
+    names = cfg["constrained"]
+    d0, acc0 = distances(model, names), test_accuracy(model, data, autocast, memory_format)
+    start = {"step": 0, "test_accuracy": acc0, "max_distance": max(d0, default=0.0), "mean_distance": _mean(d0)}
+    hist = {"step": [], "loss": [], "eval": [start]}
+    epochs = []
+    bar = _bar(name, total, progress)
+    losses: list[torch.Tensor] = []
+    step, wall0 = 0, time.perf_counter()
+    for epoch in range(cfg["epochs"]):
+        epoch_losses: list[float] = []
+        for i, (x, y) in enumerate(data.train_batches(cfg["batch_size"], cfg["steps_per_epoch"], gen, memory_format)):
+            t0 = timer.mark()
+            opt.zero_grad(set_to_none=True)
+            with autocast():
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            t1 = timer.mark()
+            scaler.step(opt)
+            scaler.update()
+            t2 = timer.mark()
+            timer.add(t0, t1, t2)
+            sched.step()
+            losses.append(loss.detach())
+            step += 1
+            if (i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]:
+                timer.flush()
+                values = torch.stack(losses).float().tolist()
+                losses.clear()
+                hist["step"] += list(range(step - len(values) + 1, step + 1))
+                hist["loss"] += values
+                epoch_losses += values
+                d = distances(model, names)
+                acc = test_accuracy(model, data, autocast, memory_format)
+                hist["eval"].append({"step": step, "test_accuracy": acc, "max_distance": max(d, default=0.0),
+                                     "mean_distance": _mean(d)})
+                if not all(math.isfinite(v) for v in values):
+                    raise FloatingPointError(f"{name}: the training loss is not finite at step {step}")
+                if bar is not None:
+                    bar.set_postfix_str(f"loss {values[-1]:.3f}  acc {100 * acc:.1f} %  dist {max(d, default=0):.1e}")
+            if bar is not None:
+                bar.update(1)
+        last = hist["eval"][-1]
+        epochs.append({"epoch": epoch + 1, "step": step, "train_loss": _mean(epoch_losses), **{
+            k: last[k] for k in ("test_accuracy", "max_distance", "mean_distance")}})
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - wall0
+    skip = min(5, len(timer.step) // 4)  # warm-up steps (allocation, cuDNN autotuning) left out of the medians
+    fwd_bwd, step_s = statistics.median(timer.fwd_bwd[skip:]), statistics.median(timer.step[skip:])
+    train_step = statistics.median(a + b for a, b in zip(timer.fwd_bwd[skip:], timer.step[skip:]))
+    final = hist["eval"][-1]
+    record = {
+        "family": family(name),
+        "settings": settings,
+        "test_accuracy": final["test_accuracy"],
+        "max_distance": final["max_distance"],
+        "mean_distance": final["mean_distance"],
+        "train_loss": epochs[-1]["train_loss"],
+        "fwd_bwd_seconds": fwd_bwd,
+        "step_seconds": step_s,
+        "train_step_seconds": train_step,
+        "wall_seconds": wall,
+        "timed_steps": len(timer.step) - skip,
+        "final_lrs": [g["lr"] for g in opt.param_groups],
+        "epochs": epochs,
+        "history": hist,
+    }
+    if isinstance(opt, fgd_fast.FGD):
+        record["backend"] = opt.resolved_backend(device)
+    return record
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _bar(name: str, total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{name}: training {total} steps (pip install tqdm for a progress bar)", flush=True)
+        return None
+    return tqdm(total=total, desc=f"{name:<12}", unit="step", dynamic_ncols=True, leave=True)
+
+
+# -- the comparison --------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    names, _ = optimizer_names(args.optimizers, device)
+    overrides = parse_overrides(args.set)
+    try:
+        settings = {n: settings_for(n, overrides) for n in names}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    data = load_dataset(args.dataset, device, data_dir=args.data_dir, seed=args.seed,
+                        synthetic_size=(args.steps_per_epoch or 32) * (args.batch_size or 128))
+    base, model_desc = make_model(args, data, device)
+    groups = fgd_fast.stiefel_param_groups(base, rule=args.rule)  # orthonormalises the chosen weights once
+    if not groups[0]["params"]:
+        raise SystemExit(f"--rule {args.rule}: selects no weight of {model_desc}")
+    batch = args.batch_size or (32 if data.name == "digits" else 128)
+    steps = min(data.steps_per_epoch(batch), args.steps_per_epoch or 10**9)
+    gpu = device.type == "cuda"
+    cfg = {
+        "dataset": data.name, "dataset_description": data.description, "model": model_desc,
+        "parameters": sum(p.numel() for p in base.parameters()), "rule": args.rule,
+        "constrained": groups[0]["names"],
+        "constrained_shapes": [list(fgd_fast.stiefel_shape(p.shape)[:2]) for p in groups[0]["params"]],
+        "epochs": args.epochs, "steps_per_epoch": steps, "batch_size": batch, "gamma": args.gamma,
+        "milestones": [max(1, round(f * args.epochs * steps)) for f in MILESTONES],
+        "evals_per_epoch": min(steps, args.evals_per_epoch or (4 if data.name == "digits" else 1)),
+        "device": str(device), "amp": {"auto": "bf16" if gpu else "off"}.get(args.amp, args.amp),
+        "channels_last": {"auto": gpu, "on": True, "off": False}[args.channels_last],
+        "torch_threads": torch.get_num_threads(), "seed": args.seed,
+        "command": "python benchmarks/train.py " + " ".join(sys.argv[1:]),
+    }
+    print(f"{model_desc} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
+          f"{cfg['epochs']} epochs × {steps} steps of {batch}; device {device}, autocast {cfg['amp']}, "
+          f"channels_last {cfg['channels_last']}", flush=True)
+    results = {}
+    for n in names:
+        results[n] = train_one(n, base, data, cfg, settings[n], progress=not args.no_progress)
+    sgd = results.get("sgd", {}).get("train_step_seconds")
+    for r in results.values():
+        r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
+    env = environment(device)
+    versions = {k: env.pop(k) for k in ("python", "torch", "triton", "numpy", "geoopt")}
+    versions["fgd_fast"] = fgd_fast.__version__
+    for mod in ("sklearn", "matplotlib", "tqdm"):
+        versions[mod] = _version(mod)
+    commit = env.pop("commit")
+    commit["source_digest"] = env.pop("source_digest")
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    return {"optimizers": results, "config": cfg, "device": env, "versions": versions, "commit": commit}
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print("\n".join(summary_lines(result)))
+    written = [out / "train.json"]
+    if not args.no_plot:
+        png = plot(result, out / "train.png")
+        if png:
+            written.append(png)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``benchmarks/train.py`` (the end-to-end training comparison) on tiny runs: the CLI writes
+``train.json`` with every documented field and ``train.png``; the GPU configuration (synthetic
+CIFAR-shaped data, WRN, bf16 autocast, channels_last) runs end to end on a narrow network;
+CIFAR-10 is read from the python-pickle batches; bad options fail with the reason."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "benchmarks" / "train.py"
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # geoopt's import
+FIELDS = ("test_accuracy", "max_distance", "mean_distance", "step_seconds", "fwd_bwd_seconds", "train_step_seconds",
+          "train_step_ratio_to_sgd", "train_loss", "settings", "epochs", "history")
+
+
+def train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python benchmarks/train.py ARGS`` as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
+    cmd = [sys.executable, str(TRAIN), "--no-progress", "--threads", "1", "--out", str(tmp_path), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def train_main():
+    """``train.main(argv)`` in this process (no interpreter start-up: the runs take a second)."""
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        import train
+
+        yield lambda out, *args: train.main(["--no-progress", "--out", str(out), *args])
+    finally:
+        sys.path.remove(str(TRAIN.parent))
+
+
+def test_digits_run_writes_json_table_and_plot(tmp_path):
+    proc = train_cli(
+        tmp_path, "--dataset", "digits", "--epochs", "2", "--steps-per-epoch", "6",
+        "--optimizers", "sgd,fgd,cayley-sgd",
+    )
+    result = json.loads((tmp_path / "train.json").read_text())
+    assert list(result["optimizers"]) == ["sgd", "fgd", "cayley-sgd"]
+    for name, r in result["optimizers"].items():
+        assert all(k in r for k in FIELDS), (name, sorted(r))
+        assert 0.0 <= r["test_accuracy"] <= 1.0 and r["step_seconds"] > 0 and r["fwd_bwd_seconds"] > 0
+        assert [e["epoch"] for e in r["epochs"]] == [1, 2] and len(r["history"]["loss"]) == 12
+        assert r["history"]["eval"][0]["step"] == 0 and r["history"]["eval"][-1]["step"] == 12
+        # the schedule: × 0.2 after 30 %, 60 % and 80 % of the 12 steps
+        assert r["final_lrs"][0] == pytest.approx(r["settings"]["lr"] * 0.2**3)
+    opts = result["optimizers"]
+    assert opts["sgd"]["train_step_ratio_to_sgd"] == 1.0 and opts["fgd"]["backend"] == "torch"
+    assert opts["fgd"]["max_distance"] < 0.5 and opts["cayley-sgd"]["max_distance"] < 0.1  # constrained ...
+    assert opts["sgd"]["max_distance"] > opts["fgd"]["max_distance"]  # ... and sgd drifts away
+    assert result["config"]["dataset"] == "digits" and result["config"]["constrained"]
+    assert result["versions"]["torch"] == torch.__version__ and result["commit"]["id"]
+    assert result["device"]["device"] == "cpu"
+    assert (tmp_path / "train.png").stat().st_size > 10_000
+    assert "max ‖θᵀθ−I‖" in proc.stdout and "cayley-sgd" in proc.stdout and "× sgd" in proc.stdout
+
+
+def test_gpu_configuration_rehearsed_on_a_narrow_wrn(tmp_path, train_main):
+    """What the GPU session runs (WRN on synthetic CIFAR-shaped data, bf16 autocast,
+    channels_last, sgd/fgd/cayley-sgd), with a network narrow enough for a CPU."""
+    train_main(
+        tmp_path, "--dataset", "synthetic", "--model", "wrn", "--depth", "10", "--width", "0.5", "--batch-size", "8",
+        "--epochs", "1", "--steps-per-epoch", "3", "--optimizers", "sgd,fgd,cayley-sgd", "--amp", "bf16",
+        "--channels-last", "on", "--no-plot",
+    )
+    result = json.loads((tmp_path / "train.json").read_text())
+    cfg = result["config"]
+    assert cfg["amp"] == "bf16" and cfg["channels_last"] is True and cfg["model"] == "WRN-10-0.5"
+    assert len(cfg["constrained"]) == len(cfg["constrained_shapes"]) > 0
+    for r in result["optimizers"].values():
+        assert np.isfinite(r["train_loss"]) and len(r["history"]["loss"]) == 3
+    assert result["optimizers"]["fgd"]["max_distance"] < 1e-2 and not (tmp_path / "train.png").exists()
+
+
+def test_cifar10_read_from_the_pickle_batches(tmp_path, train_main):
+    root = tmp_path / "data" / "cifar-10-batches-py"
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, count in [(f"data_batch_{i}", 4) for i in range(1, 6)] + [("test_batch", 6)]:
+        batch = {"data": rng.integers(0, 256, (count, 3072), dtype=np.uint8),
+                 "labels": rng.integers(0, 10, count).tolist()}
+        with open(root / name, "wb") as fh:
+            pickle.dump(batch, fh)
+    train_main(tmp_path / "out", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--model", "resnet",
+          "--width", "0.125", "--batch-size", "10", "--epochs", "1", "--optimizers", "sgd,fgd", "--no-plot")
+    result = json.loads((tmp_path / "out" / "train.json").read_text())
+    assert result["config"]["steps_per_epoch"] == 2 and "20 train / 6 test" in result["config"]["dataset_description"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizers", "adamw"], "unknown 'adamw'"),
+    (["--optimizers", "fgd-cuda"], "needs CUDA tensors"),
+    (["--set", "fgd.lr"], "expected OPT.KEY=VALUE"),
+    (["--set", "fgd.betas=1"], "fgd has no setting 'betas'"),
+    (["--dataset", "cifar10"], "needs --data-dir"),
+])
+def test_bad_options_fail_with_the_reason(tmp_path, train_main, capsys, args, message):
+    if "fgd-cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine runs fgd-cuda")
+    with pytest.raises(SystemExit) as exc:
+        train_main(tmp_path, "--epochs", "1", "--steps-per-epoch", "1", *args)
+    assert message in str(exc.value.code) + capsys.readouterr().err
