@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["StiefelShape", "stiefel_shape", "as_stiefel", "from_stiefel"]
+__all__ = ["StiefelShape", "stiefel_shape", "as_stiefel", "as_w2", "from_stiefel"]
 
 
 class StiefelShape(NamedTuple):
@@ -48,6 +48,12 @@ def as_stiefel(t: torch.Tensor) -> torch.Tensor:
     n, p, transposed = stiefel_shape(t.shape)
     w2 = t.reshape(t.shape[0], n if transposed else p)  # explicit: a 0-size -1 is ambiguous
     return w2.t() if transposed else w2
+
+
+def as_w2(t: torch.Tensor) -> torch.Tensor:
+    """``W2 = t.reshape(c_o, -1)``, the memory order of ``t``: the rows ``θᵀ`` when
+    ``θ = W2ᵀ``, else ``θ`` itself; a view when possible (the layout batched code stacks)."""
+    return t.reshape(t.shape[0], -1)
 
 
 def from_stiefel(theta: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:

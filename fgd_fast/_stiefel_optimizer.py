@@ -16,7 +16,7 @@ from torch.optim.optimizer import Optimizer
 from .backends import compute_dtype
 from .functional import sgd
 from .manifold import stiefel_distance
-from .validation import check_orthogonal_params, check_state_tensor, param_tensors
+from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors
 
 __all__ = ["StiefelOptimizer", "label"]
 
@@ -58,6 +58,19 @@ class StiefelOptimizer(Optimizer):
         buf = self.state.get(p, {}).get("momentum_buffer")
         if buf is not None:
             check_state_tensor(buf, p, p.dtype, label, "momentum_buffer")
+
+    def _params_with_grads(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str]]:
+        """``(group, param, label)`` of every parameter with a gradient, in ``state_dict``
+        order; raises (before any write) on a gradient no optimizer here can use and on a
+        Euclidean ``momentum_buffer`` that does not fit its parameter."""
+        for group, p, key in self._keyed():
+            if p.grad is None:
+                continue
+            text = label(key)
+            check_grad(p, f"parameter {text}")
+            if not group["orthogonal"]:
+                self._check_sgd_state(p, f"parameter {text}")
+            yield group, p, text
 
     def _sgd(self, params: list[torch.Tensor], group: dict[str, Any], *, momentum: float,
              dampening: float = 0.0, nesterov: bool = False) -> None:

@@ -5,7 +5,7 @@ import torch
 
 from ._matrix import as_stiefel, from_stiefel, stiefel_shape
 
-__all__ = ["orthogonalize_", "stiefel_distance"]
+__all__ = ["orthogonalize_", "sign_fixed_q", "stiefel_distance"]
 
 
 @torch.no_grad()
@@ -26,13 +26,18 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
     stiefel_shape(tensor.shape)  # raises the 'at least 2 dims' ValueError
     if tensor.numel() == 0:
         return tensor
-    theta = as_stiefel(tensor).to(torch.float64)
-    q, r = torch.linalg.qr(theta, mode="reduced")
-    sign = torch.sign(torch.diagonal(r))
-    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
-    q = q * sign  # Q·diag(sign(diag R)): scales column j of Q by sign(R_jj)
+    q = sign_fixed_q(as_stiefel(tensor).to(torch.float64))
     tensor.copy_(from_stiefel(q, tensor.shape))
     return tensor
+
+
+def sign_fixed_q(theta: torch.Tensor) -> torch.Tensor:
+    """``Q·diag(sign(diag R))`` (``sign(0) := 1``) of the reduced QR factorisation ``θ = QR``
+    of an ``n × p`` matrix or a batch of them, in ``θ``'s dtype."""
+    q, r = torch.linalg.qr(theta, mode="reduced")
+    sign = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    return q * sign.unsqueeze(-2)  # scales column j of Q by sign(R_jj)
 
 
 @torch.no_grad()

@@ -5,14 +5,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._stiefel_optimizer import StiefelOptimizer, label
+from ._stiefel_optimizer import StiefelOptimizer
 from .backends import BACKENDS, PRECISION_BACKENDS, PRECISIONS
 from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd
 from .validation import (
     check_bool,
     check_choice,
-    check_grad,
+    check_nesterov,
     check_nonnegative,
     check_real,
     check_unit_interval,
@@ -120,14 +120,8 @@ class FGD(StiefelOptimizer):
         loss = self._run_closure(closure)
         orth = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
         eucl = []
-        for group, p, key in self._keyed():
-            if p.grad is None:
-                continue
-            text = label(key)
-            check_grad(p, f"parameter {text}")
-            if not group["orthogonal"]:
-                self._check_sgd_state(p, f"parameter {text}")
-            else:
+        for group, p, text in self._params_with_grads():
+            if group["orthogonal"]:
                 orth["params"].append(p)
                 orth["grads"].append(p.grad)
                 orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if group["momentum"] > 0 else None)
@@ -171,7 +165,5 @@ def _check_group(group: dict[str, Any]) -> None:
     check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
     check_nonnegative("weight_decay", group["weight_decay"])
     check_real("dampening", group["dampening"])
-    check_bool("nesterov", group["nesterov"])
+    check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
     check_bool("orthogonal", group["orthogonal"])
-    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")

@@ -21,6 +21,7 @@ __all__ = [
     "check_int_at_least",
     "check_bool",
     "check_choice",
+    "check_nesterov",
     "check_orthogonal_params",
     "check_grad",
     "check_state_tensor",
@@ -93,6 +94,15 @@ def param_tensors(params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:
+    """``nesterov`` as a bool, refused (as ``torch.optim.SGD`` does) without momentum or with
+    dampening."""
+    check_bool("nesterov", nesterov)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")
+    return nesterov
 
 
 def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | None = None) -> None:

@@ -1,7 +1,6 @@
 """The torch.optim behaviour of FGD: SGD parity, state_dict, closures, selection, training."""
 from __future__ import annotations
 
-import copy
 import io
 
 import numpy as np

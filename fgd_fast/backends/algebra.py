@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Middle", "middle"]
+__all__ = ["Middle", "middle", "sym"]
 
 Scalar = float | torch.Tensor
 
@@ -26,7 +26,8 @@ class Middle(NamedTuple):
     finite: torch.Tensor  # (L,) bool: E = θᵀg finite (a NaN/Inf in g makes E non-finite)
 
 
-def _sym(m: torch.Tensor) -> torch.Tensor:
+def sym(m: torch.Tensor) -> torch.Tensor:
+    """``sym(M) = (M + Mᵀ)/2`` of a matrix or a batch of matrices."""
     return 0.5 * (m + m.transpose(-1, -2))
 
 
@@ -35,9 +36,9 @@ def middle(a, b, c, e, *, lr: Scalar, beta: Scalar, alpha: Scalar) -> Middle:
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
     a_minus_i = a - eye  # A − I
     n_inv = eye - a_minus_i  # N = 2I − A
-    inner = lr * _sym(e)  # η sym(E)
+    inner = lr * sym(e)  # η sym(E)
     if b is not None:
-        s = _sym(b)  # S = sym(B)
+        s = sym(b)  # S = sym(B)
         inner = inner - c - (beta - 1.0) * s + n_inv @ b @ s  # −C − (β−1)S + η sym(E) + NBS
         inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
     m_phi = n_inv @ inner  # M_Φ = N[…]

@@ -8,13 +8,10 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
+from .algebra import sym
 from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
-
-
-def _sym(m: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (m + m.t())
 
 
 def _velocity(theta, phi, g, *, lr, momentum, feedback):
@@ -24,12 +21,12 @@ def _velocity(theta, phi, g, *, lr, momentum, feedback):
     a = theta.t() @ theta
     n_inv = 2.0 * eye - a  # N = 2I − A ≈ (θᵀθ)⁻¹
     if phi is None:  # first / stateless step: the projected gradient
-        return -lr * (g - theta @ n_inv @ _sym(theta.t() @ g))  # Φ = −η(g − θN sym(θᵀg))
+        return -lr * (g - theta @ n_inv @ sym(theta.t() @ g))  # Φ = −η(g − θN sym(θᵀg))
     b = theta.t() @ phi  # B = θᵀΦ
     con = -theta @ n_inv @ (phi.t() @ phi)  # centripetal: −θN(ΦᵀΦ)
     rd = (momentum - 1.0) * phi - lr * g  # damped gradient (β − 1)Φ − ηg ...
-    rd = rd - theta @ n_inv @ _sym(theta.t() @ rd)  # ... projected: rd − θN sym(θᵀrd)
-    ext = theta @ n_inv @ n_inv @ b @ _sym(b)  # extension: θNNB sym(B)
+    rd = rd - theta @ n_inv @ sym(theta.t() @ rd)  # ... projected: rd − θN sym(θᵀrd)
+    ext = theta @ n_inv @ n_inv @ b @ sym(b)  # extension: θNNB sym(B)
     fb_phi = -feedback * theta @ n_inv @ (b.t() @ n_inv + b)  # feedback on Φ's tangency: −αθN(BᵀN + B)
     return phi + con + rd + ext + fb_phi
 

@@ -24,17 +24,12 @@ from collections import defaultdict
 
 import torch
 
-from .._matrix import stiefel_shape
+from .._matrix import as_w2, stiefel_shape
 from .algebra import middle
 from .base import PRECISIONS, compute_dtype, fp32_matmuls, plan_of
 from .tf32 import split_tf32
 
 __all__ = ["prepare_torch"]
-
-
-def _native(t: torch.Tensor) -> torch.Tensor:
-    """``W2 = t.reshape(c_o, -1)``: ``R = θᵀ`` (rows layout) or ``θ`` itself; a view when possible."""
-    return t.reshape(t.shape[0], -1)
 
 
 class _Bucket:
@@ -54,7 +49,7 @@ class _Bucket:
         x = store.transpose(1, 2) if rows else store
         for j, tensors in enumerate(blocks):
             part = store[:, j * p:(j + 1) * p, :] if rows else store[:, :, j * p:(j + 1) * p]
-            torch._foreach_copy_(list(part.unbind(0)), [_native(t) for t in tensors])
+            torch._foreach_copy_(list(part.unbind(0)), [as_w2(t) for t in tensors])
         self.x = x
         theta = x[:, :, :p]
         gram = torch.bmm(theta.transpose(1, 2), x)  # θᵀ[θ | Φ | g] = [A | B | E]

@@ -119,7 +119,7 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     )
 
 
-def _native(t: torch.Tensor) -> torch.Tensor:
+def _dense(t: torch.Tensor) -> torch.Tensor:
     """A dense ``(c_o, m)`` tensor sharing memory with ``t``, or a contiguous copy."""
     return t if t.is_contiguous() else t.contiguous()
 
@@ -147,9 +147,9 @@ class _Class:
         )
         sh = self.shapes
         # tensors the kernels address: dense (c_o, m) memory; copies are written back in apply
-        self.theta = [_native(params[i]) for i in layers]
-        self.grad = [_native(grads[i]) for i in layers]
-        self.phi = [_native(bufs[i]) for i in layers] if has_phi else []
+        self.theta = [_dense(params[i]) for i in layers]
+        self.grad = [_dense(grads[i]) for i in layers]
+        self.phi = [_dense(bufs[i]) for i in layers] if has_phi else []
         self.copy_back = [(params[i], t) for i, t in zip(layers, self.theta) if t is not params[i]]
         self.copy_back += [(bufs[i], t) for i, t in zip(layers, self.phi) if t is not bufs[i]]
         ptrs = tuple(

@@ -13,15 +13,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .._matrix import stiefel_shape
+from .._matrix import as_w2, stiefel_shape
 from .._stiefel_optimizer import StiefelOptimizer
-from .._stiefel_optimizer import label as name_of
 from ..backends import compute_dtype
 from ..checks import raise_if_invalid
+from ..manifold import sign_fixed_q
 from ..validation import (
     check_bool,
     check_choice,
-    check_grad,
     check_int_at_least,
     check_nonnegative,
     check_positive,
@@ -39,11 +38,6 @@ def resolve_defaults(compat: bool, **given: Any) -> dict[str, Any]:
     """Fill the ``None`` entries of ``given`` with the plain or public-code default."""
     table = COMPAT_DEFAULTS if check_bool("public_code_compat", compat) else PLAIN_DEFAULTS
     return {k: (table[k] if v is None else v) for k, v in given.items()}
-
-
-def _native(t: torch.Tensor) -> torch.Tensor:
-    """``W2 = t.reshape(c_o, -1)``: ``θᵀ`` (rows layout) or ``θ``; a view when possible."""
-    return t.reshape(t.shape[0], -1)
 
 
 class Bucket:
@@ -66,9 +60,9 @@ class Bucket:
         self.col = self.store.transpose(1, 2) if rows else self.store
         x_block = self.store[:, :p, :] if rows else self.store[:, :, :p]
         m_block = self.store[:, p:, :] if rows else self.store[:, :, p:]
-        torch._foreach_copy_(list(x_block.unbind(0)), [_native(t) for t in self.params])
+        torch._foreach_copy_(list(x_block.unbind(0)), [as_w2(t) for t in self.params])
         self.m_blocks = list(m_block.unbind(0))
-        torch._foreach_copy_(self.m_blocks, [_native(t.grad) for t in self.params])
+        torch._foreach_copy_(self.m_blocks, [as_w2(t.grad) for t in self.params])
         self.x, self.m = self.col[:, :, :p], self.col[:, :, p:]
         # max |G| is NaN/Inf exactly when G has a NaN/Inf
         self.finite = torch.isfinite(torch.linalg.vector_norm(self.m, float("inf"), dim=(1, 2))) if check_finite else None
@@ -85,14 +79,20 @@ class CayleyBase(StiefelOptimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         *,
-        form: str,
-        norm: str,
+        s: int | None,
+        form: str | None,
+        norm: str | None,
+        renormalize: bool | None,
         public_code_compat: bool,
-        qr_period: int,
+        qr_period: int | None,
         check_finite: bool,
     ) -> None:
-        self.form, self.norm, self.public_code_compat = form, norm, public_code_compat
-        self.qr_period, self.check_finite = qr_period, check_finite
+        """``defaults``: the subclass's hyper-parameters; the options left ``None`` get the
+        plain or the public-code default (:func:`resolve_defaults`)."""
+        d = resolve_defaults(public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period)
+        defaults = dict(defaults, s=d["s"], renormalize=d["renormalize"], orthogonal=False)
+        self.form, self.norm, self.public_code_compat = d["form"], d["norm"], public_code_compat
+        self.qr_period, self.check_finite = d["qr_period"], check_finite
         self._validate_options()
         self._validate_group(defaults)
         super().__init__(params, defaults)
@@ -154,15 +154,8 @@ class CayleyBase(StiefelOptimizer):
 
         # bucket = equal (shape, layout, dtype, device, group, QR due, subclass key)
         params, states, labels, keys, extra = [], [], [], defaultdict(list), {}
-        for group, p, pkey in self._keyed():
-            label = name_of(pkey)
-            if p.grad is None:
-                continue
-            check_grad(p, f"parameter {label}")
-            if not group["orthogonal"]:
-                self._check_sgd_state(p, f"parameter {label}")
-                continue
-            if p.numel() == 0:
+        for group, p, label in self._params_with_grads():
+            if not group["orthogonal"] or p.numel() == 0:
                 continue
             state = self.state.get(p, {})
             n, pp, rows = stiefel_shape(p.shape)
@@ -198,9 +191,7 @@ class CayleyBase(StiefelOptimizer):
         if g["renormalize"]:
             x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True).add_(g["eps"]))  # x_j ← x_j / (‖x_j‖ + ε)
         if b.qr_due:
-            q, r = torch.linalg.qr(x)
-            sign = torch.sign(torch.diagonal(r, dim1=1, dim2=2))
-            x.copy_(q * torch.where(sign == 0, torch.ones_like(sign), sign).unsqueeze(1))  # X ← Q·sign(diag R)
+            x.copy_(sign_fixed_q(x))  # X ← Q·sign(diag R)
         hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
         if self.form == "lowrank":
             gram = torch.bmm(b.col.transpose(1, 2), b.col)  # BᵀB = [[A, E], [Eᵀ, C]]

@@ -29,7 +29,7 @@ from torch.nn.utils import parametrize
 from .._matrix import as_stiefel, from_stiefel, stiefel_shape
 from ..manifold import orthogonalize_
 from ..selection import Rule, select_stiefel
-from ..validation import check_bool, check_nonnegative, check_unit_interval
+from ..validation import check_bool, check_nesterov, check_nonnegative, check_unit_interval
 
 __all__ = ["StiefelView", "geoopt_stiefel_sgd", "torch_orthogonal_sgd"]
 
@@ -97,9 +97,7 @@ def _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening) -> None:
     check_nonnegative("lr", lr)
     check_unit_interval("momentum", momentum)
     check_nonnegative("weight_decay", weight_decay)
-    check_bool("nesterov", nesterov)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")
+    check_nesterov(nesterov, momentum, dampening)
 
 
 def geoopt_stiefel_sgd(

@@ -31,8 +31,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..validation import check_bool, check_real, check_unit_interval
-from ._base import Bucket, CayleyBase, _native, resolve_defaults, store_state
+from .._matrix import as_w2
+from ..validation import check_nesterov, check_real, check_unit_interval
+from ._base import Bucket, CayleyBase, store_state
 
 __all__ = ["CayleySGD", "CayleyADAM"]
 
@@ -107,23 +108,19 @@ class CayleySGD(CayleyBase):
         qr_period: int | None = None,
         check_finite: bool = True,
     ) -> None:
-        d = resolve_defaults(public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period)
-        defaults = dict(
-            lr=lr, momentum=momentum, q=q, s=d["s"], eps=eps, weight_decay=weight_decay,
-            dampening=dampening, nesterov=nesterov, renormalize=d["renormalize"], orthogonal=False,
+        hyper = dict(
+            lr=lr, momentum=momentum, q=q, eps=eps, weight_decay=weight_decay, dampening=dampening, nesterov=nesterov
         )
         super().__init__(
-            params, defaults, form=d["form"], norm=d["norm"], public_code_compat=public_code_compat,
-            qr_period=d["qr_period"], check_finite=check_finite,
+            params, hyper, s=s, form=form, norm=norm, renormalize=renormalize,
+            public_code_compat=public_code_compat, qr_period=qr_period, check_finite=check_finite,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         self._validate_common(group)
         check_unit_interval("momentum", group["momentum"], "0.9 is typical")
         check_real("dampening", group["dampening"])
-        check_bool("nesterov", group["nesterov"])
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")
+        check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
 
     def _beta(self, group: dict[str, Any]) -> float:
         """β of the orthogonal update: the public code's is effectively 0."""
@@ -136,7 +133,7 @@ class CayleySGD(CayleyBase):
         b.m.neg_()  # −G
         beta = self._beta(b.group)
         if beta > 0 and "momentum_buffer" in b.states[0]:
-            torch._foreach_add_(b.m_blocks, [_native(st["momentum_buffer"]) for st in b.states], alpha=beta)  # M = βM − G
+            torch._foreach_add_(b.m_blocks, [as_w2(st["momentum_buffer"]) for st in b.states], alpha=beta)  # M = βM − G
         return 1.0, (1.0 if self.public_code_compat else None)  # W_d = W; compat start Y₀ = X + tM
 
     def _commit(self, b: Bucket, wx):
@@ -201,14 +198,10 @@ class CayleyADAM(CayleyBase):
         qr_period: int | None = None,
         check_finite: bool = True,
     ) -> None:
-        d = resolve_defaults(public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period)
-        defaults = dict(
-            lr=lr, betas=betas, q=q, s=d["s"], eps=eps, weight_decay=weight_decay,
-            renormalize=d["renormalize"], orthogonal=False,
-        )
+        hyper = dict(lr=lr, betas=betas, q=q, eps=eps, weight_decay=weight_decay)
         super().__init__(
-            params, defaults, form=d["form"], norm=d["norm"], public_code_compat=public_code_compat,
-            qr_period=d["qr_period"], check_finite=check_finite,
+            params, hyper, s=s, form=form, norm=norm, renormalize=renormalize,
+            public_code_compat=public_code_compat, qr_period=qr_period, check_finite=check_finite,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -231,7 +224,7 @@ class CayleyADAM(CayleyBase):
             v.add_(torch.stack([st["exp_avg_sq"] for st in b.states]), alpha=beta2)  # v = β₂v + (1 − β₂)‖G‖²
         b.m.mul_(1.0 - beta1)  # (1 − β₁)G
         if not fresh:
-            torch._foreach_add_(b.m_blocks, [_native(st["exp_avg"]) for st in b.states], alpha=beta1)  # m = β₁m + (1 − β₁)G
+            torch._foreach_add_(b.m_blocks, [as_w2(st["exp_avg"]) for st in b.states], alpha=beta1)  # m = β₁m + (1 − β₁)G
         b.v_new = v
         r = (v / (1.0 - beta2**k)).add_(b.group["eps"]).sqrt_().mul_(1.0 - beta1**k)  # r = (1 − β₁^k)√(v̂ + ε)
         return r.reciprocal_().neg_(), (-1.0 if self.public_code_compat else None)  # W_d = −W/r; compat Y₀ = X − tm
