@@ -3,6 +3,10 @@
 The Triton kernels live in the top-level ``kernels/`` folder and are installed as
 ``fgd_fast.kernels`` (a bare top-level ``kernels`` module belongs to another PyPI package).
 
+The CUDA sources ``csrc/`` are installed as ``fgd_fast/csrc`` (package data), so that an
+installed wheel can still build the extension just in time; the sdist carries them too
+(MANIFEST.in).
+
 The CUDA extension ``fgd_fast._C`` (``csrc/``, used by ``backend="cuda"``) is built only when
 a CUDA build of torch and a CUDA toolkit are present, or when ``FGD_FAST_BUILD_CUDA=1``
 (then a failure is an error); ``FGD_FAST_BUILD_CUDA=0`` skips it. Otherwise the build prints
@@ -10,8 +14,15 @@ one line saying why it skipped, and ``backend="cuda"`` tries a just-in-time buil
 """
 import importlib.util
 import os
+import re
 
 from setuptools import setup
+
+
+def _version() -> str:
+    """``__version__`` of fgd_fast/_version.py, read as text (the package is not importable yet)."""
+    with open(os.path.join("fgd_fast", "_version.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M).group(1)
 
 
 def _cuda_extension() -> dict:
@@ -53,13 +64,16 @@ def _cuda_extension() -> dict:
 
 setup(
     name="fgd_fast",
-    version="0.1.0",
+    version=_version(),
     description="Fast Feedback Gradient Descent (orthogonality-constrained training) for PyTorch",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
-    packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels"],
-    package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels"},
+    packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels", "fgd_fast.csrc"],
+    package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels", "fgd_fast.csrc": "csrc"},
+    package_data={"fgd_fast.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "triton": ["triton>=3.0"],

@@ -9,13 +9,12 @@ inverse or retraction. Quick start::
     opt = fgd_fast.FGD(groups, lr=0.2, momentum=0.9, feedback=0.4, weight_decay=5e-4)
 """
 from ._matrix import as_stiefel, stiefel_shape
+from ._version import __version__
 from .backends import BACKENDS
 from .functional import fgd, sgd
 from .manifold import orthogonalize_, stiefel_distance
 from .optimizer import FGD
 from .selection import select_stiefel, stiefel_param_groups
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",

@@ -22,8 +22,10 @@ import torch
 
 __all__ = ["CSRC", "SOURCES", "build_directory", "extra_include_dirs", "load"]
 
-#: the kernel sources (present in a source checkout / editable install)
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+#: the kernel sources: ``fgd_fast/csrc`` in an installed wheel, ``csrc/`` beside the package
+#: in a source checkout or editable install
+_HERE = Path(__file__).resolve().parent
+CSRC = _HERE / "csrc" if (_HERE / "csrc").is_dir() else _HERE.parent / "csrc"
 SOURCES = ("fgd_binding.cpp", "fgd_gram.cu", "fgd_update.cu")
 NVCC_FLAGS = ["-O3", "-std=c++17"]  # no --use_fast_math: A's rounding sets the distance floor
 
