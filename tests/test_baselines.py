@@ -271,7 +271,7 @@ def test_drift_from_the_manifold_is_what_s_iterations_leave():
     assert _drift(10, 1e-3, s=5) < 1e-13
 
 
-def test_renormalize_effect():
+def test_renormalize_restores_scaled_columns_and_shrinks_the_drift():
     """renormalize=True divides the columns of X by their norm (+ε) before every step: an X
     scaled off the manifold comes back at once (without it the Cayley transform, orthogonal up
     to truncation, keeps XᵀX ≈ 1.69 I), and the drift of the large-step run shrinks (0.19 →
@@ -585,7 +585,7 @@ def _reference(net):
 
 
 @pytest.mark.parametrize("canonical", [False, True])
-def test_geoopt_adapter(canonical):
+def test_geoopt_adapter_trains_on_the_manifold_with_decay_only_on_euclidean_groups(canonical):
     geoopt = pytest.importorskip("geoopt")
     net = _adapter_net()
     ref = _reference(net)
@@ -598,7 +598,7 @@ def test_geoopt_adapter(canonical):
     _check_contender(net, opt, ref)
 
 
-def test_torch_orthogonal_adapter():
+def test_torch_orthogonal_adapter_trains_on_the_manifold():
     net = _adapter_net()
     ref = _reference(net)
     opt = torch_orthogonal_sgd(net, "all", lr=0.1, momentum=0.9)

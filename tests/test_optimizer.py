@@ -109,7 +109,7 @@ def test_state_dict_round_trip_continues_bit_identically(backend, dtype):
         assert torch.equal(pa, pb)
 
 
-def test_closure_zero_grad_and_missing_grads():
+def test_closure_runs_with_grad_and_parameters_without_grad_stay_untouched():
     net = _net(3)
     groups = fgd_fast.stiefel_param_groups(net, "paper")
     extra = nn.Parameter(torch.linalg.qr(torch.randn(6, 4, dtype=torch.float32))[0].to(device_for_tests()))
@@ -194,7 +194,7 @@ def test_small_cnn_stays_on_the_manifold(backend):
         assert worst_without_feedback > 10 * worst  # the feedback term is what keeps it there
 
 
-def test_param_groups_rules():
+def test_selection_rules_pick_the_documented_weights_and_orthonormalise_them():
     net = nn.Sequential(
         nn.Conv2d(3, 16, 3),  # paper: 27 >= 16 and k > 1 ✓; official: 16 <= 3 ✗
         nn.Conv2d(16, 16, 3),  # both ✓
@@ -218,7 +218,7 @@ def test_param_groups_rules():
 
 @pytest.mark.parametrize("shape", [(5, 3), (3, 5), (8, 2, 3, 3), (1, 4), (6, 1), (7, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_orthogonalize_and_distance(shape, dtype):
+def test_orthogonalize_is_a_sign_fixed_projection_and_distance_is_exact(shape, dtype):
     t = torch.randn(shape, dtype=torch.float64).to(dtype)
     original = fgd_fast.as_stiefel(t).double().clone()
     out = fgd_fast.orthogonalize_(t)
@@ -234,6 +234,19 @@ def test_orthogonalize_and_distance(shape, dtype):
     fgd_fast.as_stiefel(w).copy_(2 * torch.eye(*fgd_fast.as_stiefel(w).shape, dtype=torch.float64))
     p = min(fgd_fast.as_stiefel(w).shape)
     assert abs(fgd_fast.stiefel_distance(w) - 3 * p**0.5) < 1e-12  # ‖4I − I‖_F
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 4), (2, 5, 5), (4, 6, 1)])
+def test_batched_sign_fixed_q_is_orthogonalize_per_matrix(shape):
+    """One sign-fixed QR serves ``orthogonalize_`` and the Cayley baselines' batched QR."""
+    from fgd_fast.manifold import sign_fixed_q
+
+    x = torch.randn(shape, dtype=torch.float64)
+    q = sign_fixed_q(x)
+    for i in range(shape[0]):
+        one = fgd_fast.orthogonalize_(x[i].t().clone()).t()  # orthogonalize_ sees θ = W2ᵀ of W2 = x[i]ᵀ
+        torch.testing.assert_close(q[i], one, rtol=0, atol=1e-13)
+    assert (torch.diagonal(q.transpose(1, 2) @ x, dim1=1, dim2=2) > 0).all()
 
 
 def test_orthogonality_keys_by_name_or_index():
