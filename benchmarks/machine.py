@@ -40,13 +40,16 @@ def git_commit() -> dict[str, object]:
 
     The explicit value wins: a copied working tree (the GPU machine's) can carry a ``.git``
     whose HEAD is older than the files; the source digest identifies the files either way.
+    ``dirty`` counts changes to tracked files outside ``benchmarks/results/``: the results a
+    run writes there (``run.sh --update-results``) are its output, not a change to what ran.
     """
     given = os.environ.get("FGD_BENCH_COMMIT")
     if given:
         return {"id": given, "dirty": None, "source": "FGD_BENCH_COMMIT"}
     commit = _run(["git", "rev-parse", "HEAD"], ROOT)
     if commit:
-        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)
+        outputs = ":(exclude)benchmarks/results"
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", outputs], ROOT)
         return {"id": commit, "dirty": bool(status), "source": "git"}
     return {"id": "unknown", "dirty": None, "source": "no git checkout and FGD_BENCH_COMMIT unset"}
 

@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# The main job: set up the pinned environment, run the optimizer-step benchmark
-# (benchmarks/test_optimizer_step.py, pytest-benchmark) and print the report.
+# The main job: set up the pinned environment, then
+#   1. the optimizer-step benchmark (benchmarks/test_optimizer_step.py, pytest-benchmark), one
+#      progress line per case, and its report (benchmarks/report.py);
+#   2. a training comparison on scikit-learn's digits (benchmarks/train.py: sgd, fgd,
+#      cayley-sgd, cayley-adam, 3 epochs), with a progress bar per optimizer;
+# and print a short summary (the full report is in a file).
 #
-#   bash benchmarks/run.sh            # CPU: the scaled-down workloads; GPU: the full ones
-#   bash benchmarks/run.sh --full     # the full-size workloads on any device
-#   bash benchmarks/run.sh --tiny     # a few channels per layer (pipeline check, seconds)
-#   bash benchmarks/run.sh -k wrn     # further arguments go to pytest
+#   bash benchmarks/run.sh                   # CPU: the scaled-down workloads; GPU: the full ones
+#   bash benchmarks/run.sh --full            # the full-size workloads on any device
+#   bash benchmarks/run.sh --tiny            # a few channels per layer, a few training steps (seconds)
+#   bash benchmarks/run.sh --no-train        # the step benchmark only
+#   bash benchmarks/run.sh --update-results  # write into benchmarks/results/ (the committed reports)
+#   bash benchmarks/run.sh -k wrn            # further arguments go to pytest
 #
-# Writes benchmarks/results/<cpu|gpu>-<UTC date>.json (pytest-benchmark JSON) and .md (the
-# report), or into $FGD_BENCH_OUT. On a CPU the run uses one torch thread
+# Writes <device>-<UTC date>.md (the report, with the training table), .json (pytest-benchmark's
+# raw data) and -train-digits/ (train.json, train.png) into out/results/, which git ignores, so
+# a run never overwrites the committed results; --update-results writes into benchmarks/results/
+# instead, and $FGD_BENCH_OUT into any folder. On a CPU both parts use one torch thread
 # (FGD_BENCH_THREADS=1; set it to the core count on a dedicated machine) and passive OpenMP
-# waiting (OMP_WAIT_POLICY=PASSIVE): on a shared machine, threads that must all be scheduled
-# at once slow some contenders down many times more than others, which distorts the ratios.
+# waiting (OMP_WAIT_POLICY=PASSIVE): on a shared machine, threads that must all be scheduled at
+# once slow some contenders down many times more than others, which distorts the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FGD_FAST_SKIP_TRITON36="${FGD_FAST_SKIP_TRITON36:-1}"  # the AOT-check venv is not needed here
 if [ "${FGD_BENCH_NO_SETUP:-0}" != 1 ]; then  # =1: use the current Python as it is (e.g. a GPU box
+  echo "== set-up (.ci/setup-env: the pinned .venv; about a minute the first time)"
   . .ci/setup-env                              # without network, whose torch is not the pinned one)
 fi
 
-args=()
+args=() out="" train=1 train_args=(--epochs 3)
 for a in "$@"; do
   case "$a" in
     --full) export FGD_BENCH_SCALE=full ;;
-    --tiny) export FGD_BENCH_SCALE=tiny ;;
+    --tiny) export FGD_BENCH_SCALE=tiny; train_args=(--epochs 1 --steps-per-epoch 4) ;;
+    --no-train) train=0 ;;
+    --update-results) out=benchmarks/results ;;
     *) args+=("$a") ;;
   esac
 done
@@ -32,20 +43,30 @@ device=$(python -c "import torch; print('gpu' if torch.cuda.is_available() else 
 if [ "$device" = cpu ]; then
   export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" FGD_BENCH_THREADS="${FGD_BENCH_THREADS:-1}"
 fi
-out="${FGD_BENCH_OUT:-benchmarks/results}"
+out="${FGD_BENCH_OUT:-${out:-out/results}}"
 mkdir -p "$out"
 stem="$out/$device-$(date -u +%Y-%m-%d)${FGD_BENCH_SCALE:+-$FGD_BENCH_SCALE}"
+train_out="$stem-train-digits"
 rm -f "$stem.json" "$stem.jsonl" "$stem.md"
+export PYTHONUNBUFFERED=1
 
+echo "== 1/2 optimizer-step benchmark (log: $stem.log)"
 rc=0
-python -m pytest benchmarks -q --benchmark-json="$stem.json" --bench-record="$stem.jsonl" \
-  --benchmark-columns=min,median,max,rounds --benchmark-sort=name \
-  ${args[@]+"${args[@]}"} > "$stem.log" 2>&1 || rc=$?
+# one line per finished case: "[ 12%] 0:41 wrn-28-10/fgd-auto PASSED"
+python -m pytest benchmarks -v --benchmark-json="$stem.json" --bench-record="$stem.jsonl" \
+  --benchmark-columns=min,median,max,rounds --benchmark-sort=name ${args[@]+"${args[@]}"} 2>&1 \
+  | tee "$stem.log" \
+  | while IFS= read -r line; do
+      if [[ $line =~ test_step\[(.*)\]\ (PASSED|SKIPPED|FAILED|ERROR).*\[\ *([0-9]+%)\] ]]; then
+        printf '[%4s] %d:%02d %s %s\n' "${BASH_REMATCH[3]}" $((SECONDS / 60)) $((SECONDS % 60)) \
+          "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
+      fi
+    done || rc=$?
 tail -n 1 "$stem.log"
 if [ -s "$stem.json" ]; then
-  python benchmarks/report.py "$stem.json" -o "$stem.md"
+  python benchmarks/report.py "$stem.json" -o "$stem.md" > /dev/null
 elif [ -s "$stem.jsonl" ]; then
-  python benchmarks/report.py "$stem.jsonl" -o "$stem.md"
+  python benchmarks/report.py "$stem.jsonl" -o "$stem.md" > /dev/null
 fi
 if [ "$rc" -ne 0 ]; then
   tail -n 40 "$stem.log"
@@ -53,4 +74,36 @@ if [ "$rc" -ne 0 ]; then
   exit "$rc"
 fi
 rm -f "$stem.jsonl" "$stem.log"
-echo "report: $stem.md (raw pytest-benchmark JSON: $stem.json)"
+
+if [ "$train" = 1 ]; then
+  echo "== 2/2 training comparison on scikit-learn's digits (benchmarks/train.py ${train_args[*]})"
+  mkdir -p "$train_out"
+  if ! python benchmarks/train.py --dataset digits "${train_args[@]}" --out "$train_out" > "$train_out/train.log"; then
+    tail -n 40 "$train_out/train.log"
+    echo "benchmarks/train.py failed; the step benchmark's report: $stem.md" >&2
+    exit 1
+  fi
+  {
+    printf '\n## Training comparison: digits\n\n'
+    printf '`python benchmarks/train.py --dataset digits %s` (see `%s/train.json`):\n\n' \
+      "${train_args[*]}" "${train_out##*/}"
+    python benchmarks/train_report.py "$train_out/train.json" --markdown
+    printf '\n![training curves and time per step](%s/train.png)\n' "${train_out##*/}"
+  } >> "$stem.md"
+fi
+
+echo
+echo "== summary: median optimizer-step time and ratio to fgd-auto"
+python benchmarks/report.py "$stem.json" --summary
+if [ "$train" = 1 ]; then
+  python benchmarks/train_report.py "$train_out/train.json"
+fi
+echo
+echo "full report: $stem.md (raw pytest-benchmark JSON: $stem.json)"
+if [ "$train" = 1 ]; then
+  echo "training: $train_out/train.json, $train_out/train.png"
+fi
+if [ "$out" = out/results ]; then
+  echo "(out/ is ignored by git; --update-results writes into benchmarks/results/ instead)"
+fi
+printf 'main job: %d min %02d s\n' $((SECONDS / 60)) $((SECONDS % 60))

@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto",
                     help="autocast (auto: bf16 on a GPU; fp16 adds a GradScaler)")
     ap.add_argument("--channels-last", choices=("auto", "on", "off"), default="auto", help="auto: on on a GPU")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (the optimizers are unchanged)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
                     help="torch CPU threads (default: FGD_BENCH_THREADS, else torch's; 1 is faster on a busy machine)")
     ap.add_argument("--seed", type=int, default=0)
@@ -187,6 +188,7 @@ def train_one(name: str, base: nn.Module, data: Dataset, cfg: dict, settings: di
     memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
     model = copy.deepcopy(base).to(device=device, memory_format=memory_format)
     opt = build_optimizer(name, model, cfg["rule"], settings)
+    forward = torch.compile(model) if cfg.get("compile") else model  # same parameters, compiled forward/backward
     total = cfg["epochs"] * cfg["steps_per_epoch"]
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [max(1, round(f * total)) for f in MILESTONES], cfg["gamma"])
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["amp"])
@@ -213,7 +215,7 @@ def train_one(name: str, base: nn.Module, data: Dataset, cfg: dict, settings: di
             t0 = timer.mark()
             opt.zero_grad(set_to_none=True)
             with autocast():
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(forward(x), y)
             scaler.scale(loss).backward()
             t1 = timer.mark()
             scaler.step(opt)
@@ -288,7 +290,9 @@ def _bar(name: str, total: int, enabled: bool):
 
 
 # -- the comparison --------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> dict:
+def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Module, dict]:
+    """Optimizer names and settings, the data, the starting model (its constrained weights
+    orthonormalised once, so every optimizer starts from the same point) and the run's config."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -318,18 +322,14 @@ def run(args: argparse.Namespace) -> dict:
         "evals_per_epoch": min(steps, args.evals_per_epoch or (4 if data.name == "digits" else 1)),
         "device": str(device), "amp": {"auto": "bf16" if gpu else "off"}.get(args.amp, args.amp),
         "channels_last": {"auto": gpu, "on": True, "off": False}[args.channels_last],
-        "torch_threads": torch.get_num_threads(), "seed": args.seed,
+        "torch_threads": torch.get_num_threads(), "seed": args.seed, "compile": args.compile,
         "command": "python benchmarks/train.py " + " ".join(sys.argv[1:]),
     }
-    print(f"{model_desc} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
-          f"{cfg['epochs']} epochs × {steps} steps of {batch}; device {device}, autocast {cfg['amp']}, "
-          f"channels_last {cfg['channels_last']}", flush=True)
-    results = {}
-    for n in names:
-        results[n] = train_one(n, base, data, cfg, settings[n], progress=not args.no_progress)
-    sgd = results.get("sgd", {}).get("train_step_seconds")
-    for r in results.values():
-        r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
+    return names, settings, data, base, cfg
+
+
+def machine_record(device: torch.device) -> dict:
+    """``{"device", "versions", "commit"}`` of train.json (see ``benchmarks/machine.py``)."""
     env = environment(device)
     versions = {k: env.pop(k) for k in ("python", "torch", "triton", "numpy", "geoopt")}
     versions["fgd_fast"] = fgd_fast.__version__
@@ -337,8 +337,24 @@ def run(args: argparse.Namespace) -> dict:
         versions[mod] = _version(mod)
     commit = env.pop("commit")
     commit["source_digest"] = env.pop("source_digest")
-    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    return {"optimizers": results, "config": cfg, "device": env, "versions": versions, "commit": commit}
+    return {"device": env, "versions": versions, "commit": commit}
+
+
+def run(args: argparse.Namespace) -> dict:
+    names, settings, data, base, cfg = prepare(args)
+    record = machine_record(torch.device(args.device))  # load average at the start ...
+    print(f"{cfg['model']} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
+          f"{cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; device {cfg['device']}, "
+          f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}", flush=True)
+    results = {}
+    for n in names:
+        results[n] = train_one(n, base, data, cfg, settings[n], progress=not args.no_progress)
+    sgd = results.get("sgd", {}).get("train_step_seconds")
+    for r in results.values():
+        r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
+    if hasattr(os, "getloadavg"):
+        record["device"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # ... and at the end
+    return {"optimizers": results, "config": cfg, **record}
 
 
 def _version(module: str) -> str:
