@@ -35,7 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feedback", default="0.1,0.2,0.4,0.7", help="feedback values α")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="out/sweep-digits.md")
+    ap.add_argument("--render", metavar="JSON", help="only print the report of an earlier run's .json")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        lrs = sorted({g["lr"] for g in result["grid"]})
+        fbs = sorted({g["feedback"] for g in result["grid"]})
+        print("\n".join(render(result, lrs, fbs)))
+        return 0
     lrs, fbs = _floats(args.lr), _floats(args.feedback)
     t0 = time.perf_counter()
     targs = train.parse_args(["--dataset", "digits", "--epochs", str(args.epochs), "--threads", str(args.threads),
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 def _cell(grid, lr, fb, key, fmt) -> str:
     for g in grid:
         if g["lr"] == lr and g["feedback"] == fb:
-            return "failed" if "failed" in g else fmt(g[key])
+            return "stopped¹" if "failed" in g else fmt(g[key])
     return "—"
 
 
@@ -85,7 +92,8 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
         "",
         f"`python benchmarks/sweep_digits.py` ({cfg['model']}, {cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps "
         f"of {cfg['batch_size']}, lr × {cfg['gamma']} at steps {cfg['milestones']}, Euclidean lr 0.05, momentum 0.9); "
-        f"{dev.get('cpu')}, {cfg['torch_threads']} torch thread(s), torch {result['versions']['torch']}, commit "
+        f"{dev.get('cpu')}, {cfg['torch_threads']} torch thread(s), load average {dev.get('load_average')}, "
+        f"torch {result['versions']['torch']}, commit "
         f"`{result['commit']['id'][:10]}`, {result['seconds']:.0f} s. SGD (lr {sgd['settings']['lr']:g}) on the same "
         f"run: {100 * sgd['test_accuracy']:.1f} %, its constrained-shape weights drift to {sgd['max_distance']:.1f}.",
         "",
@@ -98,7 +106,11 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
     for lr in lrs:
         cells = [_cell(result["grid"], lr, f, "max_distance", lambda v: f"{v:.1e}") + " ("
                  + _cell(result["grid"], lr, f, "peak_max_distance", lambda v: f"{v:.0e}") + ")" for f in fbs]
-        lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {lr:g} | " + " | ".join(cells).replace("stopped¹ (stopped¹)", "stopped¹") + " |")
+    failed = [g for g in result["grid"] if "failed" in g]
+    if failed:
+        lines += ["", "¹ the run stopped with an error:", ""]
+        lines += [f"- lr {g['lr']:g}, feedback {g['feedback']:g}: {g['failed'].split(';')[0]})" for g in failed]
     return lines
 
 

@@ -296,6 +296,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True  # as CIFAR training scripts run (fixed input shapes)
     torch.manual_seed(args.seed)
     names, _ = optimizer_names(args.optimizers, device)
     overrides = parse_overrides(args.set)
