@@ -110,7 +110,9 @@ class BenchSession:
             "sum_np2": float(sum(n * p * p for n, p in shapes)), "sum_np": float(sum(n * p for n, p in shapes)),
         }
         if c.backend:
-            info["backend"] = backend_for(c.backend, self.device)
+            info["backend"] = backend_for(c.backend, self.device, c.precision)
+            info["precision"] = c.precision
+        info["constrained_bytes"] = 4.0 * info["sum_np"]  # the workloads' weights are float32
         cost = step_cost(c.family, shapes)
         if cost:
             info["cost"] = {**cost, **floor_seconds(cost, self.rates)}

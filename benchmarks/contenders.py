@@ -11,7 +11,10 @@ get gradients, so a step is the Stiefel part of an optimizer step; every other p
 name                        what
 ==========================  ===============================================================
 ``fgd-auto``                ``fgd_fast.FGD(backend="auto")`` (the ratios' denominator)
-``fgd-<backend>``           ``FGD(backend=...)`` for reference, torch, triton, cuda
+``fgd-<backend>``           ``FGD(backend=...)`` for reference, torch, triton, cuda, at the
+                            default ``precision="ieee"`` (IEEE fp32 products)
+``fgd-<backend>-<prec>``    ``FGD(backend=..., precision=...)``: torch and triton at
+                            ``"tf32x3"`` and ``"tf32"``
 ``cayley-sgd-lowrank``      ``CayleySGD(form="lowrank")`` (no ``n × n`` matrix)
 ``cayley-sgd-dense``        ``CayleySGD(form="dense")`` (``n × n`` skew matrix, as the
                             public code)
@@ -114,10 +117,10 @@ def _owners(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _fgd(backend: str) -> Callable[[nn.Module, str, float], Case]:
+def _fgd(backend: str, precision: str = "ieee") -> Callable[[nn.Module, str, float], Case]:
     def make(model, rule, lr):
         group = fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False)[0]
-        opt = fgd_fast.FGD([group], lr=lr, momentum=MOMENTUM, feedback=FEEDBACK, backend=backend)
+        opt = fgd_fast.FGD([group], lr=lr, momentum=MOMENTUM, feedback=FEEDBACK, backend=backend, precision=precision)
         return Case(opt, group["params"])
 
     return make
@@ -160,6 +163,7 @@ class Contender:
     family: str  # "fgd", "cayley", "geoopt", "torch-orthogonal" or "sgd"
     make: Callable[[nn.Module, str, float], Case]
     backend: str | None = None  # FGD's backend argument
+    precision: str = "ieee"  # FGD's precision argument
 
 
 CONTENDERS: tuple[Contender, ...] = (
@@ -168,6 +172,10 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("fgd-torch", "fgd", _fgd("torch"), "torch"),
     Contender("fgd-triton", "fgd", _fgd("triton"), "triton"),
     Contender("fgd-cuda", "fgd", _fgd("cuda"), "cuda"),
+    Contender("fgd-torch-tf32x3", "fgd", _fgd("torch", "tf32x3"), "torch", "tf32x3"),
+    Contender("fgd-torch-tf32", "fgd", _fgd("torch", "tf32"), "torch", "tf32"),
+    Contender("fgd-triton-tf32x3", "fgd", _fgd("triton", "tf32x3"), "triton", "tf32x3"),
+    Contender("fgd-triton-tf32", "fgd", _fgd("triton", "tf32"), "triton", "tf32"),
     Contender("cayley-sgd-lowrank", "cayley", _cayley(CayleySGD, form="lowrank")),
     Contender("cayley-sgd-dense", "cayley", _cayley(CayleySGD, form="dense")),
     Contender("cayley-adam-lowrank", "cayley", _cayley(CayleyADAM, form="lowrank")),
@@ -199,9 +207,11 @@ def unavailable(c: Contender, device: torch.device, *, allow_interpreter: bool =
                 "correctness tool, not a meaningful timing"
             )
         try:
-            resolve_backend(c.backend, device)
+            resolve_backend(c.backend, device, c.precision)
         except BackendUnavailable as exc:
             return str(exc).splitlines()[0]
+        if c.precision == "tf32" and device.type == "cpu":
+            return f"a CPU has no TF32: fgd-{c.backend}-tf32 computes exactly fgd-{c.backend}'s fp32 products here"
         return None
     if c.family == "geoopt":
         try:

@@ -79,7 +79,8 @@ def stability_skip(scale: str, c: Contender, device: torch.device) -> dict | Non
     ``fgd-auto``: its distances are the same numbers, so they are not measured twice
     (``"same_as": "fgd-auto"``).
     """
-    if c.family == "fgd" and c.backend != "auto" and backend_for(c.backend, device) == backend_for("auto", device):
+    same_backend = c.family == "fgd" and c.backend != "auto" and backend_for(c.backend, device) == backend_for("auto", device)
+    if same_backend and c.precision == "ieee":  # fgd-auto runs at the default precision, "ieee"
         return {"skipped": f"fgd-auto runs this backend ({c.backend}) here: the same code, the same distances", "same_as": "fgd-auto"}
     for s, name, why in _STABILITY_EXCLUSIONS:
         if s == scale and name == c.name:

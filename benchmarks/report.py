@@ -24,7 +24,8 @@ from pathlib import Path
 __all__ = ["load", "render", "summary_table"]
 
 ORDER = (
-    "fgd-auto", "fgd-triton", "fgd-cuda", "fgd-torch", "fgd-reference", "cayley-sgd-lowrank",
+    "fgd-auto", "fgd-triton", "fgd-triton-tf32x3", "fgd-triton-tf32", "fgd-cuda", "fgd-torch", "fgd-torch-tf32x3",
+    "fgd-torch-tf32", "fgd-reference", "cayley-sgd-lowrank",
     "cayley-sgd-dense", "cayley-adam-lowrank", "geoopt-qr", "geoopt-canonical", "torch-orthogonal", "sgd",
 )
 
@@ -85,6 +86,16 @@ def _load(values) -> str:
 def _layers(shapes) -> str:
     counts = Counter(tuple(s) for s in shapes)
     return ", ".join(f"{k} × {n}×{p}" for (n, p), k in sorted(counts.items(), key=lambda kv: kv[0][0] * kv[0][1]))
+
+
+def _times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _memory_multiple(case: dict) -> float | None:
+    """Peak extra memory of a step over the bytes of the constrained weights."""
+    peak, size = case.get("peak_extra_bytes"), case.get("constrained_bytes")
+    return peak / size if peak is not None and size else None
 
 
 def _median(case: dict) -> float | None:
@@ -191,6 +202,38 @@ def summary_table(run: dict) -> list[str]:
     return lines
 
 
+#: the ratios the issue's "done when" reads: (label, numerator, denominator, what it measures)
+TARGETS = (
+    ("`fgd-auto` ÷ `fgd-torch`", "fgd-auto", "fgd-torch", "time"),
+    ("`fgd-auto` ÷ `cayley-sgd-lowrank`", "fgd-auto", "cayley-sgd-lowrank", "time"),
+    ("`fgd-torch` ÷ `cayley-sgd-lowrank`", "fgd-torch", "cayley-sgd-lowrank", "time"),
+    ("`fgd-torch-tf32x3` ÷ `fgd-torch`", "fgd-torch-tf32x3", "fgd-torch", "time"),
+    ("`fgd-auto` peak extra memory ÷ θ bytes", "fgd-auto", None, "memory"),
+    ("`fgd-torch` peak extra memory ÷ θ bytes", "fgd-torch", None, "memory"),
+    ("`fgd-torch-tf32x3` peak extra memory ÷ θ bytes", "fgd-torch-tf32x3", None, "memory"),
+)
+
+
+def targets_table(run: dict) -> list[str]:
+    """Step-time ratios (medians of the same run) and peak extra memory per step over the bytes
+    of the constrained weights, workload by workload; rows whose contenders did not run are left out."""
+    by = _by_workload(run)
+    ws = _workload_order(run)
+    lines = ["| ratio | " + " | ".join(_label(run, w) for w in ws) + " |", "|---|" + "---|" * len(ws)]
+    for label, num, den, kind in TARGETS:
+        cells = []
+        for w in ws:
+            case = by.get(w, {}).get(num, {})
+            if kind == "memory":
+                cells.append(_times(_memory_multiple(case)))
+                continue
+            t, d = _median(case), _median(by.get(w, {}).get(den, {}))
+            cells.append(f"{t / d:.2f}×" if t and d else "—")
+        if any(cell != "—" for cell in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def stability_table(run: dict) -> list[str]:
     by = _by_workload(run)
     ws = _workload_order(run)
@@ -230,8 +273,8 @@ def workload_section(run: dict, w: str) -> list[str]:
         ]
     auto = _median(by.get("fgd-auto", {}))
     lines += [
-        "| contender | median | IQR | rounds | × fgd-auto | × FGD floor | of matmul rate | of copy bandwidth | peak extra memory | max / mean ‖θᵀθ − I‖_F | step ‖ΔW‖_F |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| contender | median | IQR | rounds | × fgd-auto | × FGD floor | of matmul rate | of copy bandwidth | peak extra memory | × θ bytes | max / mean ‖θᵀθ − I‖_F | step ‖ΔW‖_F |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in _sorted(by):
         case = by[name]
@@ -254,7 +297,8 @@ def workload_section(run: dict, w: str) -> list[str]:
         vs_floor = f"{t / floor['floor_s']:.3g}×" if t and floor.get("floor_s") else "—"
         lines.append(
             f"| {label} | {_time(t)} | {_time(stats.get('iqr'))} | {stats.get('rounds', '—')} | {vs_auto} | "
-            f"{vs_floor} | {_pct(flop_frac)} | {_pct(bw_frac)} | {_mb(case.get('peak_extra_bytes'))} | {dist} | "
+            f"{vs_floor} | {_pct(flop_frac)} | {_pct(bw_frac)} | {_mb(case.get('peak_extra_bytes'))} | "
+            f"{_times(_memory_multiple(case))} | {dist} | "
             f"{_sci(stab.get('step_norm'))} |"
         )
     skipped = [s for s in run["skips"] if s["workload"] == w]
@@ -296,7 +340,8 @@ def method(run: dict) -> list[str]:
         "32·Σn·p bytes per step; plain SGD with momentum moves 20·Σn·p bytes. *of matmul rate* / *of copy "
         "bandwidth* divide that work by the step time and by the rates measured at the start of this run; "
         "*× FGD floor* is the step time over max(compute floor, memory floor) of FGD's work, for every contender.",
-        f"- **Peak extra memory**: {memory}.",
+        f"- **Peak extra memory**: {memory}; *× θ bytes* divides it by the bytes of the constrained "
+        "weights (float32, 4·Σn·p).",
     ] + (
         ["- A fraction above 100 % of the copy bandwidth means the step's data fit in the caches "
          "(the copy measured for the rate is far larger than any cache)."]
@@ -330,6 +375,7 @@ def render(run: dict) -> str:
         )
     for note in notes:
         lines += ["", note]
+    lines += ["", "## Ratios and memory", ""] + targets_table(run)
     steps = run["session"].get("budget", {}).get("stability_steps", "?")
     lines += ["", f"## Stability: max / mean ‖θᵀθ − I‖_F after {steps} steps", ""] + stability_table(run)
     if any("skipped" in c.get("stability", {}) and "same_as" not in c["stability"] for c in run["cases"]):

@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-ALWAYS = {"fgd-auto", "fgd-reference", "fgd-torch", "cayley-sgd-lowrank", "cayley-sgd-dense", "cayley-adam-lowrank", "torch-orthogonal", "sgd"}
+ALWAYS = {"fgd-auto", "fgd-reference", "fgd-torch", "fgd-torch-tf32x3", "cayley-sgd-lowrank", "cayley-sgd-dense", "cayley-adam-lowrank", "torch-orthogonal", "sgd"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
     assert all(reason for reason in skipped.values())
     assert {c for _, c in ran} >= ALWAYS
     if not torch.cuda.is_available():
-        assert {c for _, c in skipped} <= {"fgd-triton", "fgd-cuda", "geoopt-qr", "geoopt-canonical"}
+        assert {c for _, c in skipped} <= {
+            "fgd-triton", "fgd-triton-tf32x3", "fgd-triton-tf32", "fgd-cuda", "fgd-torch-tf32", "geoopt-qr", "geoopt-canonical",
+        }
     for (w, c), b in ran.items():
         info = b["extra_info"]
         assert b["stats"]["median"] > 0 and b["stats"]["rounds"] == 1

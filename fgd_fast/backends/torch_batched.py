@@ -1,22 +1,37 @@
-"""Torch backend: the two-pass form of the step (docs/algorithm.md §3), batched with ``bmm``.
+"""Torch backend: the two-pass form of the step with torch's BLAS products, in place.
 
-Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, writes Φ)``; each
-bucket is stacked once into ``X = [θ | Φ | g]`` (``[θ | g]`` when Φ is zero or absent) and
-runs without a Python loop over its layers:
+Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, writes Φ)``.
 
-1. Gram pass, one ``bmm``: ``θᵀX = [A | B | E]`` with ``A = θᵀθ, B = θᵀΦ, E = θᵀg``; plus
-   ``C = ΦᵀΦ``.
-2. O(p³) algebra on ``(L, p, p)`` tensors (:mod:`.algebra`): ``M_Φ`` and ``M_θ``.
-3. Update pass, two ``baddbmm``: ``U = βΦ − ηg``, ``Φ₊ = U + θM_Φ``, ``θ₊ = θ + U + θM_θ``,
-   into new tensors during ``prepare``; ``apply`` only copies them into place, so a step that
-   fails (including for lack of memory) fails before any write.
+``prepare`` (writes nothing) runs, per bucket, in chunks of layers:
 
-A first step (Φ = 0) is the same formula with ``B = C = 0``; ``momentum == 0`` is that
-formula without storing Φ.
+1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
+   C only when Φ is read). ``precision="tf32x3"`` computes A from the TF32 split of θ
+   (:mod:`.tf32`): ``A ≈ H + L + Lᵀ``, ``[H | L] = hiᵀ[hi | lo]`` in one product.
+2. O(p³) middle (:mod:`.algebra`), with ``N = 2I − A`` and ``S = sym(B)``:
+   ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]``, ``F = −α(A − I)``,
+   ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``.
 
-Layout: when ``θ = W2ᵀ`` (the usual case, ``c_o <= m``) the memory holds the rows
-``R = θᵀ`` contiguously, so ``X`` is stored as ``(L, k·p, n)`` rows and every product is
-taken in that layout (``(θM)ᵀ = MᵀR``): stacking and writing back are plain contiguous copies.
+and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
+writes in place, layer by layer (or chunk by chunk):
+
+3. ``Φ ← βΦ − ηg`` (``U``), ``Φ ← Φ + θ M_Φ`` (``Φ₊ = U + θM_Φ``), ``O ← Φ₊ + θF``,
+   ``θ ← θ + O`` (``θ₊ = θ + U + θM_θ = θ + Φ₊ + θF``); without Φ (``momentum == 0``)
+   ``O ← −ηg + θM_θ``, ``θ ← θ + O``.
+
+So a step that fails in ``prepare`` — a check, or lack of memory — has written nothing, and
+the step's extra memory is the p × p matrices plus a bounded scratch, not copies of θ, Φ and g.
+
+Operands. On a CPU every product reads the parameters, buffers and gradients where they are
+(``W.view(c_o, −1)``; no copies); a layer whose tensors cannot be viewed that way (e.g.
+``channels_last``) is staged through the scratch. On a GPU, equal-shape layers are staged into
+stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that small layers share one
+``bmm`` launch. Layout: when ``θ = W2ᵀ`` (``c_o ≤ m``, the usual case) the memory holds the rows
+``R = θᵀ``, and every product is taken in that layout (``(θM)ᵀ = MᵀR``).
+
+Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ, F`` of every layer,
+plus the scratch (one output slot of the largest layer on a CPU; three stack slots on a GPU),
+plus the transient blocks of one middle chunk (bounded by the constrained bytes ``P``): about
+1.5·P on WRN-28 (``p ≪ n``); ``"tf32x3"`` adds the transient split of one chunk.
 """
 from __future__ import annotations
 
@@ -24,90 +39,268 @@ from collections import defaultdict
 
 import torch
 
-from .._matrix import as_w2, stiefel_shape
+from .._matrix import stiefel_shape
 from .algebra import middle
 from .base import PRECISIONS, compute_dtype, fp32_matmuls, plan_of
-from .tf32 import split_tf32
+from .tf32 import round_tf32
 
 __all__ = ["prepare_torch"]
 
+_MIDDLE_BLOCKS = 16  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, N, S, …)
+_STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
+_HALVES_FROM = 64  # symmetric Grams from this p on as block halves (measured faster on a CPU from p ≈ 96)
+_CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
+
+
+def _w2(t: torch.Tensor) -> torch.Tensor | None:
+    """``W2 = t.view(c_o, −1)`` as a (1, c_o, m) view of ``t``'s memory, or None if not a view."""
+    try:
+        return t.view(1, t.shape[0], -1)
+    except RuntimeError:
+        return None
+
+
+class _Chunk:
+    """Consecutive layers of a bucket, positions ``[s, e)``; ``staged``: their operands go
+    through the scratch stacks (else each layer's products read its tensors in place)."""
+
+    def __init__(self, s: int, e: int, staged: bool):
+        self.s, self.e, self.staged = s, e, staged
+
 
 class _Bucket:
-    """Grams and M matrices of a set of equal-shape layers; ``apply`` writes them."""
+    """Equal-shape layers: the p × p matrices of the step, and ``apply`` that writes it."""
 
-    def __init__(self, idx, params, grads, bufs, key, check_finite, precision):
+    def __init__(self, idx, params, grads, bufs, key, precision):
         n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
-        cdt = compute_dtype(dtype)
-        self.layers, self.lr, self.beta, self.rows = idx, lr, beta, rows
-        self.reads_phi, self.writes_phi, self.p = reads_phi, writes_phi, p
+        self.layers, self.n, self.p, self.rows = idx, n, p, rows
+        self.lr, self.beta, self.alpha = lr, beta, alpha
+        self.reads_phi, self.writes_phi = reads_phi, writes_phi
+        self.cdt = compute_dtype(dtype)
+        self.split = precision == "tf32x3" and self.cdt == torch.float32
         self.params = [params[i] for i in idx]
+        self.grads = [grads[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
-        k = 3 if reads_phi else 2
-        blocks = [self.params] + ([self.bufs] if reads_phi else []) + [[grads[i] for i in idx]]
-        # X in the parameters' own layout; `x` is always the (L, n, k·p) column view of it
-        store = torch.empty((len(idx), k * p, n) if rows else (len(idx), n, k * p), dtype=cdt, device=device)
-        x = store.transpose(1, 2) if rows else store
-        for j, tensors in enumerate(blocks):
-            part = store[:, j * p:(j + 1) * p, :] if rows else store[:, :, j * p:(j + 1) * p]
-            torch._foreach_copy_(list(part.unbind(0)), [as_w2(t) for t in tensors])
-        self.x = x
-        theta = x[:, :, :p]
-        gram = torch.bmm(theta.transpose(1, 2), x)  # θᵀ[θ | Φ | g] = [A | B | E]
-        a = gram[:, :, :p]
-        if precision == "tf32x3" and cdt == torch.float32:
-            # lean 3×TF32, only A is split: hi = tf32(θ), lo = tf32(θ − hi) are TF32 numbers, so
-            # a TF32 product sees them exactly; A ≈ H + L + Lᵀ with H = hiᵀhi, L = hiᵀlo
-            hi, lo = split_tf32(theta)
-            both = torch.bmm(hi.transpose(1, 2), torch.cat([hi, lo], dim=2))  # hiᵀ[hi | lo] = [H | L]
-            low = both[:, :, p:]
-            a = both[:, :, :p] + (low + low.transpose(1, 2))  # A ≈ H + (L + Lᵀ)
-        e = gram[:, :, (k - 1) * p:]
-        b = c = None
-        if reads_phi:
-            phi = x[:, :, p:2 * p]
-            b = gram[:, :, p:2 * p]
-            c = torch.bmm(phi.transpose(1, 2), phi)  # C = ΦᵀΦ
-        mid = middle(a, b, c, e, lr=lr, beta=beta, alpha=alpha)  # M_θ, M_Φ, ‖A − I‖_F
-        self.m_theta, self.m_phi, self.dist = mid.m_theta, mid.m_phi, mid.dist
-        g = x[:, :, (k - 1) * p:]
-        # max |g| is NaN/Inf exactly when g has a NaN/Inf (amax propagates NaN)
-        self.finite = torch.isfinite(torch.linalg.vector_norm(g, float("inf"), dim=(1, 2))) if check_finite else None
+        self.c_o = self.params[0].shape[0]
+        self.m = self.params[0].numel() // self.c_o if self.c_o else 0
+        self.numel = n * p
+        self.viewable = [
+            all(_w2(t) is not None and t.dtype == self.cdt for t in ts)
+            for ts in zip(self.params, self.grads, *([self.bufs] if writes_phi else []))
+        ]
 
-    def _times_plus(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """``θ M + u`` in the stored layout (rows: ``MᵀR + uᵀ``), returned as stored."""
-        theta = self.x[:, :, :self.p]
-        if self.rows:
-            return torch.baddbmm(u.transpose(1, 2), m.transpose(1, 2), theta.transpose(1, 2))
-        return torch.baddbmm(u, theta, m)
+    # -- planning -------------------------------------------------------------------------
+    def chunks(self, middle_numel: int) -> list[list[_Chunk]]:
+        """Middle chunks (lists of GEMM chunks): at most ``middle_numel`` elements of p × p
+        blocks per middle chunk, at most ``self.stack_numel`` elements per stack slot (0: no
+        stacking) per GEMM chunk; at least one layer each."""
+        count, stack_numel = len(self.layers), self.stack_numel
+        per_middle = max(1, middle_numel // max(1, _MIDDLE_BLOCKS * self.p * self.p))
+        per_stack = max(1, stack_numel // max(1, self.numel)) if stack_numel else 1
+        out = []
+        for s in range(0, count, per_middle):
+            e = min(count, s + per_middle)
+            gemm = []
+            if stack_numel:
+                gemm = [_Chunk(a, min(e, a + per_stack), True) for a in range(s, e, per_stack)]
+            else:
+                gemm = [_Chunk(a, a + 1, not self.viewable[a]) for a in range(s, e)]
+            out.append(gemm)
+        return out
 
-    def update(self) -> None:
-        """Pass 2 into new tensors (nothing is written yet: a failure here changes nothing)."""
-        p, x = self.p, self.x
-        u = x[:, :, -p:] * (-self.lr)  # U = βΦ − ηg
-        if self.reads_phi:
-            u.add_(x[:, :, p:2 * p], alpha=self.beta)
-        self.phi_new = self._times_plus(u, self.m_phi)  # Φ₊ = U + θ M_Φ
-        self.theta_new = self._times_plus(u.add_(x[:, :, :p]), self.m_theta)  # θ₊ = (θ + U) + θ M_θ
-        self.x = None  # the stacked inputs are no longer needed
+    # -- operands -------------------------------------------------------------------------
+    def _slot(self, slot: torch.Tensor, ch: _Chunk) -> torch.Tensor:
+        """The first ``c`` layers' worth of ``slot`` as a (c, c_o, m) stack (W2 layout)."""
+        c = ch.e - ch.s
+        return slot[: c * self.numel].view(c, self.c_o, self.m)
 
-    def apply(self) -> None:
-        # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
-        torch._foreach_copy_(self.params, [t.reshape(q.shape) for t, q in zip(self.theta_new.unbind(0), self.params)])
+    @staticmethod
+    def _shaped(stack: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The layers of a stack, each viewed in its tensor's shape."""
+        return [w.view(t.shape) for w, t in zip(stack.unbind(0), tensors)]
+
+    def _stack(self, slot: torch.Tensor, tensors: list[torch.Tensor], ch: _Chunk) -> torch.Tensor:
+        """``tensors[s:e]`` copied into ``slot`` as a (c, c_o, m) stack (W2 layout)."""
+        stack = self._slot(slot, ch)
+        torch._foreach_copy_(self._shaped(stack, tensors[ch.s:ch.e]), tensors[ch.s:ch.e])
+        return stack
+
+    def _operand(self, slot, tensors, ch: _Chunk) -> torch.Tensor:
+        """The (c, c_o, m) W2 operand of the chunk: staged, or the tensor's own memory."""
+        return self._stack(slot, tensors, ch) if ch.staged else _w2(tensors[ch.s])
+
+    def _col(self, w2: torch.Tensor) -> torch.Tensor:
+        """(c, n, p) column view θ of a W2 operand."""
+        return w2.transpose(1, 2) if self.rows else w2
+
+    def _gram(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = xᵀy`` for W2 operands (column views ``(c, n, p)``). For ``y is x`` and
+        ``p >= _HALVES_FROM``, only the upper block triangle: ``[x₁ᵀx; x₂ᵀx₂]`` with x = [x₁ | x₂]
+        (¾ of the flops), the lower-left block mirrored."""
+        xt = self._col(x).transpose(1, 2)
+        if y is not x or self.p < _HALVES_FROM:
+            torch.bmm(xt, self._col(y), out=out)
+            return
+        h = self.p // 2
+        torch.bmm(xt[:, :h], xt.transpose(1, 2), out=out[:, :h])  # [x₁ᵀx₁ | x₁ᵀx₂]
+        torch.bmm(xt[:, h:], xt[:, h:].transpose(1, 2), out=out[:, h:, h:])  # x₂ᵀx₂
+        out[:, h:, :h] = out[:, :h, h:].transpose(1, 2)  # x₂ᵀx₁ = (x₁ᵀx₂)ᵀ
+
+    def _add_theta_times(self, y: torch.Tensor, theta: torch.Tensor, m: torch.Tensor, *, beta: float = 1.0,
+                         out: torch.Tensor | None = None) -> None:
+        """``β·y + θM`` in W2 layout (rows: ``βyᵀ + MᵀR``), into ``out`` or in place into ``y``."""
+        a, b = (m.transpose(1, 2), theta) if self.rows else (theta, m)
+        if out is None:
+            y.baddbmm_(a, b, beta=beta)
+        else:
+            torch.baddbmm(y, a, b, beta=beta, out=out)
+
+    # -- prepare: Gram pass and middle ----------------------------------------------------
+    def prepare(self, scratch: list[torch.Tensor], check_finite: bool, middle_numel: int) -> None:
+        self.plan = self.chunks(middle_numel)
+        p, count = self.p, len(self.layers)
+        self.m_phi = torch.empty((count, p, p), dtype=self.cdt, device=self.params[0].device)
+        self.m_second = torch.empty_like(self.m_phi)  # F (with Φ) or M_θ (without)
+        dists = []
+        for gemm_chunks in self.plan:
+            s, e = gemm_chunks[0].s, gemm_chunks[-1].e
+            blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(4)]
+            a, b, c, g_blk = blocks
+            for ch in gemm_chunks:
+                r = slice(ch.s - s, ch.e - s)
+                theta = self._operand(scratch[0], self.params, ch)
+                grad = self._operand(scratch[2], self.grads, ch)
+                self._gram(theta, grad, g_blk[r])  # E = θᵀg
+                if self.split:
+                    self._split_gram(theta, a[r])  # A ≈ H + L + Lᵀ
+                else:
+                    self._gram(theta, theta, a[r])  # A = θᵀθ
+                if self.reads_phi:
+                    phi = self._operand(scratch[1], self.bufs, ch)
+                    self._gram(theta, phi, b[r])  # B = θᵀΦ
+                    self._gram(phi, phi, c[r])  # C = ΦᵀΦ
+            if self.reads_phi:
+                mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
+            else:
+                mid = middle(a, None, None, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
+            self.m_phi[s:e] = mid.m_phi
+            self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
+            dists.append(mid.dist)
+        self.dist = torch.cat(dists) if dists else torch.zeros(0, device=self.m_phi.device)
+        self.finite = None
+        if check_finite:  # g is finite iff its min and max are (both propagate NaN)
+            self.finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(g)) for g in self.grads])).all(1)
+
+    def _split_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
+        """``A ≈ H + L + Lᵀ``: hi = tf32(θ), lo = tf32(θ − hi) side by side (``[hi | lo]`` in
+        column view), ``[H | L] = hiᵀ[hi | lo]`` in one product."""
+        c, p = theta.shape[0], self.p
+        parts = torch.empty((c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt,
+                            device=theta.device)
+        hi, lo = (parts[:, : self.c_o], parts[:, self.c_o:]) if self.rows else (parts[..., : self.m], parts[..., self.m:])
+        round_tf32(theta, out=hi)  # hi = tf32(θ): a TF32 number, unchanged by the product's own rounding
+        round_tf32(torch.sub(theta, hi, out=lo), out=lo)  # lo = tf32(θ − hi); θ − hi is exact
+        both = torch.bmm(self._col(hi).transpose(1, 2), self._col(parts))  # hiᵀ[hi | lo] = [H | L]
+        low = both[:, :, p:]
+        torch.add(both[:, :, :p], low + low.transpose(1, 2), out=out)  # A ≈ H + (L + Lᵀ)
+
+    # -- apply: every write of the step ---------------------------------------------------
+    def apply(self, scratch: list[torch.Tensor]) -> None:
+        for gemm_chunks in self.plan:
+            for ch in gemm_chunks:
+                self._update(scratch, ch)
+
+    def _update(self, scratch, ch: _Chunk) -> None:
+        c, i = ch.e - ch.s, slice(ch.s, ch.e)
+        theta = self._operand(scratch[0], self.params, ch)
+        out = scratch[2][: c * self.numel].view(c, self.c_o, self.m)
+        grads, params = self.grads[i], self.params[i]
+        if ch.staged:
+            g_views = None  # g is added layer by layer, in its own shape
+        else:
+            g_views = _w2(grads[0])
         if self.writes_phi:
-            torch._foreach_copy_(self.bufs, [t.reshape(q.shape) for t, q in zip(self.phi_new.unbind(0), self.bufs)])
+            bufs = self.bufs[i]
+            if not ch.staged:
+                phi = _w2(bufs[0])  # Φ's own storage
+            elif self.reads_phi:
+                phi = self._stack(scratch[1], self.bufs, ch)
+            else:  # Φ = 0 is not read: the slot starts as g
+                phi = self._stack(scratch[1], self.grads, ch)
+            if self.reads_phi:
+                self._add_theta_times(phi, theta, self.m_phi[i], beta=self.beta)  # βΦ + θ M_Φ
+                if g_views is None:
+                    torch._foreach_add_(self._shaped(phi, bufs), grads, alpha=-self.lr)  # Φ₊ = βΦ − ηg + θ M_Φ
+                else:
+                    phi.add_(g_views, alpha=-self.lr)
+            elif g_views is None:
+                self._add_theta_times(phi, theta, self.m_phi[i], beta=-self.lr)  # Φ₊ = −ηg + θ M_Φ
+            else:
+                self._add_theta_times(g_views, theta, self.m_phi[i], beta=-self.lr, out=phi)
+            self._add_theta_times(phi, theta, self.m_second[i], out=out)  # O = Φ₊ + θF
+            if ch.staged:
+                torch._foreach_copy_(bufs, self._shaped(phi, bufs))  # Φ ← Φ₊
+        elif g_views is None:
+            torch._foreach_copy_(self._shaped(out, grads), grads)
+            self._add_theta_times(out, theta, self.m_second[i], beta=-self.lr)  # O = −ηg + θ M_θ
+        else:
+            self._add_theta_times(g_views, theta, self.m_second[i], beta=-self.lr, out=out)
+        if ch.staged:
+            torch._foreach_add_(params, self._shaped(out, params))  # θ₊ = θ + O
+        else:
+            theta.add_(out)
 
 
+class _Step:
+    """The buckets of one device, the scratch they share, and the precision of their products."""
+
+    def __init__(self, buckets, scratch, precision):
+        self.units, self.scratch, self.precision = buckets, scratch, precision
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        with fp32_matmuls(self.precision):
+            for b in self.units:
+                b.apply(self.scratch[b.cdt])
+
+
+@torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
 def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    device = params[0].device if params else torch.device("cpu")
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
         n, p, rows = stiefel_shape(param.shape)
         reads_phi = bufs[i] is not None and not fresh[i]
         key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
         groups[key].append(i)
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    buckets = [_Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
+    total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
+    for b in buckets:
+        stacks = len(b.layers) > 1 and (device.type == "cuda" or b.numel < _CPU_STACK_BELOW)
+        b.stack_numel = int(total * _STACK_FRACTION) if stacks else 0
+    scratch = _scratch(buckets, total, device)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
-        buckets = [_Bucket(idx, params, grads, bufs, key, check_finite, precision) for key, idx in groups.items()]
-        for b in buckets:  # compute θ₊, Φ₊ here: apply() then only copies, so it cannot fail half-way
-            b.update()
-    return plan_of(buckets, params[0].device if params else torch.device("cpu"), check_finite)
+        for b in buckets:
+            b.prepare(scratch[b.cdt], check_finite, middle_numel=total)
+    step = _Step(buckets, scratch, precision)
+    plan = plan_of(buckets, device, check_finite)
+    plan.apply = step.apply
+    return plan
+
+
+def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor]]:
+    """Per compute dtype, the stack slots θ, Φ and the output O (also g's stack in the Gram
+    pass), sized for the largest chunk; θ and Φ slots only where a chunk is staged."""
+    sizes: dict[torch.dtype, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for b in buckets:
+        size = sizes[b.cdt]
+        for gemm_chunks in b.chunks(total):
+            for ch in gemm_chunks:
+                numel = (ch.e - ch.s) * b.numel
+                size[2] = max(size[2], numel)
+                if ch.staged:
+                    size[0] = max(size[0], numel)
+                    size[1] = max(size[1], numel if b.writes_phi else 0)
+    return {dt: [torch.empty(k, dtype=dt, device=device) for k in size] for dt, size in sizes.items()}

@@ -1,0 +1,153 @@
+"""The torch backend's own promises: every way it can take the products (layer by layer in
+place, staged stacks, symmetric Grams as block halves) matches the float64 oracle; ``apply``
+allocates nothing (all scratch is made in ``prepare``, so running out of memory happens before
+any write); and a step's extra memory stays within 3× the constrained parameters' bytes
+(deterministic byte accounting of the aten ops, not timing)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.backends import torch_batched
+from fgd_fast.backends.torch_batched import prepare_torch
+from helpers import device_for_tests, fgd_steps, stiefel_problem
+from test_fgd_oracle import _rel_err, _run
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# staging rule, halves rule: the CPU default, everything staged (the GPU's stacks), halves for every p
+MODES = {
+    "default": {},
+    "staged": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1 / 6},
+    "in-place": {"_CPU_STACK_BELOW": 0},
+    "halves": {"_HALVES_FROM": 2},
+    "staged-halves": {"_CPU_STACK_BELOW": 1 << 62, "_HALVES_FROM": 2},
+    "one-layer-stacks": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1e-9},
+}
+
+
+@pytest.fixture(params=sorted(MODES))
+def mode(request, monkeypatch):
+    if device_for_tests().type != "cpu" and request.param != "default":
+        pytest.skip("the staging knobs are the CPU's; a GPU always stages")
+    for name, value in MODES[request.param].items():
+        monkeypatch.setattr(torch_batched, name, value)
+    return request.param
+
+
+@pytest.mark.parametrize("problem", ["channels-last", "mixed-groups", "same-shape", "square", "stateless", "odd"])
+def test_every_product_path_matches_the_float64_oracle(mode, problem):
+    params, opt, ow, ophi = _run(problem, "torch", torch.float64, steps=6)
+    for p, w, phi in zip(params, ow, ophi):
+        assert _rel_err(p, w) < 1e-12
+        if phi is not None:
+            assert _rel_err(fgd_fast.as_stiefel(opt.state[p]["momentum_buffer"]), phi) < 1e-11
+
+
+class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op that returns a tensor on storage none of its inputs had."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocating: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        seen = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
+                self.allocating.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "with-momentum"])
+def test_apply_allocates_nothing(mode, precision, first):
+    """Every write of the step happens in ``apply``, in place, into buffers made in ``prepare``:
+    a step that runs out of memory does so before it has written anything."""
+    shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (30, 6), (5, 11), (16, 16)]
+    params, grads = stiefel_problem(shapes)
+    params[0].data = params[0].data.to(memory_format=torch.channels_last)
+    bufs = [torch.zeros_like(p) for p in params]
+    bufs[-1] = None  # a stateless layer among them
+    fresh = [first] * len(params)
+    count = len(params)
+    with torch.no_grad():
+        plan = prepare_torch(
+            params, grads, bufs, fresh, lr=[0.1] * count, momentum=[0.9] * 4 + [0.0], feedback=[0.4] * count,
+            check_finite=True, precision=precision,
+        )
+        with _NewStorages() as watch:
+            plan.apply()
+    assert watch.allocating == []
+
+
+def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
+    """A failure inside prepare (here: the second bucket's middle runs out of memory) leaves
+    every parameter and buffer as it was, the first bucket's included."""
+    params, grads = stiefel_problem([(8, 4, 3, 3), (12, 5)])
+    opt = fgd_steps(params, grads, "torch", steps=1)
+    before = [p.detach().clone() for p in params], [opt.state[p]["momentum_buffer"].clone() for p in params]
+    real, calls = torch_batched.middle, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_batched, "middle", failing)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    for p, w, phi in zip(params, *before):
+        assert torch.equal(p.detach(), w)
+        assert torch.equal(opt.state[p]["momentum_buffer"], phi)
+
+
+def _workload_params(name: str):
+    """The constrained weights of a benchmark workload at the CPU scale, with gradients."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from workloads import workloads
+
+        w = next(x for x in workloads("cpu") if x.name == name)
+        group = fgd_fast.stiefel_param_groups(w.model("cpu"), w.rule, orthogonalize=False)[0]
+        from memtrack import peak_extra_bytes
+    finally:
+        sys.path.remove(str(BENCH))
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in group["params"]]
+    return group, grads, peak_extra_bytes
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("workload", ["wrn-28-10", "transformer"])
+def test_extra_memory_of_a_step_is_at_most_three_times_the_parameters(mode, workload, precision):
+    """Peak bytes the step allocates (every aten op's new storage, tracked live: the
+    benchmark's CPU method), with momentum, against the bytes of the constrained weights."""
+    if mode not in ("default", "staged"):
+        pytest.skip("memory is bounded by the staging rule: the CPU default and the GPU's stacks")
+    group, grads, peak_extra_bytes = _workload_params(workload)
+    params = group["params"]
+    opt = fgd_fast.FGD([group], lr=5e-4, backend="torch", precision=precision)
+    for _ in range(2):  # the measured step has momentum buffers
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    constrained = sum(p.numel() * p.element_size() for p in params)
+    peak, _ = peak_extra_bytes(opt.step, torch.device("cpu"))
+    assert 0 < peak <= 3 * constrained, peak / constrained
+
+
+def test_unknown_precision_is_refused_by_the_backend():
+    params, grads = stiefel_problem([(8, 4, 3, 3)])
+    with pytest.raises(ValueError, match="precision"):
+        prepare_torch(params, grads, [None], [True], lr=[0.1], momentum=[0.0], feedback=[0.4], check_finite=False,
+                      precision="fp8")
