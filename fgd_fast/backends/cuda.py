@@ -8,7 +8,9 @@ memory per step was 74 MB on ResNet-50 and 102 MB on VGG-16 against 214 MB and 3
 the ``"torch"`` backend, at the same step time (4.74 and 6.25 ms); on WRN-28-10 202 MB
 against 714 MB (the Triton backend also 202 MB), but 2× slower (15.4 against 7.9 ms); on the
 Transformer set it is slower and larger than ``"torch"`` (56 ms and 2.5 GB against 29 ms
-and 1.8 GB). ``"auto"`` never picks it: ask for ``backend="cuda"``.
+and 1.8 GB). The ``"torch"`` backend has since been rewritten to work in place with bounded
+scratch, which is not yet measured on a GPU: the memory comparison may have narrowed.
+``"auto"`` never picks it: ask for ``backend="cuda"``.
 
 Per step and *launch class* (one per parameter dtype; usually one in all):
 
