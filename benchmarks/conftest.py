@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fgd_fast.backends import DEFAULT_PRECISION
 from fgd_fast.functional import backend_for
 from contenders import FEEDBACK, MOMENTUM, Contender
 from costmodel import floor_seconds, step_cost
@@ -69,7 +70,7 @@ class BenchSession:
             "budget": dataclasses.asdict(self.budget),
             "settings": {
                 "lr": LR, "momentum": MOMENTUM, "feedback": FEEDBACK, "grad_sets": POOL,
-                "grad_norm": "unit Frobenius norm per layer", "fgd_auto_resolves_to": backend_for("auto", self.device),
+                "grad_norm": "unit Frobenius norm per layer", "fgd_auto_resolves_to": backend_for("auto", self.device, DEFAULT_PRECISION),
             },
             "workloads": {
                 w.name: {"description": w.description, "rule": w.rule, "shapes": layer_shapes(w)} for w in self.workloads.values()
@@ -110,8 +111,8 @@ class BenchSession:
             "sum_np2": float(sum(n * p * p for n, p in shapes)), "sum_np": float(sum(n * p for n, p in shapes)),
         }
         if c.backend:
-            info["backend"] = backend_for(c.backend, self.device, c.precision)
-            info["precision"] = c.precision
+            info["precision"] = c.precision or DEFAULT_PRECISION
+            info["backend"] = backend_for(c.backend, self.device, info["precision"])
         info["constrained_bytes"] = 4.0 * info["sum_np"]  # the workloads' weights are float32
         cost = step_cost(c.family, shapes)
         if cost:

@@ -10,7 +10,8 @@ get gradients, so a step is the Stiefel part of an optimizer step; every other p
 ==========================  ===============================================================
 name                        what
 ==========================  ===============================================================
-``fgd-auto``                ``fgd_fast.FGD(backend="auto")`` (the ratios' denominator)
+``fgd-auto``                ``fgd_fast.FGD(backend="auto")`` at the default precision (the
+                            ratios' denominator)
 ``fgd-<backend>``           ``FGD(backend=...)`` for reference, torch, triton, cuda, at the
                             default ``precision="ieee"`` (IEEE fp32 products)
 ``fgd-<backend>-<prec>``    ``FGD(backend=..., precision=...)``: torch and triton at
@@ -117,7 +118,7 @@ def _owners(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _fgd(backend: str, precision: str = "ieee") -> Callable[[nn.Module, str, float], Case]:
+def _fgd(backend: str, precision: str | None = None) -> Callable[[nn.Module, str, float], Case]:
     def make(model, rule, lr):
         group = fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False)[0]
         opt = fgd_fast.FGD([group], lr=lr, momentum=MOMENTUM, feedback=FEEDBACK, backend=backend, precision=precision)
@@ -163,14 +164,14 @@ class Contender:
     family: str  # "fgd", "cayley", "geoopt", "torch-orthogonal" or "sgd"
     make: Callable[[nn.Module, str, float], Case]
     backend: str | None = None  # FGD's backend argument
-    precision: str = "ieee"  # FGD's precision argument
+    precision: str | None = None  # FGD's precision argument (None: FGD's default)
 
 
 CONTENDERS: tuple[Contender, ...] = (
     Contender("fgd-auto", "fgd", _fgd("auto"), "auto"),
     Contender("fgd-reference", "fgd", _fgd("reference"), "reference"),
-    Contender("fgd-torch", "fgd", _fgd("torch"), "torch"),
-    Contender("fgd-triton", "fgd", _fgd("triton"), "triton"),
+    Contender("fgd-torch", "fgd", _fgd("torch", "ieee"), "torch", "ieee"),
+    Contender("fgd-triton", "fgd", _fgd("triton", "ieee"), "triton", "ieee"),
     Contender("fgd-cuda", "fgd", _fgd("cuda"), "cuda"),
     Contender("fgd-torch-tf32x3", "fgd", _fgd("torch", "tf32x3"), "torch", "tf32x3"),
     Contender("fgd-torch-tf32", "fgd", _fgd("torch", "tf32"), "torch", "tf32"),
@@ -194,6 +195,11 @@ def contender(name: str) -> Contender:
     raise KeyError(f"unknown contender {name!r}: {', '.join(c.name for c in CONTENDERS)}")
 
 
+def _default_precision(backend: str) -> str:
+    """The precision ``FGD(backend=backend)`` runs at when none is given."""
+    return fgd_fast.FGD([torch.nn.Parameter(torch.eye(1))], lr=0.0, backend=backend).precision
+
+
 def unavailable(c: Contender, device: torch.device, *, allow_interpreter: bool = False) -> str | None:
     """Why ``c`` cannot be measured on ``device`` (``None`` if it can).
 
@@ -207,7 +213,7 @@ def unavailable(c: Contender, device: torch.device, *, allow_interpreter: bool =
                 "correctness tool, not a meaningful timing"
             )
         try:
-            resolve_backend(c.backend, device, c.precision)
+            resolve_backend(c.backend, device, c.precision or _default_precision(c.backend))
         except BackendUnavailable as exc:
             return str(exc).splitlines()[0]
         if c.precision == "tf32" and device.type == "cpu":

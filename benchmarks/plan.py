@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from contenders import Contender, unavailable
+from fgd_fast.backends import DEFAULT_PRECISION
 from fgd_fast.functional import backend_for
 
 __all__ = ["Budget", "BUDGETS", "planned_skip", "rounds_for", "stability_skip"]
@@ -79,8 +80,9 @@ def stability_skip(scale: str, c: Contender, device: torch.device) -> dict | Non
     ``fgd-auto``: its distances are the same numbers, so they are not measured twice
     (``"same_as": "fgd-auto"``).
     """
-    same_backend = c.family == "fgd" and c.backend != "auto" and backend_for(c.backend, device) == backend_for("auto", device)
-    if same_backend and c.precision == "ieee":  # fgd-auto runs at the default precision, "ieee"
+    auto = backend_for("auto", device, DEFAULT_PRECISION)
+    same_backend = c.family == "fgd" and c.backend != "auto" and backend_for(c.backend, device, c.precision or DEFAULT_PRECISION) == auto
+    if same_backend and c.precision in (None, DEFAULT_PRECISION):  # fgd-auto runs at the default precision
         return {"skipped": f"fgd-auto runs this backend ({c.backend}) here: the same code, the same distances", "same_as": "fgd-auto"}
     for s, name, why in _STABILITY_EXCLUSIONS:
         if s == scale and name == c.name:

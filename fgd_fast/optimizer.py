@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._stiefel_optimizer import StiefelOptimizer
-from .backends import BACKENDS, PRECISION_BACKENDS, PRECISIONS
+from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
 from .checks import MAX_DISTANCE
 from .functional import backend_for, fgd
 from .validation import (
@@ -66,7 +66,8 @@ class FGD(StiefelOptimizer):
             means a new capture).
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
         precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"ieee"``
-            (default, IEEE fp32), ``"tf32x3"`` (TF32 tensor cores with θᵀθ split into
+            (IEEE fp32; the default, ``None``, is ``fgd_fast.backends.DEFAULT_PRECISION``, the
+            fastest precision measured fp32-level on a GPU: ``"ieee"`` today), ``"tf32x3"`` (TF32 tensor cores with θᵀθ split into
             hi + lo parts: near-fp32 accuracy where it matters) or ``"tf32"`` (opt-in; ~1e-3
             relative error in θᵀθ, so θ settles ~1e-3 off the manifold). A CPU has no TF32 and
             computes every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for
@@ -89,9 +90,11 @@ class FGD(StiefelOptimizer):
         check_finite: bool = True,
         check_manifold: bool = True,
         max_distance: float = MAX_DISTANCE,
-        precision: str = "ieee",
+        precision: str | None = None,
     ) -> None:
         self.backend = check_choice("backend", backend, BACKENDS)
+        if precision is None:  # the library's default where the backend honours precision=
+            precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
         self.precision = check_choice("precision", precision, PRECISIONS)
         if precision != "ieee" and backend not in PRECISION_BACKENDS:
             raise ValueError(

@@ -170,3 +170,25 @@ def test_torch_tf32x3_on_gpu():
         dist[precision] = fgd_fast.stiefel_distance(w)
     assert dist["tf32x3"] <= 1.5 * dist["ieee"] + 1e-6, dist
     assert dist["tf32"] > 10 * dist["tf32x3"], dist  # the products really ran in TF32
+
+
+@pytest.mark.parametrize("default", ["ieee", "tf32x3"])
+def test_default_precision_is_one_setting(monkeypatch, default):
+    """The default precision is ``fgd_fast.backends.DEFAULT_PRECISION`` ("ieee" until a GPU run
+    shows "tf32x3" at fp32-level accuracy): changing that one line changes it for the backends
+    that honour precision, while "reference" and "cuda" keep IEEE fp32 and still construct."""
+    import fgd_fast.optimizer as optimizer
+
+    monkeypatch.setattr(optimizer, "DEFAULT_PRECISION", default)
+    param = torch.nn.Parameter(torch.eye(3))
+    for backend in ("auto", "torch", "triton"):
+        assert fgd_fast.FGD([param], lr=0.1, backend=backend).precision == default
+    for backend in ("reference", "cuda"):
+        assert fgd_fast.FGD([param], lr=0.1, backend=backend).precision == "ieee"
+
+
+def test_default_precision_today_is_ieee():
+    from fgd_fast.backends import DEFAULT_PRECISION
+
+    assert DEFAULT_PRECISION == "ieee"  # no GPU measurement has proven "tf32x3" yet
+    assert fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1).precision == "ieee"

@@ -13,9 +13,14 @@ import torch
 
 from .base import PRECISIONS, Backend, StepPlan, compute_dtype
 
-__all__ = ["BACKENDS", "PRECISION_BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
+__all__ = ["BACKENDS", "DEFAULT_PRECISION", "PRECISION_BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
+#: The default ``precision``: the fastest precision whose accuracy is fp32-level as measured on a
+#: GPU (the benchmark's stability table and a 2,000-step run: max ‖θᵀθ − I‖_F within 1.5× of
+#: the reference form's on every workload). Only ``"ieee"`` has been measured so; change this
+#: line (to ``"tf32x3"``) once the torch and Triton ``"tf32x3"`` paths pass that measurement.
+DEFAULT_PRECISION = "ieee"
 PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
 
 
@@ -70,9 +75,11 @@ def resolve_backend(name: str, device: torch.device, precision: str = "ieee") ->
     (``benchmarks/results/gpu-h200-2026-11-26.md``), the ``torch`` backend's cuBLAS products
     beat both fused backends in full fp32 precision (WRN-28-10: torch 7.9 ms, cuda 15.4 ms,
     triton 25.7 ms), so ``"auto"`` is ``torch`` on every device, except that for
-    ``precision="tf32"`` (Triton only) it picks ``triton`` on CUDA devices when it loads
-    (5.6 ms against the torch backend's 7.0 ms; ``"tf32x3"`` at 19 ms is slower than full
-    precision in the torch backend, so it stays there).
+    ``precision="tf32"`` it picks ``triton`` on CUDA devices when it loads (5.6 ms against
+    the torch backend's 7.0 ms in IEEE fp32, the only torch figure measured then). For
+    ``"tf32x3"`` Triton measured 19 ms, slower than the torch backend in IEEE fp32, so
+    ``"auto"`` runs the torch backend's own ``"tf32x3"`` path (TF32 cuBLAS products on the
+    split operands; not yet timed on a GPU: re-measure before changing this rule).
     An explicit name that cannot run raises :class:`BackendUnavailable` with the reason.
     """
     loaders: dict[str, Callable[[], Backend]] = {
