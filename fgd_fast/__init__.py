@@ -11,6 +11,7 @@ inverse or retraction. Quick start::
 from ._matrix import as_stiefel, stiefel_shape
 from ._version import __version__
 from .backends import BACKENDS
+from .distributed import shard_placement
 from .functional import fgd, sgd
 from .manifold import orthogonalize_, stiefel_distance
 from .optimizer import FGD
@@ -24,6 +25,7 @@ __all__ = [
     "orthogonalize_",
     "select_stiefel",
     "sgd",
+    "shard_placement",
     "stiefel_distance",
     "stiefel_param_groups",
     "stiefel_shape",

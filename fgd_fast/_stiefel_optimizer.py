@@ -12,13 +12,25 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .backends import compute_dtype
 from .functional import sgd
 from .manifold import stiefel_distance
 from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors
 
-__all__ = ["StiefelOptimizer", "label"]
+__all__ = ["StiefelOptimizer", "label", "remember_names"]
+
+#: parameter -> name, recorded by ``stiefel_param_groups``: a group's ``names`` list no longer
+#: lines up with its ``params`` once ``ZeroRedundancyOptimizer`` gives each rank a subset of
+#: them (it copies the other keys of the group whole), but the tensors keep their names here
+_names: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def remember_names(params: list[torch.Tensor], names: list[str]) -> None:
+    """Record ``names[i]`` as the name of ``params[i]`` for labels and ``orthogonality()``."""
+    for p, name in zip(params, names):
+        _names[p] = name
 
 
 def label(key: str | int) -> str:
@@ -39,7 +51,9 @@ class StiefelOptimizer(Optimizer):
             merged = {**self.defaults, **param_group}
             self._validate_group(merged)
             if merged["orthogonal"] and not isinstance(params, set):
-                check_orthogonal_params(param_tensors(params), param_group.get("param_names") or param_group.get("names"))
+                names = param_group.get("param_names") or param_group.get("names")
+                tensors = param_tensors(params)
+                check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
         super().add_param_group(param_group)
 
     def _run_closure(self, closure: Callable[[], float] | None) -> float | None:
@@ -85,12 +99,20 @@ class StiefelOptimizer(Optimizer):
                 self.state[p]["momentum_buffer"] = buf
 
     def _keyed(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str | int]]:
-        """``(group, param, key)`` for every parameter, in ``state_dict`` order."""
+        """``(group, param, key)`` for every parameter, in ``state_dict`` order. The key of a
+        parameter in a group with ``names`` / ``param_names`` is its name: the one
+        ``stiefel_param_groups`` recorded for the tensor (right even when
+        ``ZeroRedundancyOptimizer`` gave this rank a reordered subset of the group), else the
+        list's entry when the list lines up with ``params``; otherwise its flat index."""
         flat = 0
         for group in self.param_groups:
             names = group.get("param_names") or group.get("names")
             for j, p in enumerate(group["params"]):
-                yield group, p, (names[j] if names else flat)
+                if not names:
+                    key = flat
+                else:
+                    key = _names.get(p, names[j] if len(names) == len(group["params"]) else flat)
+                yield group, p, key
                 flat += 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

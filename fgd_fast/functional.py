@@ -14,6 +14,7 @@ import torch
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .checks import MAX_DISTANCE, raise_if_invalid
+from .distributed import is_dtensor, prepare_dtensors
 from .validation import check_state_tensor
 
 __all__ = ["fgd", "sgd", "backend_for"]
@@ -61,6 +62,10 @@ def fgd(
     into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
     step raises ``FloatingPointError``/``ValueError`` **before** writing anything if a
     gradient is not finite or a θ is more than ``max_distance`` from the manifold.
+
+    Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
+    would take on the full matrices, and the checks raise on every rank alike (see
+    :mod:`fgd_fast.distributed`); every rank must then call this with the same layers.
     """
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
@@ -83,18 +88,21 @@ def fgd(
             fresh.append(True)
             continue
         cdt = compute_dtype(p.dtype)
-        if buf is None:
-            bufs.append(torch.zeros(p.shape, dtype=cdt, device=p.device))  # Φ = 0: first step
+        if buf is None:  # Φ = 0: first step (a DTensor parameter's Φ is a DTensor with its placement)
+            zero = torch.zeros_like(p, dtype=cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
+            bufs.append(zero)
             fresh.append(True)
             continue
         check_state_tensor(buf, p, cdt, labels[i], "momentum_buffer")
         bufs.append(buf)
         fresh.append(False)
 
-    live = [i for i in range(count) if params[i].numel() > 0]
+    live = [i for i in range(count) if params[i].numel() > 0]  # a DTensor's numel is the full one's
+    sharded = [i for i in live if is_dtensor(params[i])]
     by_device: dict[torch.device, list[int]] = {}
     for i in live:
-        by_device.setdefault(params[i].device, []).append(i)
+        if not is_dtensor(params[i]):
+            by_device.setdefault(params[i].device, []).append(i)
 
     plans, index = [], []
     for device, idx in by_device.items():
@@ -108,6 +116,14 @@ def fgd(
             )
         )
         index.append(idx)
+    if sharded:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
+        for idx, plan in prepare_dtensors(
+            lambda device_type: _cached_backend(backend, device_type, precision)[1], sharded,
+            params, grads, bufs, fresh, lr=lrs, momentum=betas, feedback=alphas, check_finite=check_finite,
+            precision=precision,
+        ):
+            plans.append(plan)
+            index.append(idx)
     raise_if_invalid(
         [pl.dist for pl in plans], [pl.finite for pl in plans], index, labels,
         check_finite=check_finite, check_manifold=check_manifold, max_distance=max_distance,

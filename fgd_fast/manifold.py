@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ._matrix import as_stiefel, from_stiefel, stiefel_shape
+from .distributed import full_value, gram64, is_dtensor, write_shard
 
 __all__ = ["orthogonalize_", "sign_fixed_q", "stiefel_distance"]
 
@@ -18,6 +19,9 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
     result unique and continuous in ``θ`` and keeps an already orthonormal ``θ`` unchanged
     (up to rounding). The QR runs in float64 whatever the tensor's dtype; only the stored
     tensor is rounded.
+
+    A DTensor (FSDP2 parameter) is gathered, projected whole (every rank computes the same
+    Q) and each rank keeps its own shard: a collective, call it on every rank.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"orthogonalize_ expects a torch.Tensor, got {type(tensor).__name__}")
@@ -25,6 +29,9 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"orthogonalize_ needs a real floating-point tensor, got {tensor.dtype}")
     stiefel_shape(tensor.shape)  # raises the 'at least 2 dims' ValueError
     if tensor.numel() == 0:
+        return tensor
+    if is_dtensor(tensor):
+        write_shard(tensor, orthogonalize_(full_value(tensor).clone()))
         return tensor
     q = sign_fixed_q(as_stiefel(tensor).to(torch.float64))
     tensor.copy_(from_stiefel(q, tensor.shape))
@@ -45,9 +52,9 @@ def stiefel_distance(tensor: torch.Tensor) -> float:
     """``‖θᵀθ − I‖_F`` for the ``n × p`` matrix view ``θ`` of ``tensor``, in float64.
 
     This is the paper's stability metric; FGD keeps it near the rounding floor of the
-    parameter's dtype (≈1e-6 for float32).
+    parameter's dtype (≈1e-6 for float32). For a DTensor it is the full matrix's distance
+    (partial Grams of the local rows and one all-reduce; a collective, call it on every rank).
     """
-    theta = as_stiefel(tensor.detach()).to(torch.float64)
-    gram = theta.t() @ theta
+    gram = gram64(tensor.detach())
     gram.diagonal().sub_(1.0)
     return float(torch.linalg.matrix_norm(gram, "fro"))

@@ -6,6 +6,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
+from ._stiefel_optimizer import remember_names
 from .manifold import orthogonalize_
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
@@ -65,6 +66,11 @@ def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonaliz
 
     With ``orthogonalize=True`` the chosen weights are projected onto the manifold in place
     (:func:`fgd_fast.orthogonalize_`), as FGD requires ``θᵀθ ≈ I`` at the start.
+
+    Distributed: call it after ``fully_shard`` (FSDP2 replaces the parameters by DTensors;
+    the projection is then a collective, run it on every rank). Under
+    ``ZeroRedundancyOptimizer`` each rank's optimizer gets a subset of every group; FGD
+    still names each parameter correctly (it remembers the tensors' names).
     """
     chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
@@ -72,6 +78,7 @@ def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonaliz
         for _, p in chosen:
             orthogonalize_(p.data)
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
+    remember_names([p for _, p in chosen + rest], [n for n, _ in chosen + rest])  # labels survive ZeRO's sharding
     return [
         {"params": [p for _, p in chosen], "names": [n for n, _ in chosen], "orthogonal": True},
         {"params": [p for _, p in rest], "names": [n for n, _ in rest]},

@@ -2,7 +2,8 @@
 
 A backend is a function
 
-    prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision) -> StepPlan
+    prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision,
+            [reduce, shapes]) -> StepPlan
 
 over the orthogonal parameters of one device:
 
@@ -14,6 +15,19 @@ over the orthogonal parameters of one device:
 * ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α;
 * ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products (``torch``,
   ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it.
+
+Row shards (optional; a backend that supports them sets ``prepare.row_shards = True``, the
+others only ever see whole matrices):
+
+* ``shapes[i]`` — the shape of the full parameter of which ``params[i]`` (and ``grads[i]``,
+  ``bufs[i]``) holds some of θ's rows: θ's orientation and ``p`` come from ``shapes[i]``,
+  the local row count from the tensor (possibly 0);
+* ``reduce(tensors)`` — sums a list of tensors in place over the ranks holding the other
+  rows. The backend calls it exactly once per ``prepare`` (on every rank alike, even with
+  an empty list), between the Gram pass — the partial Gram blocks of the local rows, and
+  the per-layer count of non-finite gradient entries as a floating tensor — and the O(p³)
+  middle, which then runs on the full blocks; every rank gets the same ``dist`` and
+  ``finite`` and updates its own rows.
 
 ``prepare`` must not write any parameter or buffer. It returns a :class:`StepPlan` with the
 per-layer distance ``‖θᵀθ − I‖_F`` (and gradient finiteness when ``check_finite``) as device
@@ -56,6 +70,8 @@ class Backend(Protocol):
         feedback: list[float],
         check_finite: bool,
         precision: str = "ieee",
+        reduce: Callable[[list[torch.Tensor]], None] | None = None,
+        shapes: list[torch.Size] | None = None,
     ) -> StepPlan: ...
 
 

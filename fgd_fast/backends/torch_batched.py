@@ -32,9 +32,18 @@ Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ,
 plus the scratch (one output slot of the largest layer on a CPU; three stack slots on a GPU),
 plus the transient blocks of one middle chunk (bounded by the constrained bytes ``P``): about
 1.5·P on WRN-28 (``p ≪ n``); ``"tf32x3"`` adds the transient split of one chunk.
+
+Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
+(``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
+bucket first (partial blocks of the local rows, held: ``4·Σp²`` numbers), one ``reduce`` call
+sums all of them and the per-layer non-finite-gradient counts over the ranks, and then runs
+the middle on the summed blocks; ``apply`` updates the local rows as above (the update of a
+row of θ needs only that row of θ, Φ and g). Middle chunks then follow the full parameters'
+sizes, so that every rank packs the same list.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -72,7 +81,7 @@ class _Bucket:
     """Equal-shape layers: the p × p matrices of the step, and ``apply`` that writes it."""
 
     def __init__(self, idx, params, grads, bufs, key, precision):
-        n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key
+        n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key[:10]
         self.layers, self.n, self.p, self.rows = idx, n, p, rows
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi
@@ -81,8 +90,7 @@ class _Bucket:
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
-        self.c_o = self.params[0].shape[0]
-        self.m = self.params[0].numel() // self.c_o if self.c_o else 0
+        self.c_o, self.m = (p, n) if rows else (n, p)  # W2 is c_o × m (a row shard may hold 0 rows)
         self.numel = n * p
         self.viewable = [
             all(_w2(t) is not None and t.dtype == self.cdt for t in ts)
@@ -157,39 +165,59 @@ class _Bucket:
 
     # -- prepare: Gram pass and middle ----------------------------------------------------
     def prepare(self, scratch: list[torch.Tensor], check_finite: bool, middle_numel: int) -> None:
+        """Gram pass and middle, chunk by chunk (the Grams of one middle chunk alive at once)."""
+        self.start(middle_numel)
+        for gemm_chunks in self.plan:
+            self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
+        self.finish(self.finite_flags() if check_finite else None)
+
+    def start(self, middle_numel: int) -> None:
         self.plan = self.chunks(middle_numel)
         p, count = self.p, len(self.layers)
         self.m_phi = torch.empty((count, p, p), dtype=self.cdt, device=self.params[0].device)
         self.m_second = torch.empty_like(self.m_phi)  # F (with Φ) or M_θ (without)
-        dists = []
-        for gemm_chunks in self.plan:
-            s, e = gemm_chunks[0].s, gemm_chunks[-1].e
-            blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(4)]
-            a, b, c, g_blk = blocks
-            for ch in gemm_chunks:
-                r = slice(ch.s - s, ch.e - s)
-                theta = self._operand(scratch[0], self.params, ch)
-                grad = self._operand(scratch[2], self.grads, ch)
-                self._gram(theta, grad, g_blk[r])  # E = θᵀg
-                if self.split:
-                    self._split_gram(theta, a[r])  # A ≈ H + L + Lᵀ
-                else:
-                    self._gram(theta, theta, a[r])  # A = θᵀθ
-                if self.reads_phi:
-                    phi = self._operand(scratch[1], self.bufs, ch)
-                    self._gram(theta, phi, b[r])  # B = θᵀΦ
-                    self._gram(phi, phi, c[r])  # C = ΦᵀΦ
-            if self.reads_phi:
-                mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
+        self.dists = []
+
+    def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
+        """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ."""
+        s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
+        blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device)
+                  for _ in range(4 if self.reads_phi else 2)]
+        a, g_blk = blocks[:2]
+        for ch in gemm_chunks:
+            r = slice(ch.s - s, ch.e - s)
+            theta = self._operand(scratch[0], self.params, ch)
+            grad = self._operand(scratch[2], self.grads, ch)
+            self._gram(theta, grad, g_blk[r])  # E = θᵀg
+            if self.split:
+                self._split_gram(theta, a[r])  # A ≈ H + L + Lᵀ
             else:
-                mid = middle(a, None, None, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
-            self.m_phi[s:e] = mid.m_phi
-            self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
-            dists.append(mid.dist)
-        self.dist = torch.cat(dists) if dists else torch.zeros(0, device=self.m_phi.device)
-        self.finite = None
-        if check_finite:  # g is finite iff its min and max are (both propagate NaN)
-            self.finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(g)) for g in self.grads])).all(1)
+                self._gram(theta, theta, a[r])  # A = θᵀθ
+            if self.reads_phi:
+                phi = self._operand(scratch[1], self.bufs, ch)
+                self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
+                self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
+        return blocks
+
+    def middle(self, gemm_chunks: list[_Chunk], blocks: list[torch.Tensor]) -> None:
+        """``M_Φ``, ``F`` or ``M_θ`` and ``‖A − I‖_F`` of a middle chunk from its (full) Grams."""
+        s, e = gemm_chunks[0].s, gemm_chunks[-1].e
+        a, g_blk, b, c = blocks if self.reads_phi else (*blocks, None, None)
+        mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
+        self.m_phi[s:e] = mid.m_phi
+        self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
+        self.dists.append(mid.dist)
+
+    def finite_flags(self) -> torch.Tensor:
+        """(L,) bool: g is finite iff its min and max are (both propagate NaN); an empty
+        row shard is finite."""
+        flags = [torch.isfinite(torch.stack(torch.aminmax(g))).all() if g.numel() else torch.ones((), dtype=torch.bool,
+                 device=g.device) for g in self.grads]
+        return torch.stack(flags)
+
+    def finish(self, finite: torch.Tensor | None) -> None:
+        self.dist = torch.cat(self.dists) if self.dists else torch.zeros(0, device=self.m_phi.device)
+        self.finite = finite
 
     def _split_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A ≈ H + L + Lᵀ``: hi = tf32(θ), lo = tf32(θ − hi) side by side (``[hi | lo]`` in
@@ -265,25 +293,45 @@ class _Step:
 
 
 @torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
-def prepare_torch(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+def prepare_torch(
+    params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee", reduce=None, shapes=None,
+):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     device = params[0].device if params else torch.device("cpu")
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
-        n, p, rows = stiefel_shape(param.shape)
+        # a row shard has the full parameter's orientation and p, and its own (local) row count
+        _, p, rows = stiefel_shape(param.shape if shapes is None else shapes[i])
+        n = param.numel() // max(p, 1)
         reads_phi = bufs[i] is not None and not fresh[i]
         key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
+        if shapes is not None:  # the full shape keeps the buckets (so the reduced list) alike on every rank
+            key += (tuple(shapes[i]), tuple(param.shape))
         groups[key].append(i)
     buckets = [_Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
     for b in buckets:
         stacks = len(b.layers) > 1 and (device.type == "cuda" or b.numel < _CPU_STACK_BELOW)
         b.stack_numel = int(total * _STACK_FRACTION) if stacks else 0
-    scratch = _scratch(buckets, total, device)
+    # middle chunks from the full sizes with row shards: the same chunks (so reduced list) on every rank
+    middle_numel = total if shapes is None else sum(math.prod(s) for s in shapes)
+    scratch = _scratch(buckets, middle_numel, device)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
-        for b in buckets:
-            b.prepare(scratch[b.cdt], check_finite, middle_numel=total)
+        if reduce is None:
+            for b in buckets:
+                b.prepare(scratch[b.cdt], check_finite, middle_numel=middle_numel)
+        else:  # two phases around one reduce: every bucket's partial Grams, Σ over ranks, every middle
+            held = []
+            for b in buckets:
+                b.start(middle_numel)
+                held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
+            bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
+            reduce([t for blocks in held for chunk in blocks for t in chunk] + bad)  # in place
+            for i, (b, blocks) in enumerate(zip(buckets, held)):
+                for gemm_chunks, chunk in zip(b.plan, blocks):
+                    b.middle(gemm_chunks, chunk)
+                b.finish(bad[i] == 0 if check_finite else None)
     step = _Step(buckets, scratch, precision)
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
@@ -304,3 +352,6 @@ def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor
                     size[0] = max(size[0], numel)
                     size[1] = max(size[1], numel if b.writes_phi else 0)
     return {dt: [torch.empty(k, dtype=dt, device=device) for k in size] for dt, size in sizes.items()}
+
+
+prepare_torch.row_shards = True  # accepts reduce= and shapes= (row shards of larger matrices)

@@ -1,0 +1,222 @@
+"""FGD across processes: communication per step (model) and a short measured gloo run.
+
+    python benchmarks/dist_comm.py                  # model table + measured run, prints the report
+    python benchmarks/dist_comm.py --out FILE.md    # ... and writes it
+    python benchmarks/dist_comm.py --model-only     # the model table only (seconds)
+
+**Model** — bytes each rank sends per optimizer step for the constrained layers of the
+full-size benchmark workloads (:mod:`workloads`), float32, ring collectives, at 8 and 64
+ranks; with ``R`` ranks, a layer θ of ``n × p``, ``s`` bytes per number:
+
+* *row shards + one all-reduce* (what fgd_fast does with ``fgd_fast.shard_placement``):
+  ``2(R−1)/R · 4p² · s`` per row-sharded layer (the packed blocks A, B, C, E); a layer that
+  ``shard_placement`` cannot row-shard at ``R`` (no input dimension divisible by ``R``) is
+  counted with the all-gather fallback below (also what fgd_fast does);
+* *same, A and C as triangles*: ``2(R−1)/R · (2p² + p(p+1)) · s`` (not implemented; the model
+  says what it would save);
+* *all-gather θ, Φ, g, compute redundantly* (fgd_fast's fallback for layers that are not row
+  shards, e.g. under FSDP2's default placement): ``(R−1)/R · 3np · s``;
+* *owner per matrix, all-to-all* (as dion's distributed Muon): θ and g go to the matrix's
+  owner, which keeps Φ, and θ₊ comes back; same-shape matrices are padded to a multiple of
+  ``R``: ``3np · s · (R−1)/R²`` per (padded) matrix;
+* for scale, FSDP2's own traffic for these parameters: all-gather in forward and backward,
+  reduce-scatter of the gradient: ``3 · (R−1)/R · np · s``.
+
+**Measured** — a gloo process group of 2 and 4 CPU processes (one torch thread each) runs
+the optimizer step of the ``cpu``-scale WRN-28 workload under FSDP2 (gradients set directly,
+no forward/backward): FGD with ``shard_placement`` (row shards), FGD with FSDP2's default
+placement (the all-gather fallback for most layers) and ``torch.optim.SGD`` (momentum 0.9,
+its default foreach path) on the same model. It reports the median step time (barrier to
+barrier, rank 0) and the bytes the step's collectives carried per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fgd_fast  # noqa: E402
+from fgd_fast._matrix import stiefel_shape  # noqa: E402
+
+FLOAT32 = 4
+SCHEMES = ("rows + all-reduce", "rows, triangles", "all-gather", "owner all-to-all", "FSDP2 params+grads")
+
+
+def _row_sharded(shape, ranks: int) -> bool:
+    placement = fgd_fast.shard_placement(torch.empty(shape, device="meta"), world_size=ranks)
+    return (placement.dim >= 1) == stiefel_shape(shape).transposed
+
+
+def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
+    """Bytes sent per rank per step, per scheme, for weights of ``shapes`` on ``ranks`` ranks."""
+    ring = (ranks - 1) / ranks
+    out = dict.fromkeys(SCHEMES, 0.0)
+    by_shape = defaultdict(int)
+    for shape in shapes:
+        n, p, _ = stiefel_shape(shape)
+        gathered = ring * 3 * n * p * s
+        if _row_sharded(shape, ranks):
+            out["rows + all-reduce"] += 2 * ring * 4 * p * p * s
+            out["rows, triangles"] += 2 * ring * (2 * p * p + p * (p + 1)) * s
+        else:
+            out["rows + all-reduce"] += gathered
+            out["rows, triangles"] += gathered
+        out["all-gather"] += gathered
+        out["FSDP2 params+grads"] += 3 * ring * n * p * s
+        by_shape[(n, p)] += 1
+    for (n, p), count in by_shape.items():
+        padded = math.ceil(count / ranks) * ranks
+        out["owner all-to-all"] += padded * 3 * n * p * s * (ranks - 1) / ranks**2
+    return out
+
+
+def model_table(rank_counts=(8, 64)) -> str:
+    from workloads import workloads
+
+    lines = ["| workload | layers | ranks | " + " | ".join(SCHEMES) + " |", "|---|---:|---:|" + "---:|" * len(SCHEMES)]
+    for w in workloads("full"):
+        with torch.device("meta"):
+            torch.manual_seed(0)
+            model = w.build()
+        shapes = [p.shape for _, p in fgd_fast.select_stiefel(model, w.rule)]
+        for ranks in rank_counts:
+            v = volume(shapes, ranks)
+            cells = " | ".join(f"{v[k] / 1e6:.1f}" for k in SCHEMES)
+            lines.append(f"| {w.name} | {len(shapes)} | {ranks} | {cells} |")
+    return "\n".join(lines)
+
+
+# -- the measured run ---------------------------------------------------------------------------
+class _Bytes:
+    """Bytes per rank the FGD step's collectives carry: all-reduce payloads (ring: 2(R−1)/R of
+    them sent) and the tensors the fallback all-gathers (ring: (R−1)/R of them sent)."""
+
+    def __init__(self, world):
+        import torch.distributed as dist
+
+        import fgd_fast.distributed as fd
+
+        self.total, self.world = 0.0, world
+        ring = (world - 1) / world
+        all_reduce, full_value = dist.all_reduce, fd.full_value
+
+        def counting_all_reduce(t, *args, **kwargs):
+            self.total += 2 * ring * t.nbytes
+            return all_reduce(t, *args, **kwargs)
+
+        def counting_full_value(t):
+            full = full_value(t)
+            if fd.is_dtensor(t):
+                self.total += ring * full.nbytes
+            return full
+
+        dist.all_reduce, fd.full_value = counting_all_reduce, counting_full_value
+
+
+def _rank_main(rank, world, init, steps, queue):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from workloads import workloads
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    mesh = init_device_mesh("cpu", (world,))
+    work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
+    counter = _Bytes(world)
+    results = {}
+    for name in ("FGD, shard_placement", "FGD, default placement", "torch SGD"):
+        model = work.model()
+        fully_shard(model, mesh=mesh, shard_placement_fn=fgd_fast.shard_placement if "shard_placement" in name else None)
+        if name == "torch SGD":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            groups = fgd_fast.stiefel_param_groups(model, work.rule, orthogonalize=False)
+            opt = fgd_fast.FGD(groups, lr=0.1, momentum=0.9, feedback=0.4)
+        gen = torch.Generator().manual_seed(rank)
+        for p in model.parameters():
+            local = 1e-3 * torch.randn(p.to_local().shape, generator=gen)
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+        times, sent = [], []
+        for step in range(steps + 2):  # 2 warm-up steps
+            dist.barrier()
+            counter.total = 0.0
+            t0 = time.perf_counter()
+            opt.step()
+            dist.barrier()
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+                sent.append(counter.total)
+        results[name] = dict(ms=1e3 * statistics.median(times), mb=statistics.median(sent) / 1e6)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(world: int, steps: int) -> dict:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch._dynamo", "fgd_fast"])
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, steps, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=600)
+        for p in procs:
+            p.join(60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--model-only", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--machine", default="", help="a description of the machine for the report")
+    args = parser.parse_args()
+    report = ["# FGD across processes: communication per step", ""]
+    if args.machine:
+        report += [f"Machine: {args.machine}", ""]
+    report += [
+        "## Model (MB sent per rank per optimizer step, float32, full-size workloads)", "",
+        model_table(), "",
+        "Schemes as in `benchmarks/dist_comm.py`. \"rows\" counts the layers `shard_placement` cannot "
+        "row-shard at that rank count with the all-gather fallback.", "",
+    ]
+    if not args.model_only:
+        from workloads import workloads
+
+        work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
+        report += [
+            f"## Measured: gloo, optimizer step of {work.description} under FSDP2 (torch {torch.__version__})", "",
+            "| ranks | optimizer | step (ms, median) | sent per rank (MB) |", "|---:|---|---:|---:|",
+        ]
+        for world in (2, 4):
+            for name, r in measure(world, args.steps).items():
+                report.append(f"| {world} | {name} | {r['ms']:.1f} | {r['mb']:.2f} |")
+        report.append("")
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

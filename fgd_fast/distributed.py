@@ -1,0 +1,215 @@
+"""FGD on parameters sharded across processes (FSDP2 ``DTensor`` parameters).
+
+Every FGD correction is θ times a ``p × p`` matrix built from the Gram blocks ``A = θᵀθ``,
+``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg``, and each block is a sum over the rows of θ:
+``A = Σ_r θ_rᵀθ_r``. So when every rank holds some whole rows of θ (a *row shard*), the ranks
+compute partial blocks of their rows, **one** all-reduce of all layers' packed blocks gives
+every rank the full blocks, every rank runs the same O(p³) middle, and each updates its own
+rows (the update of a row needs only that row of θ, Φ and g). No rank ever holds a full
+matrix, and the step is the one a single process would take on the full matrices.
+
+* :func:`shard_placement` — pass it to ``fully_shard(..., shard_placement_fn=...)`` so that
+  FSDP2 shards every ≥ 2-D weight along θ's rows.
+* A DTensor parameter whose placement is not a row shard (the default ``Shard(0)`` of a wide
+  convolution shards θ's *columns*; an uneven dimension FSDP2 cannot shard; a multi-dimensional
+  mesh) takes an exact fallback: θ, Φ and g are all-gathered, every rank computes the
+  same step on the full matrices, and each keeps its own shard of the result. Never a
+  per-shard orthonormalisation.
+* The step's checks stay collective: the non-finite-gradient counts travel in the same
+  all-reduce as the Gram blocks and the distance ‖θᵀθ − I‖_F comes from the summed A, so
+  every rank raises the same error before any rank writes anything.
+
+Nothing here imports ``torch.distributed`` until a DTensor is seen.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+from ._matrix import as_stiefel, stiefel_shape
+from .backends.base import StepPlan
+
+__all__ = ["shard_placement", "is_dtensor", "is_row_sharded", "full_value", "write_shard", "gram64", "prepare_dtensors"]
+
+#: the packed all-reduce of a step is split into calls of at most this many bytes
+BUCKET_BYTES = 64 << 20
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (free when none was ever made)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def shard_placement(param: torch.Tensor, world_size: int | None = None):
+    """FSDP2 placement that shards a weight along the rows of its Stiefel matrix θ.
+
+    Use as ``fully_shard(module, shard_placement_fn=fgd_fast.shard_placement)``. With
+    ``W2 = W.reshape(c_o, m)``: when ``c_o <= m`` (θ = W2ᵀ, the rows of θ are the ``m``
+    input features) the first dimension ``d >= 1`` that ``world_size`` divides gives
+    ``Shard(d)`` (FSDP2 cannot shard a dimension other than 0 unevenly); when ``c_o > m``
+    (θ = W2) or no such dimension exists, ``Shard(0)``. 0-D/1-D parameters get ``None``
+    (FSDP2's default). ``world_size`` defaults to the default process group's size; for a
+    mesh on a subgroup pass ``functools.partial(shard_placement, world_size=mesh.size())``.
+
+    ``Shard(0)`` of a ``c_o <= m`` weight (e.g. a stem convolution with 3 input channels on
+    2 ranks) shards θ's columns: FGD then takes the exact all-gather fallback for it.
+    """
+    from torch.distributed.tensor import Shard
+
+    if param.dim() < 2 or param.numel() == 0:
+        return None
+    if not stiefel_shape(param.shape).transposed:
+        return Shard(0)  # θ = W2: its rows are dim 0, which FSDP2 may shard unevenly
+    if world_size is None:
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for d in range(1, param.dim()):
+        if param.shape[d] % world_size == 0:
+            return Shard(d)  # a slab of W along an input dim = a set of θ's rows
+    return Shard(0)
+
+
+def is_row_sharded(t) -> bool:
+    """Whether DTensor ``t`` (a parameter's shape) is split into whole rows of its θ over a
+    1-D mesh: ``Shard(d≥1)`` when θ = W2ᵀ, ``Shard(0)`` when θ = W2 (uneven shards and
+    empty ones included)."""
+    from torch.distributed.tensor import Shard
+
+    if t.device_mesh.ndim != 1 or len(t.placements) != 1 or not isinstance(t.placements[0], Shard):
+        return False
+    dim = t.placements[0].dim % t.dim()
+    return dim >= 1 if stiefel_shape(t.shape).transposed else dim == 0
+
+
+def _same_layout(a, b) -> bool:
+    return is_dtensor(b) and b.device_mesh == a.device_mesh and tuple(b.placements) == tuple(a.placements)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather for a sharded DTensor; ``t`` if plain)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def write_shard(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` (the whole tensor) into ``t`` (no communication)."""
+    if not is_dtensor(t):
+        if t.data_ptr() != full.data_ptr():
+            t.copy_(full)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    part = full
+    for d, (size, start) in enumerate(zip(shape, offset)):
+        part = part.narrow(d, start, size)
+    if local.data_ptr() != part.data_ptr() or local.numel() == 0:
+        local.copy_(part)
+
+
+def _local_theta(t) -> torch.Tensor:
+    """The rows of θ that DTensor ``t`` holds here (``t`` row-sharded), as ``n_local × p``."""
+    n, p, transposed = stiefel_shape(t.shape)
+    local = t.to_local()
+    w2 = local.reshape(local.shape[0], local.numel() // local.shape[0] if local.shape[0] else p)
+    return w2.t() if transposed else w2
+
+
+def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
+    """``reduce(tensors)``: sum the tensors in place over ``group``'s ranks, packed into as
+    few all-reduce calls as :data:`BUCKET_BYTES` allows (one per dtype for most models)."""
+    import torch.distributed as dist
+
+    def reduce(tensors: list[torch.Tensor]) -> None:
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for same in by_kind.values():
+            start = 0
+            while start < len(same):
+                stop, size = start, 0
+                while stop < len(same) and (stop == start or size + same[stop].nbytes <= BUCKET_BYTES):
+                    size += same[stop].nbytes
+                    stop += 1
+                chunk = same[start:stop]
+                flat = torch.cat([t.reshape(-1) for t in chunk])
+                dist.all_reduce(flat, group=group)  # Σ over ranks; bitwise the same result on every rank
+                offset = 0
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+                start = stop
+
+    return reduce
+
+
+@torch.no_grad()
+def gram64(t: torch.Tensor) -> torch.Tensor:
+    """``θᵀθ`` in float64 for the full θ of ``t``: partial Grams and an all-reduce when ``t``
+    is row-sharded, an all-gather for other DTensors (a collective: call it on every rank)."""
+    if is_dtensor(t) and is_row_sharded(t):
+        theta = _local_theta(t).to(torch.float64)
+        gram = theta.t() @ theta
+        summing_over(t.device_mesh.get_group())([gram])
+        return gram
+    theta = as_stiefel(full_value(t)).to(torch.float64)
+    return theta.t() @ theta
+
+
+def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision):
+    """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
+
+    ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
+    and Φ share θ's layout go to one ``prepare`` per mesh with ``reduce``/``shapes`` when the
+    backend supports row shards; every other layer is gathered and stepped whole (exact).
+    """
+    rows: dict[tuple, list[int]] = {}
+    whole: dict[torch.device, list[int]] = {}
+    for i in idx:
+        p, g, b = params[i], grads[i], bufs[i]
+        prepare = resolve(p.device.type)
+        if (getattr(prepare, "row_shards", False) and is_row_sharded(p) and _same_layout(p, g)
+                and (b is None or _same_layout(p, b))):
+            rows.setdefault((p.device_mesh, p.device), []).append(i)
+        else:
+            whole.setdefault(p.device, []).append(i)
+    kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
+    out = []
+    with torch.no_grad():
+        for (mesh, device), layers in rows.items():
+            plan = resolve(device.type)(
+                [params[i].to_local() for i in layers], [grads[i].to_local() for i in layers],
+                [bufs[i].to_local() if bufs[i] is not None else None for i in layers], [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
+                precision=precision, reduce=summing_over(mesh.get_group()), shapes=[params[i].shape for i in layers],
+            )
+            out.append((layers, plan))
+        for device, layers in whole.items():
+            full_p = [full_value(params[i]) for i in layers]  # every rank gets the same whole matrices
+            full_b = [full_value(bufs[i]) if bufs[i] is not None else None for i in layers]
+            plan = resolve(device.type)(
+                full_p, [full_value(grads[i]) for i in layers], full_b, [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
+                precision=precision,
+            )
+            out.append((layers, _writing_back(plan, [params[i] for i in layers], full_p,
+                                               [bufs[i] for i in layers], full_b)))
+    return out
+
+
+def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepPlan:
+    """``plan`` on gathered copies, whose ``apply`` also writes each rank's shard back."""
+
+    def apply() -> None:
+        plan.apply()
+        with torch.no_grad():
+            for p, fp, b, fb in zip(params, full_params, bufs, full_bufs):
+                write_shard(p, fp)
+                if b is not None:
+                    write_shard(b, fb)
+
+    return StepPlan(dist=plan.dist, finite=plan.finite, apply=apply)

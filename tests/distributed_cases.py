@@ -1,0 +1,303 @@
+"""What each rank runs in tests/test_distributed.py, and the single-process references.
+
+A case is ``CASES[name](rank, world, out_dir, **kwargs) -> result`` run in a child process
+with a gloo process group; the parent compares the results with one process that runs the
+mean gradient on the whole model (``reference``).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fgd_fast
+
+DTYPE = torch.float64
+#: the Stiefel-constrained weights of `Mixed` (every placement and shape kind of the tests)
+ORTHOGONAL = ("stem.weight", "conv.weight", "expand.weight", "fc1.weight", "odd.weight")
+HYPER = dict(lr=0.05, momentum=0.9, feedback=0.4, weight_decay=1e-4)
+
+
+class Mixed(nn.Module):
+    """On 2 / 4 ranks with ``fgd_fast.shard_placement``:
+
+    * ``stem`` Conv2d(3, 8, 3): θ 27 × 8, no input dim divisible → ``Shard(0)``, θ's columns
+      (the exact all-gather fallback);
+    * ``conv`` Conv2d(8, 12, 3): θ 72 × 12 → ``Shard(1)``, row shards;
+    * ``expand`` 1 × 1 Conv2d(12, 26): θ = W2 26 × 12 → ``Shard(0)``, uneven row shards on 4;
+    * ``fc1`` Linear(26, 16): θ 26 × 16 → ``Shard(1)`` on 2, ``Shard(0)`` fallback on 4;
+    * ``odd`` Linear(2, 3): θ = W2 3 × 2 → ``Shard(0)``; one rank holds no row on 4;
+    * ``fc2`` Linear(16, 10) and every bias: plain parameters (SGD).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 12, 3, padding=1)
+        self.expand = nn.Conv2d(12, 26, 1)
+        self.fc1 = nn.Linear(26, 16)
+        self.fc2 = nn.Linear(16, 10)
+        self.odd = nn.Linear(2, 3, bias=False)
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))
+        x = torch.tanh(self.conv(x))
+        x = torch.tanh(self.expand(x)).mean(dim=(2, 3))
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        return y.square().mean() + self.odd(x[:, :2]).square().mean()
+
+
+def build(seed: int = 0) -> Mixed:
+    torch.manual_seed(seed)
+    return Mixed().to(DTYPE)
+
+
+def rule(name: str, p: torch.Tensor) -> bool:
+    return name in ORTHOGONAL
+
+
+def full_grad(name: str, shape, step: int) -> torch.Tensor:
+    """The (mean) gradient of parameter ``name`` at ``step``: the same on every process."""
+    gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return 0.01 * torch.randn(shape, generator=gen, dtype=DTYPE)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(4, 3, 5, 5, generator=gen, dtype=DTYPE)
+
+
+# -- the single-process references ------------------------------------------------------------
+def reference(steps: int, world: int, *, mode: str = "grads", backend: str = "torch"):
+    """Full parameters and Φ after ``steps`` steps of one process on the mean gradient."""
+    model = build()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
+    for step in range(steps):
+        if mode == "grads":
+            for name, p in model.named_parameters():
+                p.grad = full_grad(name, p.shape, step)
+        else:  # the mean of the ranks' losses: what DDP / FSDP average
+            opt.zero_grad()
+            loss = sum(model(batch(r, step)) for r in range(world)) / world
+            loss.backward()
+        opt.step()
+    bufs = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters() if p in opt.state}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, bufs, opt.orthogonality()
+
+
+# -- helpers on the ranks -----------------------------------------------------------------------
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _sharded(world, placement=True, seed=0):
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(seed)
+    fully_shard(model, mesh=_mesh(world), shard_placement_fn=fgd_fast.shard_placement if placement else None)
+    return model
+
+
+def _set_grads(model, step, *, poison=None):
+    """Each parameter's gradient: this rank's shard of ``full_grad`` (as FSDP2 would leave the mean)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        g = full_grad(name, p.shape, step)
+        part = _shard_of(p, g)
+        if poison == name:
+            part = part.clone()
+            if part.numel():
+                part.view(-1)[0] = float("nan")
+        p.grad = DTensor.from_local(part, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=g.stride())
+
+
+def _shard_of(p, full):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    for d, (size, start) in enumerate(zip(shape, offset)):
+        full = full.narrow(d, start, size)
+    return full.contiguous()
+
+
+def _full_state(model, opt):
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    bufs = {n: opt.state[p]["momentum_buffer"].full_tensor() for n, p in model.named_parameters() if p in opt.state}
+    return params, bufs
+
+
+def _local_state(model, opt):
+    return ({n: p.to_local().clone() for n, p in model.named_parameters()},
+            {n: opt.state[p]["momentum_buffer"].to_local().clone()
+             for n, p in model.named_parameters() if p in opt.state})
+
+
+class _CountAllReduce:
+    """Counts ``dist.all_reduce`` calls (the step's packed Gram reduction)."""
+
+    def __enter__(self):
+        self.count, self.saved = 0, dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self.saved(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.saved
+
+
+# -- the cases ----------------------------------------------------------------------------------
+def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch"):
+    model = _sharded(world, placement)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
+    placements = {n: getattr(p.placements[0], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
+    start_orth = opt.orthogonality()
+    reduces = []
+    for step in range(steps):
+        _set_grads(model, step)
+        with _CountAllReduce() as counter:
+            opt.step()
+        reduces.append(counter.count)
+    params, bufs = _full_state(model, opt)
+    return dict(params=params, bufs=bufs, placements=placements, start_orth=start_orth, orth=opt.orthogonality(),
+                dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
+                reduces=reduces)
+
+
+def fsdp_train(rank, world, out, *, steps=5):
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch(rank, step)).backward()
+        opt.step()
+    params, bufs = _full_state(model, opt)
+    return dict(params=params, bufs=bufs, orth=opt.orthogonality())
+
+
+def fsdp_refusals(rank, world, out):
+    """A NaN gradient / a shard off the manifold on the last rank only: every rank raises the
+    same error and no rank writes anything."""
+    import pytest
+
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(2):
+        _set_grads(model, step)
+        opt.step()
+    messages, unchanged = [], []
+    for poison in ("conv.weight", "expand.weight", "stem.weight"):  # row shards (even, uneven), gathered
+        _set_grads(model, 2, poison=poison if rank == world - 1 else None)
+        before = _local_state(model, opt)
+        with pytest.raises(FloatingPointError) as info:
+            opt.step()
+        messages.append(str(info.value))
+        unchanged.append(_same(before, _local_state(model, opt)))
+    _set_grads(model, 2)
+    if rank == world - 1:
+        with torch.no_grad():
+            model.conv.weight.to_local().mul_(1.5)  # this rank's rows leave the manifold
+    before = _local_state(model, opt)
+    with pytest.raises(ValueError) as info:
+        opt.step()
+    messages.append(str(info.value))
+    unchanged.append(_same(before, _local_state(model, opt)))
+    return dict(messages=messages, unchanged=unchanged)
+
+
+def _same(a, b):
+    same = all(torch.equal(x, b[i][k]) for i, part in enumerate(a) for k, x in part.items())
+    return same and a[1].keys() == b[1].keys()
+
+
+def fsdp_checkpoint(rank, world, out, *, before=3, after=3):
+    """Save with torch.distributed.checkpoint after ``before`` steps, load into a fresh model and
+    optimizer, continue: bit-identical to the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    path = os.path.join(out, "ckpt")
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(before):
+        _set_grads(model, step)
+        opt.step()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    for step in range(before, before + after):
+        _set_grads(model, step)
+        opt.step()
+    straight = _local_state(model, opt)
+
+    model2 = _sharded(world, seed=1)  # other initial weights: the checkpoint must restore them
+    opt2 = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model2, rule), **HYPER)
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=path)
+    # optimizer first: an empty optimizer's state is initialised by a zero-gradient step, which
+    # moves θ by FGD's feedback term; the model state loaded afterwards overwrites it
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    set_model_state_dict(model2, state["model"])
+    for step in range(before, before + after):
+        _set_grads(model2, step)
+        opt2.step()
+    resumed = _local_state(model2, opt2)
+    return dict(identical=_same(straight, resumed), names=sorted(resumed[1]))
+
+
+def ddp_train(rank, world, out, *, steps=5):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build(seed=rank)  # DDP broadcasts rank 0's weights at construction
+    ddp = DDP(model)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(steps):
+        opt.zero_grad()
+        ddp(batch(rank, step)).backward()
+        opt.step()
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, orth=opt.orthogonality())
+
+
+def zero_steps(rank, world, out, *, steps=5):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = build()
+    opt = ZeroRedundancyOptimizer(fgd_fast.stiefel_param_groups(model, rule), optimizer_class=fgd_fast.FGD, **HYPER)
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            p.grad = full_grad(name, p.shape, step)  # what DDP leaves on every rank
+        opt.step()
+    owned = [n for n, p in model.named_parameters() if any(p is q for g in opt.optim.param_groups for q in g["params"])]
+    orth = opt.optim.orthogonality()
+    opt.consolidate_state_dict(to=0)
+    state = opt.state_dict() if rank == 0 else None
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, orth=orth, owned=owned,
+                state=state)
+
+
+CASES = {f.__name__: f for f in (fsdp_steps, fsdp_train, fsdp_refusals, fsdp_checkpoint, ddp_train, zero_steps)}
+
+
+def entry(rank: int, world: int, init: str, out: str, case: str, kwargs: dict) -> None:
+    """A child process: join the gloo group, run ``case``, save its result (or traceback)."""
+    torch.set_num_threads(1)  # 2 cores shared by the ranks (and fork-safety after OpenMP)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        result = {"ok": CASES[case](rank, world, out, **kwargs)}
+    except BaseException:  # reported by the parent with the rank
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if "error" not in result:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,194 @@
+"""FGD across processes on the CPU (gloo): FSDP2 (row shards, fallbacks, checks, DCP), DDP, ZeRO.
+
+Each case runs on 2 and 4 processes in float64 and is compared with one process running the
+mean gradient on the whole model (tests/distributed_cases.py). Processes come from a
+``forkserver`` with torch, FSDP2 and dynamo preloaded, so a case starts in well under a
+second after the first; every join has a deadline, and the process group meets through a
+file in a fresh temporary directory (no port to pick).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+import distributed_cases as cases
+import fgd_fast
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+TIMEOUT_S = 90  # per case; a hang fails the test instead of the CI job
+TOL = 1e-12
+_context = None
+
+
+def _ctx():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(
+            ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "fgd_fast",
+             "distributed_cases"]
+        )
+    return _context
+
+
+def run(world: int, case: str, **kwargs) -> list:
+    """Run ``case`` on ``world`` processes; its per-rank results, or fail with the tracebacks."""
+    ctx = _ctx()
+    with tempfile.TemporaryDirectory() as out:
+        init = "file://" + os.path.join(out, "rendezvous")
+        procs = [ctx.Process(target=cases.entry, args=(r, world, init, out, case, kwargs), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results = []
+        for r in range(world):
+            path = os.path.join(out, f"rank{r}.pt")
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"})
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(errors)
+    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s"
+    return [res["ok"] for res in results]
+
+
+def assert_close(got: dict, want: dict, tol: float = TOL):
+    assert got.keys() == want.keys()
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= tol, f"{name}: max |Δ| = {err:.3g} > {tol}"
+
+
+def assert_identical_ranks(results, key):
+    for r, res in enumerate(results[1:], 1):
+        for name, value in res[key].items():
+            want = results[0][key][name]
+            same = torch.equal(value, want) if isinstance(value, torch.Tensor) else value == want
+            assert same, f"{key}[{name}] differs on rank {r}"
+
+
+WORLDS = [2, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("placement", [True, False], ids=["shard_placement", "default_placement"])
+def test_fsdp_matches_one_process(world, placement):
+    results = run(world, "fsdp_steps", placement=placement)
+    params, bufs, orth = cases.reference(5, world)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert res["orth"].keys() == orth.keys()
+        for name in orth:  # the full matrices' distance (partial Grams + all-reduce, or gathered)
+            assert abs(res["orth"][name] - orth[name]) <= TOL
+            assert abs(res["dist"][name] - orth[name]) <= TOL
+            assert res["orth"][name] < 1e-3  # θᵀθ ≈ I on the gathered matrices (O(η²‖g‖²) drift)
+    assert_identical_ranks(results, "params")
+    assert_identical_ranks(results, "orth")
+    placements = results[0]["placements"]
+    if placement:
+        uneven_fc1 = 1 if world == 2 else 0  # 26 input features on 4 ranks: Shard(0), the fallback
+        assert placements["conv.weight"] == 1 and placements["fc1.weight"] == uneven_fc1
+        assert placements["stem.weight"] == placements["expand.weight"] == placements["odd.weight"] == 0
+        # every row-sharded layer joins one all-reduce per step (the stem/fc1 fallback all-gathers)
+        assert all(count == 1 for res in results for count in res["reduces"])
+    else:
+        assert set(placements.values()) == {0}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_fsdp_reference_backend_takes_the_gathered_path(world):
+    results = run(world, "fsdp_steps", backend="reference")
+    params, bufs, _ = cases.reference(5, world, backend="reference")
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert all(count == 0 for count in res["reduces"])  # no row-shard support: all-gather, never reduce
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_training_matches_mean_gradient(world):
+    results = run(world, "fsdp_train")
+    params, bufs, orth = cases.reference(5, world, mode="train")
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+    assert_identical_ranks(results, "params")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_refusal_is_collective(world):
+    results = run(world, "fsdp_refusals")
+    for res in results:
+        assert all(res["unchanged"]), res["unchanged"]
+        assert res["messages"] == results[0]["messages"]
+    msgs = results[0]["messages"]
+    for msg, name in zip(msgs, ("conv.weight", "expand.weight", "stem.weight")):
+        assert "non-finite gradient" in msg and repr(name) in msg
+    assert "'conv.weight'" in msgs[3] and "from the Stiefel manifold" in msgs[3]
+
+
+def test_fsdp_checkpoint_round_trip():
+    results = run(2, "fsdp_checkpoint")
+    for res in results:
+        assert res["identical"]
+        assert res["names"] == sorted(cases.ORTHOGONAL + ("fc2.weight",) + tuple(
+            f"{m}.bias" for m in ("stem", "conv", "expand", "fc1", "fc2")))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ddp_ranks_bit_identical(world):
+    results = run(world, "ddp_train")
+    params, _, _ = cases.reference(5, world, mode="train")
+    assert_identical_ranks(results, "params")
+    assert_close(results[0]["params"], params)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero_labels_and_consolidated_state(world):
+    results = run(world, "zero_steps")
+    params, bufs, orth = cases.reference(5, world)
+    owned = []
+    for res in results:
+        assert_close(res["params"], params)
+        # each rank names the orthogonal parameters it owns, with their own distances
+        mine = [n for n in res["owned"] if n in cases.ORTHOGONAL]
+        assert sorted(res["orth"]) == sorted(mine)
+        for name in mine:
+            assert abs(res["orth"][name] - orth[name]) <= TOL
+        owned += res["owned"]
+    assert sorted(owned) == sorted(params)  # every parameter has exactly one owner
+    state = results[0]["state"]
+    model = cases.build()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, cases.rule), **cases.HYPER)
+    opt.load_state_dict(state)  # the consolidated state is a whole-model FGD state dict
+    names = [n for g in opt.param_groups for n in g["names"]]
+    for p, name in zip((p for g in opt.param_groups for p in g["params"]), names):
+        assert torch.allclose(opt.state[p]["momentum_buffer"], bufs[name], rtol=0, atol=TOL)
+
+
+def test_shard_placement_rules():
+    from torch.distributed.tensor import Shard
+
+    conv = torch.empty(12, 8, 3, 3)
+    assert fgd_fast.shard_placement(conv, world_size=4) == Shard(1)  # θ = W2ᵀ: rows are c_i·k·k
+    assert fgd_fast.shard_placement(torch.empty(16, 3, 4, 4), world_size=2) == Shard(2)  # c_i uneven, k even
+    assert fgd_fast.shard_placement(torch.empty(16, 3, 3, 3), world_size=2) == Shard(0)  # nothing even: fallback
+    assert fgd_fast.shard_placement(torch.empty(64, 16, 1, 1), world_size=8) == Shard(0)  # θ = W2: rows are c_o
+    assert fgd_fast.shard_placement(torch.empty(10, 16), world_size=4) == Shard(1)
+    assert fgd_fast.shard_placement(torch.empty(10), world_size=4) is None
