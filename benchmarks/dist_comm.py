@@ -107,16 +107,21 @@ class _Bytes:
 
         import fgd_fast.distributed as fd
 
-        self.total, self.world = 0.0, world
+        self.total, self.seconds, self.world = 0.0, 0.0, world
         ring = (world - 1) / world
         all_reduce, full_value = dist.all_reduce, fd.full_value
 
         def counting_all_reduce(t, *args, **kwargs):
             self.total += 2 * ring * t.nbytes
-            return all_reduce(t, *args, **kwargs)
+            t0 = time.perf_counter()
+            out = all_reduce(t, *args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
 
         def counting_full_value(t):
+            t0 = time.perf_counter()
             full = full_value(t)
+            self.seconds += time.perf_counter() - t0
             if fd.is_dtensor(t):
                 self.total += ring * full.nbytes
             return full
@@ -151,21 +156,50 @@ def _rank_main(rank, world, init, steps, queue):
             local = 1e-3 * torch.randn(p.to_local().shape, generator=gen)
             p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride())
-        times, sent = [], []
+        times, sent, waits = [], [], []
         for step in range(steps + 2):  # 2 warm-up steps
             dist.barrier()
-            counter.total = 0.0
+            counter.total = counter.seconds = 0.0
             t0 = time.perf_counter()
             opt.step()
             dist.barrier()
             if step >= 2:
                 times.append(time.perf_counter() - t0)
                 sent.append(counter.total)
-        results[name] = dict(ms=1e3 * statistics.median(times), mb=statistics.median(sent) / 1e6)
+                waits.append(counter.seconds)
+        results[name] = dict(ms=1e3 * statistics.median(times), mb=statistics.median(sent) / 1e6,
+                             comm_ms=1e3 * statistics.median(waits))
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def single_process(steps: int) -> dict:
+    """FGD and SGD on the whole model in this process (one thread, no process group)."""
+    from workloads import workloads
+
+    torch.set_num_threads(1)
+    work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
+    out = {}
+    for name in ("FGD", "torch SGD"):
+        model = work.model()
+        if name == "torch SGD":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, work.rule, orthogonalize=False), lr=0.1,
+                               momentum=0.9, feedback=0.4)
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+        times = []
+        for step in range(steps + 2):
+            t0 = time.perf_counter()
+            opt.step()
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+        out[name] = dict(ms=1e3 * statistics.median(times), mb=0.0, comm_ms=0.0)
+    return out
 
 
 def measure(world: int, steps: int) -> dict:
@@ -205,12 +239,17 @@ def main() -> None:
         work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
         report += [
             f"## Measured: gloo, optimizer step of {work.description} under FSDP2 (torch {torch.__version__})", "",
-            "| ranks | optimizer | step (ms, median) | sent per rank (MB) |", "|---:|---|---:|---:|",
+            "| ranks | optimizer | step (ms, median) | of which in collectives (ms) | sent per rank (MB) |",
+            "|---:|---|---:|---:|---:|",
         ]
-        for world in (2, 4):
-            for name, r in measure(world, args.steps).items():
-                report.append(f"| {world} | {name} | {r['ms']:.1f} | {r['mb']:.2f} |")
-        report.append("")
+        runs = [(1, single_process(args.steps))] + [(world, measure(world, args.steps)) for world in (2, 4)]
+        for world, results in runs:
+            for name, r in results.items():
+                report.append(f"| {world} | {name} | {r['ms']:.1f} | {r['comm_ms']:.1f} | {r['mb']:.2f} |")
+        report += [
+            "", "1 rank: the whole model in one process, no FSDP2. One torch thread per process; with 4 "
+            "processes on 2 cores the ranks also wait for a core, so the 4-rank times are upper bounds.", "",
+        ]
     text = "\n".join(report)
     print(text)
     if args.out:

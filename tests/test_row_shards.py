@@ -1,0 +1,120 @@
+"""The backend contract for row shards (``prepare(..., reduce=, shapes=)``), in one process.
+
+R threads stand in for R ranks: each calls the backend on its rows of every θ, and their
+``reduce`` sums the ranks' lists in a fixed order behind a barrier (as one all-reduce would).
+Every rank's rows of θ₊ and Φ₊, its distances and finite flags must match the backend on
+the whole matrices. This reaches what the multi-process tests do not: p ≥ 64 (the torch
+backend's block-half Grams), float32, several layers per bucket, shards with no rows.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fgd_fast._matrix import as_stiefel, from_stiefel, stiefel_shape
+from fgd_fast.backends import resolve_backend
+from fgd_fast.manifold import orthogonalize_
+
+ROW_SHARD_BACKENDS = ["torch"]
+
+
+def _row_dim(shape) -> int:
+    """The dimension whose slabs are sets of θ's rows: 1 when θ = W2ᵀ, else 0."""
+    return 1 if stiefel_shape(shape).transposed else 0
+
+
+def _split(t: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+    """Uneven slabs (the last ones possibly empty), as FSDP2 chunks a dimension."""
+    dim = _row_dim(t.shape)
+    size = -(-t.shape[dim] // ranks)
+    return [t.narrow(dim, min(r * size, t.shape[dim]), max(0, min(size, t.shape[dim] - r * size))).clone()
+            for r in range(ranks)]
+
+
+def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
+    barrier = threading.Barrier(ranks)
+    lists: dict[int, list[torch.Tensor]] = {}
+    calls = [0] * ranks
+    out: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def reduce_for(rank):
+        def reduce(tensors):
+            calls[rank] += 1
+            lists[rank] = tensors
+            barrier.wait()
+            if rank == 0:
+                sums = [sum(lists[r][i] for r in range(ranks)) for i in range(len(tensors))]
+                lists["sum"] = sums
+            barrier.wait()
+            for t, s in zip(tensors, lists["sum"]):
+                t.copy_(s)
+            barrier.wait()
+        return reduce
+
+    def rank_main(rank):
+        try:
+            p = [_split(t, ranks)[rank] for t in params]
+            g = [_split(t, ranks)[rank] for t in grads]
+            b = [_split(t, ranks)[rank] if t is not None else None for t in bufs]
+            plan = prepare(p, g, b, fresh, **kw, reduce=reduce_for(rank), shapes=[t.shape for t in params])
+            plan.apply()
+            out[rank] = (p, b, plan.dist, plan.finite)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert calls == [1] * ranks  # one reduce per prepare, on every rank
+    return out
+
+
+def _problem(shapes, dtype, seed, with_phi):
+    gen = torch.Generator().manual_seed(seed)
+    params = [orthogonalize_(torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype) for s in shapes]
+    grads = [0.01 * torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    bufs = []
+    for theta, s in zip(params, shapes):
+        if not with_phi:
+            bufs.append(None)
+            continue
+        th = as_stiefel(theta).to(torch.float64)
+        raw = 1e-3 * torch.randn(th.shape, generator=gen, dtype=torch.float64)
+        bufs.append(from_stiefel(raw - th @ (th.t() @ raw), s).to(dtype))  # roughly tangent
+    return params, grads, bufs
+
+
+@pytest.mark.parametrize("backend", ROW_SHARD_BACKENDS)
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
+def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi):
+    _, prepare = resolve_backend(backend, torch.device("cpu"))
+    assert getattr(prepare, "row_shards", False)
+    # θ = W2ᵀ conv (p = 70 ≥ 64: block halves), two equal layers in one bucket, θ = W2 with
+    # 2 rows (empty shards on 3 ranks), and a Linear
+    shapes = [(70, 9, 3, 3), (70, 9, 3, 3), (2, 1), (5, 7), (19, 4, 1, 1)]
+    params, grads, bufs = _problem(shapes, dtype, seed=ranks, with_phi=with_phi)
+    grads[3][0, 0] = float("nan")  # reported as not finite by every rank
+    fresh = [not with_phi] * len(shapes)
+    kw = dict(lr=[0.1] * 5, momentum=[0.9] * 5, feedback=[0.4] * 5, check_finite=True)
+
+    whole = [t.clone() for t in params], [t.clone() if t is not None else None for t in bufs]
+    plan = prepare(whole[0], [g.clone() for g in grads], whole[1], fresh, **kw)
+    plan.apply()
+    out = _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw)
+    for rank, (p, b, dist, finite) in out.items():
+        assert torch.equal(dist, out[0][2]) and torch.equal(finite, out[0][3])  # the same on every rank
+        torch.testing.assert_close(dist, plan.dist, rtol=0, atol=tol)
+        assert finite.tolist() == plan.finite.tolist() == [True, True, True, False, True]
+        for i in (0, 1, 2, 4):  # layer 3's NaN spreads through its θ₊; only the flag matters there
+            torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=tol)
+            if with_phi:
+                torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=tol)
