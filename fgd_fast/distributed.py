@@ -10,9 +10,11 @@ matrix, and the step is the one a single process would take on the full matrices
 
 * :func:`shard_placement` — pass it to ``fully_shard(..., shard_placement_fn=...)`` so that
   FSDP2 shards every ≥ 2-D weight along θ's rows.
+* HSDP (a 2-D mesh, ``(Replicate(), Shard(d))``): the all-reduce runs over the shard
+  dimension's process group; the replicas compute the same step.
 * A DTensor parameter whose placement is not a row shard (the default ``Shard(0)`` of a wide
-  convolution shards θ's *columns*; an uneven dimension FSDP2 cannot shard; a multi-dimensional
-  mesh) takes an exact fallback: θ, Φ and g are all-gathered, every rank computes the
+  convolution shards θ's *columns*; an uneven dimension FSDP2 cannot shard; a placement that
+  shards over several mesh dimensions) takes an exact fallback: θ, Φ and g are all-gathered, every rank computes the
   same step on the full matrices, and each keeps its own shard of the result. Never a
   per-shard orthonormalisation.
 * The step's checks stay collective: the non-finite-gradient counts travel in the same
@@ -31,7 +33,7 @@ import torch
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 
-__all__ = ["shard_placement", "is_dtensor", "is_row_sharded", "full_value", "write_shard", "gram64", "prepare_dtensors"]
+__all__ = ["shard_placement", "is_dtensor", "row_mesh_dim", "full_value", "write_shard", "gram64", "prepare_dtensors"]
 
 #: the packed all-reduce of a step is split into calls of at most this many bytes
 BUCKET_BYTES = 64 << 20
@@ -73,16 +75,18 @@ def shard_placement(param: torch.Tensor, world_size: int | None = None):
     return Shard(0)
 
 
-def is_row_sharded(t) -> bool:
-    """Whether DTensor ``t`` (a parameter's shape) is split into whole rows of its θ over a
-    1-D mesh: ``Shard(d≥1)`` when θ = W2ᵀ, ``Shard(0)`` when θ = W2 (uneven shards and
-    empty ones included)."""
-    from torch.distributed.tensor import Shard
+def row_mesh_dim(t) -> int | None:
+    """The mesh dimension over which DTensor ``t`` (a parameter's shape) is split into whole
+    rows of its θ — ``Shard(d≥1)`` when θ = W2ᵀ, ``Shard(0)`` when θ = W2, uneven and empty
+    shards included — with every other mesh dimension replicating it (FSDP2's 1-D mesh, or
+    HSDP's ``(Replicate(), Shard(d))``); None for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    if t.device_mesh.ndim != 1 or len(t.placements) != 1 or not isinstance(t.placements[0], Shard):
-        return False
-    dim = t.placements[0].dim % t.dim()
-    return dim >= 1 if stiefel_shape(t.shape).transposed else dim == 0
+    shards = [i for i, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+    if len(shards) != 1 or not all(isinstance(pl, (Shard, Replicate)) for pl in t.placements):
+        return None
+    dim = t.placements[shards[0]].dim % t.dim()
+    return shards[0] if (dim >= 1 if stiefel_shape(t.shape).transposed else dim == 0) else None
 
 
 def _same_layout(a, b) -> bool:
@@ -151,10 +155,10 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
 def gram64(t: torch.Tensor) -> torch.Tensor:
     """``θᵀθ`` in float64 for the full θ of ``t``: partial Grams and an all-reduce when ``t``
     is row-sharded, an all-gather for other DTensors (a collective: call it on every rank)."""
-    if is_dtensor(t) and is_row_sharded(t):
+    if is_dtensor(t) and row_mesh_dim(t) is not None:
         theta = _local_theta(t).to(torch.float64)
         gram = theta.t() @ theta
-        summing_over(t.device_mesh.get_group())([gram])
+        summing_over(t.device_mesh.get_group(row_mesh_dim(t)))([gram])
         return gram
     theta = as_stiefel(full_value(t)).to(torch.float64)
     return theta.t() @ theta
@@ -164,28 +168,29 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
     ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
-    and Φ share θ's layout go to one ``prepare`` per mesh with ``reduce``/``shapes`` when the
-    backend supports row shards; every other layer is gathered and stepped whole (exact).
+    and Φ share θ's layout go to one ``prepare`` per (mesh, sharded mesh dimension) with
+    ``reduce`` (over that dimension's process group) and ``shapes`` when the backend supports
+    row shards; every other layer is gathered and stepped whole (exact).
     """
     rows: dict[tuple, list[int]] = {}
     whole: dict[torch.device, list[int]] = {}
     for i in idx:
         p, g, b = params[i], grads[i], bufs[i]
         prepare = resolve(p.device.type)
-        if (getattr(prepare, "row_shards", False) and is_row_sharded(p) and _same_layout(p, g)
+        if (getattr(prepare, "row_shards", False) and row_mesh_dim(p) is not None and _same_layout(p, g)
                 and (b is None or _same_layout(p, b))):
-            rows.setdefault((p.device_mesh, p.device), []).append(i)
+            rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
         else:
             whole.setdefault(p.device, []).append(i)
     kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
     out = []
     with torch.no_grad():
-        for (mesh, device), layers in rows.items():
+        for (mesh, mesh_dim, device), layers in rows.items():
             plan = resolve(device.type)(
                 [params[i].to_local() for i in layers], [grads[i].to_local() for i in layers],
                 [bufs[i].to_local() if bufs[i] is not None else None for i in layers], [fresh[i] for i in layers],
                 **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
-                precision=precision, reduce=summing_over(mesh.get_group()), shapes=[params[i].shape for i in layers],
+                precision=precision, reduce=summing_over(mesh.get_group(mesh_dim)), shapes=[params[i].shape for i in layers],
             )
             out.append((layers, plan))
         for device, layers in whole.items():

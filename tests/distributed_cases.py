@@ -96,11 +96,19 @@ def _mesh(world):
     return init_device_mesh("cpu", (world,))
 
 
-def _sharded(world, placement=True, seed=0):
+def _sharded(world, placement=True, seed=0, hsdp=False):
+    import functools
+
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = build(seed)
-    fully_shard(model, mesh=_mesh(world), shard_placement_fn=fgd_fast.shard_placement if placement else None)
+    if hsdp:  # 2 replicas × world/2 shards
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        fn = functools.partial(fgd_fast.shard_placement, world_size=world // 2)
+    else:
+        mesh, fn = _mesh(world), fgd_fast.shard_placement
+    fully_shard(model, mesh=mesh, shard_placement_fn=fn if placement else None)
     return model
 
 
@@ -158,10 +166,10 @@ class _CountAllReduce:
 
 
 # -- the cases ----------------------------------------------------------------------------------
-def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch"):
-    model = _sharded(world, placement)
+def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False):
+    model = _sharded(world, placement, hsdp=hsdp)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
-    placements = {n: getattr(p.placements[0], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
+    placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
     reduces = []
     for step in range(steps):

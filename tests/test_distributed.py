@@ -111,6 +111,19 @@ def test_fsdp_matches_one_process(world, placement):
         assert set(placements.values()) == {0}
 
 
+def test_hsdp_reduces_over_the_shard_dimension():
+    results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
+    params, bufs, orth = cases.reference(5, 4)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        for name in orth:
+            assert abs(res["orth"][name] - orth[name]) <= TOL
+        assert all(count == 1 for count in res["reduces"])
+    assert_identical_ranks(results, "params")
+    assert results[0]["placements"]["conv.weight"] == 1  # (Replicate(), Shard(1))
+
+
 @pytest.mark.parametrize("world", [2])
 def test_fsdp_reference_backend_takes_the_gathered_path(world):
     results = run(world, "fsdp_steps", backend="reference")
