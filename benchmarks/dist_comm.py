@@ -46,8 +46,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fgd_fast  # noqa: E402
-from fgd_fast._matrix import stiefel_shape  # noqa: E402
+import fgd_fast
+from fgd_fast._matrix import stiefel_shape
 
 FLOAT32 = 4
 SCHEMES = ("rows + all-reduce", "rows, triangles", "all-gather", "owner all-to-all", "FSDP2 params+grads")
@@ -134,7 +134,6 @@ def _rank_main(rank, world, init, steps, queue):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-
     from workloads import workloads
 
     torch.set_num_threads(1)

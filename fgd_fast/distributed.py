@@ -117,7 +117,7 @@ def write_shard(t: torch.Tensor, full: torch.Tensor) -> None:
 
 def _local_theta(t) -> torch.Tensor:
     """The rows of θ that DTensor ``t`` holds here (``t`` row-sharded), as ``n_local × p``."""
-    n, p, transposed = stiefel_shape(t.shape)
+    _, p, transposed = stiefel_shape(t.shape)
     local = t.to_local()
     w2 = local.reshape(local.shape[0], local.numel() // local.shape[0] if local.shape[0] else p)
     return w2.t() if transposed else w2

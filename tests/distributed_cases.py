@@ -234,7 +234,10 @@ def fsdp_checkpoint(rank, world, out, *, before=3, after=3):
     optimizer, continue: bit-identical to the run that never stopped."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
     path = os.path.join(out, "ckpt")
