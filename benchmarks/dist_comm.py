@@ -8,12 +8,11 @@
 full-size benchmark workloads (:mod:`workloads`), float32, ring collectives, at 8 and 64
 ranks; with ``R`` ranks, a layer θ of ``n × p``, ``s`` bytes per number:
 
-* *row shards + one all-reduce* (what fgd_fast does with ``fgd_fast.shard_placement``):
-  ``2(R−1)/R · 4p² · s`` per row-sharded layer (the packed blocks A, B, C, E); a layer that
-  ``shard_placement`` cannot row-shard at ``R`` (no input dimension divisible by ``R``) is
-  counted with the all-gather fallback below (also what fgd_fast does);
-* *same, A and C as triangles*: ``2(R−1)/R · (2p² + p(p+1)) · s`` (not implemented; the model
-  says what it would save);
+* *row shards + one all-reduce of the packed blocks A, B, C, E*: ``2(R−1)/R · 4p² · s`` per
+  row-sharded layer; a layer that ``shard_placement`` cannot row-shard at ``R`` (no input
+  dimension divisible by ``R``) is counted with the all-gather fallback below;
+* *same, A and C as triangles* (what fgd_fast does with ``fgd_fast.shard_placement``):
+  ``2(R−1)/R · (2p² + p(p+1)) · s``;
 * *all-gather θ, Φ, g, compute redundantly* (fgd_fast's fallback for layers that are not row
   shards, e.g. under FSDP2's default placement): ``(R−1)/R · 3np · s``;
 * *owner per matrix, all-to-all* (as dion's distributed Muon): θ and g go to the matrix's
@@ -50,7 +49,7 @@ import fgd_fast
 from fgd_fast._matrix import stiefel_shape
 
 FLOAT32 = 4
-SCHEMES = ("rows + all-reduce", "rows, triangles", "all-gather", "owner all-to-all", "FSDP2 params+grads")
+SCHEMES = ("rows, 4p²", "rows, triangles (fgd_fast)", "all-gather", "owner all-to-all", "FSDP2 params+grads")
 
 
 def _row_sharded(shape, ranks: int) -> bool:
@@ -67,11 +66,11 @@ def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
         n, p, _ = stiefel_shape(shape)
         gathered = ring * 3 * n * p * s
         if _row_sharded(shape, ranks):
-            out["rows + all-reduce"] += 2 * ring * 4 * p * p * s
-            out["rows, triangles"] += 2 * ring * (2 * p * p + p * (p + 1)) * s
+            out["rows, 4p²"] += 2 * ring * 4 * p * p * s
+            out["rows, triangles (fgd_fast)"] += 2 * ring * (2 * p * p + p * (p + 1)) * s
         else:
-            out["rows + all-reduce"] += gathered
-            out["rows, triangles"] += gathered
+            out["rows, 4p²"] += gathered
+            out["rows, triangles (fgd_fast)"] += gathered
         out["all-gather"] += gathered
         out["FSDP2 params+grads"] += 3 * ring * n * p * s
         by_shape[(n, p)] += 1

@@ -3,7 +3,8 @@
 Every FGD correction is θ times a ``p × p`` matrix built from the Gram blocks ``A = θᵀθ``,
 ``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg``, and each block is a sum over the rows of θ:
 ``A = Σ_r θ_rᵀθ_r``. So when every rank holds some whole rows of θ (a *row shard*), the ranks
-compute partial blocks of their rows, **one** all-reduce of all layers' packed blocks gives
+compute partial blocks of their rows, **one** all-reduce of all layers' packed blocks (A and C
+as upper triangles: ``3p² + p`` numbers per layer, whatever the number of ranks) gives
 every rank the full blocks, every rank runs the same O(p³) middle, and each updates its own
 rows (the update of a row needs only that row of θ, Φ and g). No rank ever holds a full
 matrix, and the step is the one a single process would take on the full matrices.

@@ -36,7 +36,8 @@ plus the transient blocks of one middle chunk (bounded by the constrained bytes 
 Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
 (``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
 bucket first (partial blocks of the local rows, held: ``4·Σp²`` numbers), one ``reduce`` call
-sums all of them and the per-layer non-finite-gradient counts over the ranks, and then runs
+sums all of them — A and C as upper triangles, ``3p² + p`` numbers per layer — and the
+per-layer non-finite-gradient counts over the ranks, and then runs
 the middle on the summed blocks; ``apply`` updates the local rows as above (the update of a
 row of θ needs only that row of θ, Φ and g). Middle chunks then follow the full parameters'
 sizes, so that every rank packs the same list.
@@ -327,7 +328,7 @@ def prepare_torch(
                 b.start(middle_numel)
                 held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
-            reduce([t for blocks in held for chunk in blocks for t in chunk] + bad)  # in place
+            _reduce_packed(reduce, [chunk for blocks in held for chunk in blocks], bad)
             for i, (b, blocks) in enumerate(zip(buckets, held)):
                 for gemm_chunks, chunk in zip(b.plan, blocks):
                     b.middle(gemm_chunks, chunk)
@@ -336,6 +337,38 @@ def prepare_torch(
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
     return plan
+
+
+def _reduce_packed(reduce, chunks: list[list[torch.Tensor]], extra: list[torch.Tensor]) -> None:
+    """Sum every chunk's ``[A, E(, B, C)]`` and ``extra`` over the ranks in one ``reduce``,
+    the symmetric A and C as their upper triangles (``p(p+1)/2`` numbers instead of ``p²``:
+    the packed blocks shrink from ``4p²`` to ``3p² + p`` per layer); the sums are mirrored
+    back, so A and C come out exactly symmetric."""
+    sent, symmetric = [], []
+    for chunk in chunks:
+        for j, block in enumerate(chunk):
+            if j in (0, 3):  # A, C
+                p = block.shape[-1]
+                upper = _upper_indices(p, block.device)
+                tri = block[:, upper[0], upper[1]]  # (L, p(p+1)/2)
+                symmetric.append((block, upper, tri))
+                sent.append(tri)
+            else:
+                sent.append(block)
+    reduce(sent + extra)  # in place
+    for block, upper, tri in symmetric:
+        block[:, upper[0], upper[1]] = tri
+        block[:, upper[1], upper[0]] = tri  # the mirror
+
+
+_upper = {}
+
+
+def _upper_indices(p: int, device: torch.device) -> torch.Tensor:
+    key = (p, device)
+    if key not in _upper:
+        _upper[key] = torch.triu_indices(p, p, device=device)
+    return _upper[key]
 
 
 def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor]]:
