@@ -49,16 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                               "--optimizers", "sgd", "--no-progress", "--no-plot"])
     names, settings, data, base, cfg = train.prepare(targs)
     record = train.machine_record(torch.device(targs.device))
-    sgd = train.train_one("sgd", base, data, cfg, settings["sgd"], progress=False)
+    sgd = train.train(["sgd"], base, data, cfg, settings, progress=False)["sgd"]
     grid = []
     for lr in lrs:
         for fb in fbs:
             settings = train.settings_for("fgd", {"fgd": {"lr": lr, "feedback": fb}})
-            try:
-                r = train.train_one("fgd", base, data, cfg, settings, progress=False)
-            except (FloatingPointError, ValueError) as exc:  # diverged, or left the manifold (max_distance)
-                grid.append({"lr": lr, "feedback": fb, "failed": f"{type(exc).__name__}: {exc}"})
-                print(f"lr {lr:<5g} feedback {fb:<4g} failed: {exc}", flush=True)
+            r = train.train(["fgd"], base, data, cfg, {"fgd": settings}, progress=False)["fgd"]
+            if "error" in r:  # diverged, or left the manifold (FGD's max_distance check)
+                grid.append({"lr": lr, "feedback": fb, "failed": r["error"]})
                 continue
             peak = max(e["max_distance"] for e in r["history"]["eval"])
             grid.append({"lr": lr, "feedback": fb, "test_accuracy": r["test_accuracy"],

@@ -13,7 +13,8 @@ matplotlib and tqdm)::
     python benchmarks/train.py --optimizers all --set fgd.lr=0.1 --set fgd.feedback=0.2
 
 Every optimizer starts from the same weights (the constrained ones orthonormalised once) and
-sees the same batches in the same order. The learning rates follow the authors' schedule,
+sees the same batches: the runs are interleaved, each batch going through every optimizer in
+turn, so a shared machine whose load changes during the comparison slows all of them alike. The learning rates follow the authors' schedule,
 × ``--gamma`` (0.2) after 30 %, 60 % and 80 % of the steps (their epochs 60/120/160 of 200),
 scaled to the run's length; the settings are in ``benchmarks/train_optimizers.py``.
 
@@ -41,8 +42,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
+# before torch loads OpenMP: idle threads sleep instead of spinning, so a shared machine's
+# other jobs do not stall the threads of a parallel region (set it to ACTIVE to override)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -84,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--channels-last", choices=("auto", "on", "off"), default="auto", help="auto: on on a GPU")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (the optimizers are unchanged)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
-                    help="torch CPU threads (default: FGD_BENCH_THREADS, else torch's; 1 is faster on a busy machine)")
+                    help="torch CPU threads (default: FGD_BENCH_THREADS, else 1 for digits on a CPU — its "
+                    "layers are too small to share — and torch's default otherwise)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/train", help="folder for train.json and train.png")
     ap.add_argument("--no-plot", action="store_true")
@@ -182,95 +188,147 @@ def test_accuracy(model: nn.Module, data: Dataset, autocast, memory_format) -> f
     return correct / len(data.test_y)
 
 
-def train_one(name: str, base: nn.Module, data: Dataset, cfg: dict, settings: dict, progress: bool) -> dict:
-    """Train a copy of ``base`` with optimizer ``name``; the per-optimizer record of train.json."""
-    device = torch.device(cfg["device"])
-    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
-    model = copy.deepcopy(base).to(device=device, memory_format=memory_format)
-    opt = build_optimizer(name, model, cfg["rule"], settings)
-    forward = torch.compile(model) if cfg.get("compile") else model  # same parameters, compiled forward/backward
-    total = cfg["epochs"] * cfg["steps_per_epoch"]
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [max(1, round(f * total)) for f in MILESTONES], cfg["gamma"])
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["amp"])
+class Run:
+    """One optimizer's training: its copy of the model, optimizer, schedule, step timer and
+    history. :func:`train` steps all runs on the same batch, one after the other."""
 
-    def autocast():
-        return torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+    def __init__(self, name: str, base: nn.Module, data: Dataset, cfg: dict, settings: dict,
+                 bar_position: int | None):
+        self.name, self.data, self.cfg, self.settings = name, data, cfg, settings
+        self.device = torch.device(cfg["device"])
+        self.memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+        self.model = copy.deepcopy(base).to(device=self.device, memory_format=self.memory_format)
+        self.opt = build_optimizer(name, self.model, cfg["rule"], settings)
+        self.forward = torch.compile(self.model) if cfg.get("compile") else self.model  # same parameters
+        total = cfg["epochs"] * cfg["steps_per_epoch"]
+        self.sched = torch.optim.lr_scheduler.MultiStepLR(self.opt, cfg["milestones"], cfg["gamma"])
+        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["amp"])
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.timer = StepTimer(self.device)
+        self.losses: list[torch.Tensor] = []
+        self.epoch_losses: list[float] = []
+        self.epochs: list[dict] = []
+        self.error: str | None = None
+        self.busy = 0.0  # seconds spent in this run's steps and evaluations
+        self.hist: dict = {"step": [], "loss": [], "eval": []}
+        self._evaluate_at(0)
+        self.bar = _bar(name, total, bar_position)
 
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg["amp"] == "fp16")
-    loss_fn = nn.CrossEntropyLoss()
-    timer = StepTimer(device)
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One timed training step (forward, backward, optimizer step), then the schedule."""
+        w0 = time.perf_counter()
+        t0 = self.timer.mark()
+        self.opt.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.loss_fn(self.forward(x), y)
+        self.scaler.scale(loss).backward()
+        t1 = self.timer.mark()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        t2 = self.timer.mark()
+        self.timer.add(t0, t1, t2)
+        self.sched.step()
+        self.losses.append(loss.detach())
+        if self.bar is not None:
+            self.bar.update(1)
+        self.busy += time.perf_counter() - w0
+
+    def _evaluate_at(self, step: int) -> dict:
+        d = distances(self.model, self.cfg["constrained"])
+        acc = test_accuracy(self.model, self.data, self.autocast, self.memory_format)
+        point = {"step": step, "test_accuracy": acc, "max_distance": max(d, default=0.0), "mean_distance": _mean(d)}
+        self.hist["eval"].append(point)
+        return point
+
+    def evaluate(self, step: int) -> None:
+        """Read the step times and losses since the last evaluation, then test accuracy and
+        distances (the only host synchronisation the comparison adds)."""
+        w0 = time.perf_counter()
+        self.timer.flush()
+        values = torch.stack(self.losses).float().tolist()
+        self.losses.clear()
+        self.hist["step"] += list(range(step - len(values) + 1, step + 1))
+        self.hist["loss"] += values
+        self.epoch_losses += values
+        point = self._evaluate_at(step)
+        if not all(math.isfinite(v) for v in values):
+            raise FloatingPointError(f"the training loss is not finite at step {step}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"loss {values[-1]:.3f}  acc {100 * point['test_accuracy']:.1f} %  dist {point['max_distance']:.1e}")
+        self.busy += time.perf_counter() - w0
+
+    def end_epoch(self, epoch: int, step: int) -> None:
+        last = self.hist["eval"][-1]
+        self.epochs.append({"epoch": epoch, "step": step, "train_loss": _mean(self.epoch_losses),
+                            **{k: last[k] for k in ("test_accuracy", "max_distance", "mean_distance")}})
+        self.epoch_losses = []
+
+    def fail(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        if self.bar is not None:
+            self.bar.set_postfix_str("failed")
+            self.bar.close()
+        print(f"{self.name}: stopped: {self.error}", flush=True)
+
+    def record(self) -> dict:
+        """The per-optimizer entry of train.json."""
+        if self.bar is not None and self.error is None:
+            self.bar.close()
+        out = {"family": family(self.name), "settings": self.settings, "epochs": self.epochs, "history": self.hist}
+        if isinstance(self.opt, fgd_fast.FGD):
+            out["backend"] = self.opt.resolved_backend(self.device)
+        if self.error:
+            return {**out, "error": self.error}
+        skip = min(5, len(self.timer.step) // 4)  # warm-up steps (allocation, cuDNN autotuning) left out
+        fwd_bwd, step_s = self.timer.fwd_bwd[skip:], self.timer.step[skip:]
+        final = self.hist["eval"][-1]
+        return {
+            **out,
+            "test_accuracy": final["test_accuracy"],
+            "max_distance": final["max_distance"],
+            "mean_distance": final["mean_distance"],
+            "train_loss": self.epochs[-1]["train_loss"],
+            "fwd_bwd_seconds": statistics.median(fwd_bwd),
+            "step_seconds": statistics.median(step_s),
+            "train_step_seconds": statistics.median(a + b for a, b in zip(fwd_bwd, step_s)),
+            "wall_seconds": self.busy,
+            "timed_steps": len(step_s),
+            "final_lrs": [g["lr"] for g in self.opt.param_groups],
+        }
+
+
+def train(names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings: dict[str, dict],
+          progress: bool = True) -> dict[str, dict]:
+    """Train every optimizer in ``names`` from ``base`` on the same batches, interleaved: each
+    batch goes through every run in turn (the order rotating from step to step), so a machine
+    whose load changes during the comparison slows every optimizer alike. A run that raises
+    (e.g. FGD refusing a step off the manifold) stops with its error; the others go on."""
+    runs = [Run(n, base, data, cfg, settings[n], i if progress else None) for i, n in enumerate(names)]
+    live = list(runs)
     gen = torch.Generator().manual_seed(cfg["seed"])
     every = max(1, cfg["steps_per_epoch"] // cfg["evals_per_epoch"])
-    names = cfg["constrained"]
-    d0, acc0 = distances(model, names), test_accuracy(model, data, autocast, memory_format)
-    start = {"step": 0, "test_accuracy": acc0, "max_distance": max(d0, default=0.0), "mean_distance": _mean(d0)}
-    hist = {"step": [], "loss": [], "eval": [start]}
-    epochs = []
-    bar = _bar(name, total, progress)
-    losses: list[torch.Tensor] = []
-    step, wall0 = 0, time.perf_counter()
-    for epoch in range(cfg["epochs"]):
-        epoch_losses: list[float] = []
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    step = 0
+    for epoch in range(1, cfg["epochs"] + 1):
         for i, (x, y) in enumerate(data.train_batches(cfg["batch_size"], cfg["steps_per_epoch"], gen, memory_format)):
-            t0 = timer.mark()
-            opt.zero_grad(set_to_none=True)
-            with autocast():
-                loss = loss_fn(forward(x), y)
-            scaler.scale(loss).backward()
-            t1 = timer.mark()
-            scaler.step(opt)
-            scaler.update()
-            t2 = timer.mark()
-            timer.add(t0, t1, t2)
-            sched.step()
-            losses.append(loss.detach())
             step += 1
-            if (i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]:
-                timer.flush()
-                values = torch.stack(losses).float().tolist()
-                losses.clear()
-                hist["step"] += list(range(step - len(values) + 1, step + 1))
-                hist["loss"] += values
-                epoch_losses += values
-                d = distances(model, names)
-                acc = test_accuracy(model, data, autocast, memory_format)
-                hist["eval"].append({"step": step, "test_accuracy": acc, "max_distance": max(d, default=0.0),
-                                     "mean_distance": _mean(d)})
-                if not all(math.isfinite(v) for v in values):
-                    raise FloatingPointError(f"{name}: the training loss is not finite at step {step}")
-                if bar is not None:
-                    bar.set_postfix_str(f"loss {values[-1]:.3f}  acc {100 * acc:.1f} %  dist {max(d, default=0):.1e}")
-            if bar is not None:
-                bar.update(1)
-        last = hist["eval"][-1]
-        epochs.append({"epoch": epoch + 1, "step": step, "train_loss": _mean(epoch_losses), **{
-            k: last[k] for k in ("test_accuracy", "max_distance", "mean_distance")}})
-    if bar is not None:
-        bar.close()
-    wall = time.perf_counter() - wall0
-    skip = min(5, len(timer.step) // 4)  # warm-up steps (allocation, cuDNN autotuning) left out of the medians
-    fwd_bwd, step_s = statistics.median(timer.fwd_bwd[skip:]), statistics.median(timer.step[skip:])
-    train_step = statistics.median(a + b for a, b in zip(timer.fwd_bwd[skip:], timer.step[skip:]))
-    final = hist["eval"][-1]
-    record = {
-        "family": family(name),
-        "settings": settings,
-        "test_accuracy": final["test_accuracy"],
-        "max_distance": final["max_distance"],
-        "mean_distance": final["mean_distance"],
-        "train_loss": epochs[-1]["train_loss"],
-        "fwd_bwd_seconds": fwd_bwd,
-        "step_seconds": step_s,
-        "train_step_seconds": train_step,
-        "wall_seconds": wall,
-        "timed_steps": len(timer.step) - skip,
-        "final_lrs": [g["lr"] for g in opt.param_groups],
-        "epochs": epochs,
-        "history": hist,
-    }
-    if isinstance(opt, fgd_fast.FGD):
-        record["backend"] = opt.resolved_backend(device)
-    return record
+            k = step % max(1, len(live))
+            for run in live[k:] + live[:k]:
+                try:
+                    run.step(x, y)
+                    if (i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]:
+                        run.evaluate(step)
+                except (FloatingPointError, ValueError, RuntimeError) as exc:
+                    run.fail(exc)
+            live = [r for r in live if r.error is None]
+        for run in live:
+            run.end_epoch(epoch, step)
+    return {r.name: r.record() for r in runs}
 
 
 def _mean(values) -> float:
@@ -278,23 +336,25 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _bar(name: str, total: int, enabled: bool):
-    if not enabled:
+def _bar(name: str, total: int, position: int | None):
+    if position is None:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
-        print(f"{name}: training {total} steps (pip install tqdm for a progress bar)", flush=True)
+        if position == 0:
+            print(f"training {total} steps per optimizer (pip install tqdm for progress bars)", flush=True)
         return None
-    return tqdm(total=total, desc=f"{name:<12}", unit="step", dynamic_ncols=True, leave=True)
+    return tqdm(total=total, desc=f"{name:<12}", unit="step", position=position, dynamic_ncols=True, leave=True)
 
 
 # -- the comparison --------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Module, dict]:
     """Optimizer names and settings, the data, the starting model (its constrained weights
     orthonormalised once, so every optimizer starts from the same point) and the run's config."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or (1 if args.dataset == "digits" and args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     device = torch.device(args.device)
     torch.backends.cudnn.benchmark = True  # as CIFAR training scripts run (fixed input shapes)
     torch.manual_seed(args.seed)
@@ -347,12 +407,11 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{cfg['model']} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
           f"{cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; device {cfg['device']}, "
           f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}", flush=True)
-    results = {}
-    for n in names:
-        results[n] = train_one(n, base, data, cfg, settings[n], progress=not args.no_progress)
+    results = train(names, base, data, cfg, settings, progress=not args.no_progress)
     sgd = results.get("sgd", {}).get("train_step_seconds")
     for r in results.values():
-        r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
+        if "error" not in r:
+            r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
     if hasattr(os, "getloadavg"):
         record["device"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # ... and at the end
     return {"optimizers": results, "config": cfg, **record}
@@ -378,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         if png:
             written.append(png)
     print("wrote " + ", ".join(map(str, written)))
-    return 0
+    failed = [n for n, r in result["optimizers"].items() if "error" in r]
+    if failed:
+        print(f"stopped with an error: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

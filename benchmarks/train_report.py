@@ -27,6 +27,9 @@ def _rows(result: dict) -> list[list[str]]:
     rows = []
     for name, r in result["optimizers"].items():
         label = f"{name} ({r['backend']})" if r.get("backend") and name == "fgd" else name
+        if "error" in r:
+            rows.append([label, "stopped¹"] + ["—"] * (len(HEAD) - 2))
+            continue
         rows.append([
             label, f"{100 * r['test_accuracy']:.1f} %", f"{r['train_loss']:.3f}",
             f"{r['max_distance']:.1e}", f"{r['mean_distance']:.1e}", _ms(r["fwd_bwd_seconds"]),
@@ -55,12 +58,18 @@ def summary_lines(result: dict) -> list[str]:
     def fmt(row):
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-    return ["", _title(result), fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+    table = [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+    return ["", _title(result)] + table + _errors(result)
+
+
+def _errors(result: dict) -> list[str]:
+    failed = [(n, r["error"]) for n, r in result["optimizers"].items() if "error" in r]
+    return ["", "¹ stopped with an error:"] + [f"- {n}: {e[:200]}" for n, e in failed] if failed else []
 
 
 def markdown_table(result: dict) -> list[str]:
     rows = [HEAD, ["---"] * len(HEAD)] + _rows(result)
-    return ["| " + " | ".join(r) + " |" for r in rows]
+    return ["| " + " | ".join(r) + " |" for r in rows] + _errors(result)
 
 
 def plot(result: dict, path: Path) -> Path | None:
@@ -88,7 +97,7 @@ def plot(result: dict, path: Path) -> Path | None:
     a_loss.set(title="training loss (moving average)", xlabel="step", yscale="log")
     a_acc.set(title="test accuracy (%)", xlabel="step")
     a_dist.set(title="max ‖θᵀθ − I‖_F over the constrained weights", xlabel="step", yscale="log")
-    names = list(opts)
+    names = [n for n in opts if "error" not in opts[n]]
     fb = [1e3 * opts[n]["fwd_bwd_seconds"] for n in names]
     st = [1e3 * opts[n]["step_seconds"] for n in names]
     a_time.barh(names, fb, label="forward + backward")
