@@ -2,10 +2,11 @@
 
 Needs only Triton (no torch, no GPU): ``python kernels/aot.py [--arch 80 90] [--subset]``
 compiles each configuration for real GPU targets, reports shared memory, registers and
-spills (``cuobjdump --dump-resource-usage`` from the Triton wheel) and whether the PTX uses
-``mma`` for the tensor-core precisions, and exits non-zero if anything fails to compile or
-spills. ``configurations()`` is the dispatch space of ``fgd_fast.backends.triton``; a test
-checks that every launch made by the backend is one of them.
+spills (``cuobjdump --dump-resource-usage`` from the Triton wheel) and the instructions of its
+products in the SASS (``cuobjdump -sass``): tensor-core ``HGMMA`` (sm_90) / ``HMMA`` (sm_80)
+or ``FFMA``/``DFMA``. It exits non-zero if anything fails to compile, spills, or a tensor-core
+configuration has no tensor-core instruction. ``configurations()`` is the dispatch space of
+``fgd_fast.backends.triton``; a test checks that every launch made by the backend is one of them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,16 +27,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def _kernels():
-    """The kernel module, loaded by path so that this script needs no torch."""
+def _kernels(name: str = "fgd_step"):
+    """A kernel module (``fgd_step`` or ``tc_step``); without fgd_fast (no torch) the kernel
+    folder is loaded by path as a package, so that this script needs only Triton."""
     try:
-        from fgd_fast.kernels import fgd_step
-        return fgd_step
+        return importlib.import_module(f"fgd_fast.kernels.{name}")
     except ImportError:
-        spec = importlib.util.spec_from_file_location("fgd_step", os.path.join(os.path.dirname(__file__), "fgd_step.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        package = "_fgd_fast_kernels"
+        if package not in sys.modules:
+            here = os.path.dirname(os.path.abspath(__file__))
+            spec = importlib.util.spec_from_file_location(
+                package, os.path.join(here, "__init__.py"), submodule_search_locations=[here]
+            )
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[package] = module
+            spec.loader.exec_module(module)
+        return importlib.import_module(f"{package}.{name}")
 
 
 PRECISIONS = {"float32": ("ieee", "tf32x3", "tf32"), "float64": ("ieee",)}
@@ -42,17 +50,29 @@ _PTR = {"float32": "*fp32", "float64": "*fp64"}
 
 
 def configurations():
-    """Every (kernel, constexprs, options) the dispatcher can launch."""
-    K = _kernels()
+    """Every (kernel, constexprs, options) the dispatcher can launch: the CUDA-core kernels for
+    every (dtype, precision) not on tensor cores, the tensor-core kernels for float32 at the
+    tensor-core precisions (``ALIGNED`` either way)."""
+    K, T, M = _kernels("fgd_step"), _kernels("tc_step"), _kernels("meta")
     out = []
     for dtype, acc in K.ACC_OF.items():
         for precision, rows in itertools.product(PRECISIONS[acc], (True, False)):
+            if dtype == "float32" and precision in T.PRECISIONS:
+                continue  # the tensor-core kernels below
             common = dict(DTYPE=dtype, ACC=acc, ROWS=rows, PRECISION=precision)
-            for block in (K.BLOCK_A, K.BLOCK_B, K.BLOCK_C, K.BLOCK_E):
+            for block in (M.SLOT_A, M.SLOT_E, M.SLOT_B, M.SLOT_C):
                 out.append(("gram_kernel", dict(common, BLOCK=block), K.kernel_config(K.GRAM_CONFIG, dtype, precision)))
-            for mode, has_phi in ((K.MODE_PHI, True), (K.MODE_THETA, True), (K.MODE_THETA, False)):
-                out.append(("update_kernel", dict(common, MODE=mode, HAS_PHI=has_phi), K.kernel_config(K.UPDATE_CONFIG, dtype, precision)))
-    return out
+            for mode, has_phi in ((M.MODE_PHI, True), (M.MODE_THETA, True), (M.MODE_THETA, False)):
+                config = K.kernel_config(K.UPDATE_CONFIG, dtype, precision)
+                out.append(("update_kernel", dict(common, MODE=mode, HAS_PHI=has_phi), config))
+    for precision, rows, aligned in itertools.product(T.PRECISIONS, (True, False), (True, False)):
+        common = dict(ROWS=rows, ALIGNED=aligned)
+        out.append(("tc_split_kernel", dict(common, LO=precision == "tf32x3"), T.SPLIT_CONFIG))
+        out.append(("tc_gram_kernel", dict(common, PRECISION="tf32"), T.GRAM_CONFIG[precision, aligned]))
+        for has_phi in (True, False):
+            config = T.UPDATE_CONFIG[precision, aligned]
+            out.append(("tc_update_kernel", dict(common, HAS_PHI=has_phi, PRECISION="tf32"), config))
+    return sorted({json.dumps(c, sort_keys=True): c for c in out}.values(), key=lambda c: json.dumps(c, sort_keys=True))
 
 
 def _signature(kernel, acc):
@@ -66,8 +86,7 @@ def _signature(kernel, acc):
 
 def compile_one(name, consts, config, arch):
     """Compile one configuration; return a JSON-able report."""
-    K = _kernels()
-    kernel = getattr(K, name)
+    kernel = getattr(_kernels("tc_step" if name.startswith("tc_") else "fgd_step"), name)
     blocks = {k: v for k, v in config.items() if not k.startswith("num_")}
     consts = dict(consts, **blocks)
     consts = {k: (getattr(tl, v) if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
@@ -75,6 +94,7 @@ def compile_one(name, consts, config, arch):
     options = {k: v for k, v in config.items() if k.startswith("num_")}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     usage = _resource_usage(compiled.asm["cubin"])
+    usage["sass"] = _sass_ops(compiled.asm["cubin"])
     return dict(
         kernel=name, arch=arch, config={k: str(v) for k, v in consts.items()},
         shared=compiled.metadata.shared, mma="mma" in compiled.asm["ptx"], **usage,
@@ -82,18 +102,50 @@ def compile_one(name, consts, config, arch):
 
 
 def config_acc(consts):
-    return "float64" if consts["ACC"] == tl.float64 else "float32"
+    return "float64" if consts.get("ACC") == tl.float64 else "float32"
 
 
-def _resource_usage(cubin: bytes) -> dict:
+TENSOR_CORE_OP = {90: "HGMMA", 80: "HMMA"}  # the SASS instruction of a TF32 product per target
+
+
+def expects_tensor_cores(kernel: str, config: dict) -> bool:
+    """Whether the products of this configuration must run on tensor cores: the tensor-core
+    Gram and update kernels, and the CUDA-core kernels at a float32 tensor-core precision."""
+    if kernel == "tc_split_kernel":
+        return False
+    return config.get("PRECISION") in ("tf32", "tf32x3") and config.get("ACC", "fp32") == "fp32"
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_ops(cubin: bytes) -> dict:
+    """Counts of the product instructions and of 16-byte global loads in the SASS."""
+    sass = _cuobjdump(cubin, "-sass")
+    count = lambda pattern: len(re.findall(pattern, sass))  # noqa: E731
+    return dict(
+        hgmma=count(r"\bHGMMA\."), hmma=count(r"\bHMMA\."), ffma=count(r"\bFFMA\b"), dfma=count(r"\bDFMA\b"),
+        loads_128=count(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b"),
+    )
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     line = [ln for ln in text.splitlines() if "REG:" in ln][-1]
     fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
     return dict(registers=int(fields["REG"]), stack=int(fields["STACK"]))
+
+
+def tensor_cores_ok(r: dict) -> bool:
+    """A tensor-core configuration's SASS has tensor-core products (HGMMA on sm_90, HMMA on sm_80)."""
+    if "error" in r or not expects_tensor_cores(r["kernel"], r["config"]):
+        return True
+    return r["sass"][TENSOR_CORE_OP[r["arch"]].lower()] > 0
 
 
 def _job(args):
@@ -114,15 +166,17 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the per-configuration report here")
     args = ap.parse_args(argv)
-    configs = [c for c in configurations() if not args.subset or c[1]["DTYPE"] in ("float32", "float64")]
+    configs = [c for c in configurations() if not args.subset or c[1].get("DTYPE", "float32") in ("float32", "float64")]
     jobs = [(name, consts, config, arch) for arch in args.arch for name, consts, config in configs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_job, jobs))
-    bad = [r for r in results if "error" in r or r.get("stack", 0) != 0]
+    bad = [r for r in results if "error" in r or r.get("stack", 0) != 0 or not tensor_cores_ok(r)]
     for r in results:
-        status = r.get("error") or f"regs {r['registers']:3d} stack {r['stack']} shared {r['shared']} mma {r['mma']}"
+        status = r.get("error") or (
+            f"regs {r['registers']:3d} stack {r['stack']} shared {r['shared']} mma {r['mma']} sass {r['sass']}"
+        )
         print(f"sm_{r['arch']} {r['kernel']:13s} {json.dumps(r['config'], sort_keys=True)}: {status}")
-    print(f"triton {triton.__version__}: {len(results)} compiled, {len(bad)} failed or spilled")
+    print(f"triton {triton.__version__}: {len(results)} compiled, {len(bad)} failed, spilled or missed tensor cores")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

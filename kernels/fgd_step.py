@@ -1,29 +1,29 @@
-"""Triton kernels of the two-pass FGD step, multi-tensor over ragged layers.
+"""Triton kernels of the two-pass FGD step on CUDA cores (``"ieee"`` products, and 16-bit or
+float64 parameters), multi-tensor over ragged layers. The tensor-core step for float32
+parameters is :mod:`.tc_step`.
 
-Both kernels read a per-layer **metadata table** (``int64``, ``META_FIELDS`` entries per layer):
-
-    [θ ptr, Φ ptr, g ptr, n, p, gram offset, M offset, rows per split]
-
-and an ``int32`` **work table** built once per set of layer shapes, so one launch covers
-layers of any (n, p). Addresses come from ``data_ptr()`` and are cast with
-``.to(tl.pointer_type(...))``. Every layer of a launch shares the element type of θ and g
-(``DTYPE``; Φ is always ``ACC``, the accumulation type) and the memory layout (``ROWS``):
+Both kernels read the per-layer **metadata table** of :mod:`.meta` (``int64``, fields by name:
+θ, Φ, g pointers, n, p, Gram and M offsets, rows per split) and an ``int32`` **work table** built
+once per set of layer shapes, so one launch covers layers of any (n, p). Addresses come from
+``data_ptr()`` and are cast with ``.to(tl.pointer_type(...))``. Every layer of a launch shares
+the element type of θ and g (``DTYPE``; Φ is always ``ACC``, the accumulation type) and the
+memory layout (``ROWS``):
 
 * ``ROWS=True``: θ = W2ᵀ, memory holds ``R = θᵀ`` row-major, element θ[k, i] at ``i·n + k``;
 * ``ROWS=False``: θ = W2, element θ[k, i] at ``k·p + i``.
 
 Φ and g have θ's layout. 64-bit offsets throughout (n, p are loaded as int64).
 
-``gram_kernel`` — pass 1, one launch per Gram block (``BLOCK`` = A, B, C or E):
+``gram_kernel`` — pass 1, one launch per Gram block (``BLOCK`` = slot A, E, B or C):
 
-    A = θᵀθ,  B = θᵀΦ,  C = ΦᵀΦ,  E = θᵀg          (each p × p)
+    A = θᵀθ,  E = θᵀg,  B = θᵀΦ,  C = ΦᵀΦ          (each p × p)
 
 Work item = (layer, tile row i, tile col j) of ``BP × BP`` output tiles; A and C are
 symmetric, so their work tables hold only i ≤ j and the kernel stores each tile and its
 mirror. ``program_id(1)`` picks a split of the n rows (``rows per split`` each, a multiple of
 ``BK``); split s writes its partial tile into slab ``s`` of the output (``split_stride``
 apart) and the caller sums the slabs in a fixed order: deterministic, no atomics. Output per
-layer: ``[A | B | C | E]``, each p × p row-major, starting at ``gram offset``.
+layer: ``[A | E | B | C]``, each p × p row-major, starting at the Gram offset.
 
 ``update_kernel`` — pass 2. Persistent grid; work item = (layer, block of ``BR`` rows); a
 program owns whole row blocks and sweeps all ``BN``-column blocks of them. ``MODE_PHI``:
@@ -37,18 +37,15 @@ program owns whole row blocks and sweeps all ``BN``-column blocks of them. ``MOD
 
 θ₊ row r needs all of θ[r, :], so MODE_THETA first snapshots θ[rows, :] into the program's
 private slab (``BR × P_MAX`` of ``ACC``) and reads θ only from there: the in-place write can
-never feed another output. Per layer, M matrices sit at ``M offset``: ``[M_Φ | M]``.
+never feed another output. Per layer, the M matrices sit at the M offset: ``[M | M_Φ]``
+(slots ``M_THETA``, ``M_PHI``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-META_FIELDS = 8
-F_THETA, F_PHI, F_GRAD, F_N, F_P, F_GRAM, F_M, F_CHUNK = range(META_FIELDS)
-BLOCK_A, BLOCK_B, BLOCK_C, BLOCK_E = range(4)
-MODE_PHI, MODE_THETA = 0, 1
-
+from . import meta
 
 @triton.jit
 def _offsets(rk, ci, n, p, ROWS: tl.constexpr):
@@ -74,25 +71,25 @@ def gram_kernel(
 ):
     w = tl.program_id(0)
     split = tl.program_id(1)
-    layer = tl.load(work_ptr + 3 * w)
+    layer = tl.load(work_ptr + 3 * w)  # work rows: layer, tile i, tile j
     ti = tl.load(work_ptr + 3 * w + 1)
     tj = tl.load(work_ptr + 3 * w + 2)
-    row = meta_ptr + layer * 8
+    row = meta_ptr + layer * meta.META_FIELDS
     # left operand: Φ for C, θ otherwise; right: θ for A, Φ for B and C, g for E
-    if BLOCK == 2:
-        left = tl.load(row + 1).to(tl.pointer_type(ACC))
+    if BLOCK == meta.SLOT_C:
+        left = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
     else:
-        left = tl.load(row + 0).to(tl.pointer_type(DTYPE))
-    if BLOCK == 0:
-        right = tl.load(row + 0).to(tl.pointer_type(DTYPE))
-    elif BLOCK == 3:
-        right = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        left = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
+    if BLOCK == meta.SLOT_A:
+        right = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
+    elif BLOCK == meta.SLOT_E:
+        right = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
     else:
-        right = tl.load(row + 1).to(tl.pointer_type(ACC))
-    n = tl.load(row + 3)
-    p = tl.load(row + 4)
-    out = out_ptr + split * split_stride + tl.load(row + 5) + BLOCK * p * p
-    chunk = tl.load(row + 7)
+        right = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
+    n = tl.load(row + meta.F_N)
+    p = tl.load(row + meta.F_P)
+    out = out_ptr + split * split_stride + tl.load(row + meta.F_GRAM) + BLOCK * p * p
+    chunk = tl.load(row + meta.F_CHUNK)
     r0 = split * chunk
     r1 = tl.minimum(r0 + chunk, n)
 
@@ -109,7 +106,7 @@ def gram_kernel(
         acc += tl.dot(lt.to(ACC), rt.to(ACC), input_precision=PRECISION)  # X_ij += L_iᵀ R_j
     m = mi[:, None] & mj[None, :]
     tl.store(out + oi[:, None] * p + oj[None, :], acc, mask=m)
-    if BLOCK == 0 or BLOCK == 2:  # A, C symmetric: the mirror tile is the transpose
+    if BLOCK == meta.SLOT_A or BLOCK == meta.SLOT_C:  # A, C symmetric: the mirror tile is the transpose
         # (not on the diagonal: the same addresses, and (a, b) and (b, a) need not round alike)
         tl.store(out + oj[None, :] * p + oi[:, None], acc, mask=m & (ti != tj))
 
@@ -124,22 +121,25 @@ def update_kernel(
     slab = scratch_ptr + pid.to(tl.int64) * BR * P_MAX  # this program's BR × P_MAX snapshot
     rr = tl.arange(0, BR)
     for item in range(pid, n_items, tl.num_programs(0)):
-        layer = tl.load(work_ptr + 2 * item)
+        layer = tl.load(work_ptr + 2 * item)  # work rows: layer, row block
         rb = tl.load(work_ptr + 2 * item + 1)
-        row = meta_ptr + layer * 8
-        theta = tl.load(row + 0).to(tl.pointer_type(DTYPE))
-        grad = tl.load(row + 2).to(tl.pointer_type(DTYPE))
-        n = tl.load(row + 3)
-        p = tl.load(row + 4)
-        mat = m_ptr + tl.load(row + 6) + MODE * p * p  # M_Φ (MODE_PHI) or the θ matrix (MODE_THETA)
+        row = meta_ptr + layer * meta.META_FIELDS
+        theta = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
+        grad = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
+        n = tl.load(row + meta.F_N)
+        p = tl.load(row + meta.F_P)
+        if MODE == meta.MODE_PHI:
+            mat = m_ptr + tl.load(row + meta.F_M) + meta.M_PHI * p * p  # M_Φ
+        else:
+            mat = m_ptr + tl.load(row + meta.F_M) + meta.M_THETA * p * p  # M (the θ matrix)
         lr = tl.load(hyper_ptr + 3 * layer)  # η (hyper rows: η, β, α)
         beta = tl.load(hyper_ptr + 3 * layer + 1)  # β
         rows = rb * BR + rr
         mr = rows < n
         if HAS_PHI:
-            phi = tl.load(row + 1).to(tl.pointer_type(ACC))
+            phi = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
 
-        if MODE == 1:  # snapshot θ[rows, :] into the private slab
+        if MODE == meta.MODE_THETA:  # snapshot θ[rows, :] into the private slab
             for c0 in range(0, p, BN):
                 cols = c0 + tl.arange(0, BN)
                 m = mr[:, None] & (cols < p)[None, :]
@@ -156,14 +156,14 @@ def update_kernel(
                 ks = k0 + tl.arange(0, BK)
                 mk = ks < p
                 ma = mr[:, None] & mk[None, :]
-                if MODE == 1:
+                if MODE == meta.MODE_THETA:
                     a = tl.load(slab + rr[:, None] * P_MAX + ks[None, :], mask=ma, other=0.0)
                 else:
                     a = tl.load(theta + _offsets(rows, ks, n, p, ROWS), mask=ma, other=0.0).to(ACC)
                 b = tl.load(mat + ks[:, None] * p + cols[None, :], mask=mk[:, None] & mc[None, :], other=0.0)
                 acc += tl.dot(a, b, input_precision=PRECISION)  # θ M
             off = _offsets(rows, cols, n, p, ROWS)
-            if MODE == 0:
+            if MODE == meta.MODE_PHI:
                 u = -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC)  # U = −ηg …
                 u += beta * tl.load(phi + off, mask=m, other=0.0)  # … + βΦ
                 tl.store(phi + off, u + acc, mask=m)  # Φ₊ = U + θ M_Φ
@@ -174,7 +174,7 @@ def update_kernel(
                 else:
                     v = -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC)  # V = −ηg
                 tl.store(theta + off, (th + v + acc).to(DTYPE), mask=m)  # θ₊ = θ + V + θ M
-        if MODE == 1:
+        if MODE == meta.MODE_THETA:
             tl.debug_barrier()  # every read of the slab is done before the next snapshot
 
 

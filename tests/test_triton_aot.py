@@ -35,14 +35,23 @@ def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def test_every_selectable_configuration_compiles_without_spills(tmp_path):
-    results = _compile_all(sys.executable, tmp_path)
+def _check(results):
     assert len(results) == 2 * len(aot.configurations())
     assert all(r["stack"] == 0 and "error" not in r for r in results)
-    # tensor-core precisions really use mma; fp32 "ieee" stays on FMA
     for r in results:
-        if r["config"]["ACC"] == "fp32":
-            assert r["mma"] == (r["config"]["PRECISION"] != "ieee"), r
+        sass = r["sass"]
+        if aot.expects_tensor_cores(r["kernel"], r["config"]):
+            # the products run on tensor cores: HGMMA (wgmma) on sm_90, HMMA (mma.sync) on sm_80
+            assert sass[aot.TENSOR_CORE_OP[r["arch"]].lower()] > 0, r
+        elif r["kernel"] != "tc_split_kernel" and r["config"]["ACC"] == "fp32":
+            assert sass["hgmma"] == sass["hmma"] == 0 and sass["ffma"] > 0, r  # "ieee": CUDA-core FMA
+    # the aligned tensor-core Gram pass loads its operands 16 bytes at a time
+    aligned = [r for r in results if r["kernel"] == "tc_gram_kernel" and r["config"]["ALIGNED"] == "True"]
+    assert aligned and all(r["sass"]["loads_128"] > 0 for r in aligned)
+
+
+def test_every_selectable_configuration_compiles_without_spills(tmp_path):
+    _check(_compile_all(sys.executable, tmp_path))
 
 
 @pytest.mark.skipif(not TRITON36.exists(), reason="no .venv-triton36 (bash .ci/setup-env creates it)")
@@ -51,8 +60,7 @@ def test_gpu_machine_triton_compiles_every_configuration(tmp_path):
         [str(TRITON36), "-c", "import triton; print(triton.__version__)"], capture_output=True, text=True, env=_clean_env()
     )
     assert version.stdout.strip() == "3.6.0", version.stderr
-    results = _compile_all(str(TRITON36), tmp_path)
-    assert len(results) == 2 * len(aot.configurations())
+    _check(_compile_all(str(TRITON36), tmp_path))
 
 
 def test_backend_launches_only_checked_configurations(monkeypatch):
@@ -71,16 +79,19 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
     real = tb._launch
 
     def record(kernel, grid, *args, **kw):
-        consts = {k: kw[k] for k in ("DTYPE", "ACC", "ROWS", "PRECISION", "BLOCK", "MODE", "HAS_PHI") if k in kw}
+        keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI")
+        consts = {k: kw[k] for k in keys if k in kw}
         consts = {k: (str(v).removeprefix("tl.") if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
         consts = {k: {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(v, v) for k, v in consts.items()}
-        cfg = {k: v for k, v in kw.items() if k in ("BP", "BK", "BR", "BN", "num_warps", "num_stages")}
+        cfg = {k: v for k, v in kw.items() if k in ("BP", "BM", "BK", "BR", "BN", "BS", "BL", "num_warps", "num_stages")}
         seen.append((kernel.fn.__name__, json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True), json.dumps(cfg, sort_keys=True)))
         return real(kernel, grid, *args, **kw)
 
     monkeypatch.setattr(tb, "_launch", record)
     rng = np.random.default_rng(0)
-    for dtype, momentum, precision in [(torch.float32, 0.9, "tf32x3"), (torch.bfloat16, 0.0, "ieee"), (torch.float64, 0.9, "tf32")]:
+    cases = [(torch.float32, 0.9, "tf32x3"), (torch.float32, 0.0, "tf32"), (torch.float32, 0.9, "ieee"),
+             (torch.bfloat16, 0.0, "ieee"), (torch.bfloat16, 0.9, "tf32x3"), (torch.float64, 0.9, "tf32")]
+    for dtype, momentum, precision in cases:
         params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.tensor(rng.standard_normal(s), dtype=dtype))) for s in [(8, 4, 3, 3), (20, 6)]]
         opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, momentum=momentum, backend="triton", precision=precision)
         for _ in range(2):
@@ -88,3 +99,4 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
                 p.grad = torch.randn_like(p)
             opt.step()
     assert seen and set(seen) <= allowed, sorted(set(seen) - allowed)[:3]
+    assert {name for name, _, _ in seen} >= {"tc_split_kernel", "tc_gram_kernel", "tc_update_kernel", "gram_kernel"}

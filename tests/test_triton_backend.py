@@ -26,7 +26,7 @@ def test_kernel_launches_per_step_do_not_grow_with_layers(layers):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     opt.step()
-    launched = {k: v - before.get(k, 0) for k, v in tb.launch_counts.items()}
+    launched = {k: v - before.get(k, 0) for k, v in tb.launch_counts.items() if v != before.get(k, 0)}
     # two launch classes (rows / columns layout), each four Gram launches (A, B, C, E) and
     # two update launches (Φ₊, then θ₊), whatever the number of layers
     assert launched == {"gram_kernel": 8, "update_kernel": 4}
@@ -58,17 +58,16 @@ def test_deterministic_run_to_run():
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
-def test_precision_mode_tiling_matches_the_reference_within_the_mode_bound(precision):
-    """Each precision launches its own tile configuration (its GRAM_CONFIG / UPDATE_CONFIG
-    entry). Under the CPU interpreter, which ignores input_precision, this checks that each
-    mode's tiling computes the step to fp32 accuracy; on a GPU it also bounds the mode's
-    rounding: tf32 (10-bit mantissa) within 5e-3, 3×TF32 and IEEE fp32 within 1e-5."""
+def test_precision_mode_matches_the_reference_within_the_mode_bound(precision):
+    """Each precision launches its own kernels: "ieee" the CUDA-core ones (fp32: 1e-5),
+    "tf32x3"/"tf32" the tensor-core ones, whose operands are rounded to TF32 by their split pass
+    even under the interpreter: tf32x3 (A in 3×TF32, the rest TF32) within 3e-5 after three
+    steps of lr 0.1, tf32 (A in TF32: ~1e-3 relative error in θᵀθ) within 5e-3."""
     shapes = [(16, 8, 3, 3), (24, 40)]
     params, grads = _problem(shapes, seed=2)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     _steps(params, grads, "triton", steps=3, precision=precision)
     _steps(ref, grads, "reference", steps=3)
-    interpreted = device_for_tests().type == "cpu"
-    tol = {"ieee": 1e-5, "tf32x3": 1e-5, "tf32": 1e-5 if interpreted else 5e-3}[precision]
+    tol = {"ieee": 1e-5, "tf32x3": 3e-5, "tf32": 5e-3}[precision]
     for a, b in zip(params, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)

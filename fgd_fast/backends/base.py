@@ -42,10 +42,19 @@ from typing import Callable, Protocol
 
 import torch
 
+from .algebra import middle
+
 __all__ = [
     "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "fp32_matmuls", "full_precision",
-    "in_input_order", "plan_of",
+    "in_input_order", "plan_of", "Run", "runs_of", "middle_of_runs", "SLOT_A", "SLOT_E", "SLOT_B", "SLOT_C", "M_THETA",
+    "M_PHI",
 ]
+
+# The block order of both fused backends (Triton and CUDA; the kernels name the same slots):
+# per layer the Gram blocks [A | E | B | C] (A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ; B and C only
+# where Φ is read), each p × p, and the update matrices [M_θ | M_Φ].
+SLOT_A, SLOT_E, SLOT_B, SLOT_C = range(4)
+M_THETA, M_PHI = range(2)
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
@@ -172,6 +181,68 @@ def plan_of(units: list, device: torch.device, check_finite: bool) -> StepPlan:
             u.apply()
 
     return StepPlan(dist=dist, finite=finite, apply=apply)
+
+
+@dataclass
+class Run:
+    """Consecutive layers ``first:end`` of a launch class with the same ``p`` (and the same use
+    of Φ): one batch of the O(p³) middle. Their Gram blocks start at element ``gram_at`` (``slots``
+    blocks of p² per layer) and their update matrices at ``m_at`` (two blocks per layer)."""
+
+    p: int
+    first: int
+    end: int
+    gram_at: int
+    m_at: int
+    reads_phi: bool
+    slots: int
+
+
+def runs_of(shapes: list[tuple[int, bool]], slots: list[int]) -> list[Run]:
+    """The runs of layers with equal ``(p, reads Φ)``, for layers in launch order given as
+    ``(p, reads Φ)`` with ``slots[k]`` Gram blocks each (offsets are prefix sums)."""
+    runs: list[Run] = []
+    gram_at = m_at = 0
+    for k, (p, reads) in enumerate(shapes):
+        if runs and (runs[-1].p, runs[-1].reads_phi, runs[-1].slots) == (p, reads, slots[k]):
+            runs[-1].end = k + 1
+        else:
+            runs.append(Run(p, k, k + 1, gram_at, m_at, reads, slots[k]))
+        gram_at += slots[k] * p * p
+        m_at += 2 * p * p
+    return runs
+
+
+def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=False, transposed=False):
+    """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
+
+    ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
+    ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
+    ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
+    θ slot holds ``F = −α(A − I)`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
+    ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
+    kernels store split products and only the upper tiles of symmetric blocks). Products in
+    IEEE fp32 whatever the global TF32 setting. Returns the per-layer distance ``‖A − I‖_F``
+    (float64) and the finite flag of E, in launch order.
+    """
+    dists, finites = [], []
+    with full_precision():
+        for r in runs:
+            cnt, p = r.end - r.first, r.p
+            blocks = gram[r.gram_at:r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+            a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
+            b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
+            if assemble is not None:
+                a, c = assemble(blocks, a, c)
+            h = hyper[r.first:r.end].view(cnt, 3, 1, 1)
+            mid = middle(a, b, c, e, lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2])
+            m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
+            out = mats[r.m_at:r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+            out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
+            out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + η sym(E) + …]
+            dists.append(mid.dist)
+            finites.append(mid.finite)
+    return torch.cat(dists).to(torch.float64), torch.cat(finites)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -67,8 +67,7 @@ import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
-from .algebra import middle
-from .base import PRECISIONS, TableCache, compute_dtype, device_table, full_precision, plan_of
+from .base import PRECISIONS, TableCache, compute_dtype, device_table, middle_of_runs, plan_of, runs_of
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 
@@ -132,7 +131,7 @@ class _Class:
         self.layers = order
         self.keep, self.copy_back, rows = [], [], []
         gram_off = m_off = tile = block = 0
-        runs: list[list] = []  # [reads, p, first, end, gram offset, M offset]
+        shapes: list[tuple[int, bool]] = []  # (p, reads Φ) per layer, for the runs of the middle
         for k, i in enumerate(order):
             n, p, transposed = stiefel_shape(params[i].shape)
             reads, writes = bufs[i] is not None and not fresh[i], bufs[i] is not None
@@ -156,15 +155,14 @@ class _Class:
             row[_F["GRAM_OFF"]], row[_F["M_OFF"]] = gram_off, m_off
             row[_F["FIRST_TILE"]], row[_F["FIRST_BLOCK"]] = tile, block
             rows.append(row)
-            if not runs or runs[-1][:2] != [reads, p]:
-                runs.append([reads, p, k, k, gram_off, m_off])
-            runs[-1][3] = k + 1
+            shapes.append((p, reads))
             nt = _cdiv(p, _TILE)
             tile += (nt * (nt + 1) // 2 + nt * nt) * (2 if reads else 1)  # [A△ | E] (+ [B | C△])
             block += _cdiv(n, _ROWS)
             gram_off += (4 if reads else 2) * p * p
             m_off += 2 * p * p
-        self.runs, self.total_tiles, self.total_blocks = runs, tile, block
+        runs = runs_of(shapes, [4 if reads else 2 for _, reads in shapes])  # [A | E] (+ [B | C])
+        self.total_tiles, self.total_blocks = tile, block
         self.p_max = max(r[_F["P"]] for r in rows)
 
         # split n when there are too few tiles to fill the GPU; the partials stay under the bound
@@ -190,25 +188,9 @@ class _Class:
             gram = torch.empty(gram_off, dtype=self.acc, device=device)
             _launch("sum_splits", _ext.sum_splits, partial, gram, gram_off, splits)
 
-        # the O(p³) middle, one batch per run of equal (reads Φ, p)
+        # the O(p³) middle, one batch per run of equal (reads Φ, p): [M_θ | M_Φ] per layer
         self.mats = torch.empty(m_off, dtype=self.acc, device=device)
-        dists, finites = [], []
-        for reads, p, lo, hi, g_at, m_at in runs:
-            cnt, nb = hi - lo, (4 if reads else 2)
-            blocks = gram[g_at:g_at + cnt * nb * p * p].view(cnt, nb, p, p)  # [A, E, B, C] per layer
-            h = self.hyper[lo:hi].view(cnt, 3, 1, 1)
-            with full_precision():  # IEEE fp32 products whatever the global TF32 setting
-                mid = middle(
-                    blocks[:, 0], blocks[:, 2] if reads else None, blocks[:, 3] if reads else None, blocks[:, 1],
-                    lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
-                )
-            out = self.mats[m_at:m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
-            out[:, 0].copy_(mid.m_theta)  # M_θ = M_Φ − α(A − I)
-            out[:, 1].copy_(mid.m_phi)  # M_Φ = N[−C − (β−1)S + η sym(E) + NBS − α(BᵀN + B)]
-            dists.append(mid.dist)
-            finites.append(mid.finite)
-        self.dist = torch.cat(dists).to(torch.float64)
-        self.finite = torch.cat(finites)
+        self.dist, self.finite = middle_of_runs(gram, self.mats, self.hyper, runs)
         # the update's scratch is reserved here, so that apply() allocates nothing: a step that
         # fails for lack of memory fails before any write
         acc_bytes = torch.finfo(self.acc).bits // 8

@@ -1,38 +1,48 @@
-"""Triton backend: the whole step for every orthogonal layer in a handful of launches.
+"""Triton backend: the whole step for every orthogonal layer in a constant number of launches.
 
 Layers are split into *launch classes* by (parameter dtype, Φ present, memory layout); a
-class is usually everything. Per class and step:
+class is usually everything. A step per class is either of two kernel sets, both writing the
+fused backends' block order ``[A | E | B | C]`` and ``[M_θ | M_Φ]`` (:mod:`.base`):
 
-1. ``gram_kernel``, one launch per Gram block (A, E; plus B, C when Φ is stored) covering
-   every layer, split over n when there are too few tiles to fill the GPU; the splits are
-   summed by one ``torch.sum`` in a fixed order, so the result is deterministic run to run.
-2. The O(p³) middle (:mod:`.algebra`) with batched torch ops on the ``p × p`` blocks, one
-   batch per distinct p (never per layer), writing ``[M_Φ | M]`` for every layer, the
-   distance ``‖A − I‖_F`` and the finite flag (E = θᵀg is NaN/Inf whenever g is: the
-   check is fused into the Gram pass, no extra pass over g).
-3. ``update_kernel`` (in ``apply``): ``Φ₊ = U + θM_Φ`` (when Φ is stored), then
+**Tensor cores** (float32 parameters with ``precision="tf32x3"`` or ``"tf32"``;
+:mod:`fgd_fast.kernels.tc_step`), three launches:
+
+1. ``tc_split_kernel``: hi = tf32(θ) (and lo = tf32(θ − hi) for ``"tf32x3"``) into scratch.
+2. ``tc_gram_kernel``: one TF32 GEMM pass, hiᵀ[hi | lo | Φ | g] plus ΦᵀΦ, persistent over the
+   tiles of every layer (longest first), split over n when tiles are few; A = H + L + Lᵀ
+   (3×TF32 for A alone: it sets the distance to the manifold), B, C, E in single TF32.
+3. (``apply``) ``tc_update_kernel``: Φ₊ and θ₊ in one pass from hi, in place, no snapshot.
+
+**CUDA cores** (``"ieee"``, 16-bit and float64 parameters; :mod:`fgd_fast.kernels.fgd_step`):
+
+1. ``gram_kernel``, one launch per Gram block (A, E; plus B, C when Φ is stored).
+2. (``apply``) ``update_kernel``: ``Φ₊ = U + θM_Φ`` (when Φ is stored), then
    ``θ₊ = θ + V + θM`` with ``(V, M) = (Φ₊, −α(A − I))``, or ``(−ηg, M_θ)`` without Φ.
 
-So a step costs at most 6 kernel launches per class plus O(#distinct p) small torch ops,
-independent of the number of layers (``launch_counts`` records kernel launches, for tests).
+Between the passes, the O(p³) middle (:func:`.base.middle_of_runs`) with batched torch ops,
+one batch per distinct p (never per layer), writes the M matrices, the distance ``‖A − I‖_F``
+and the finite flag (E = θᵀg is NaN/Inf whenever g is: no extra pass over g). Split-K
+partials are summed by one ``torch.sum`` in a fixed order: deterministic run to run. So a step
+costs at most 6 kernel launches per class plus O(#distinct p) small torch ops, independent of
+the number of layers (``launch_counts`` records kernel launches, for tests).
 
-Metadata: an int64 table (pointers, n, p, offsets; see ``fgd_fast.kernels.fgd_step``) and
-int32 work tables. Work tables depend only on shapes and are cached; the pointer table is
-cached on the tuple of addresses, so a step whose tensors did not move (CUDA-graph replay,
-steady training) copies nothing to the device and never synchronises with the host.
+Metadata: an int64 table (fields named in :mod:`fgd_fast.kernels.meta`) and int32 work
+tables. Work tables depend only on shapes and are cached; the pointer table is cached on the
+tuple of addresses, so a step whose tensors did not move (CUDA-graph replay, steady training)
+copies nothing to the device and never synchronises with the host.
 
-Scratch, bounded: Gram partials ``splits × Σ 4p²`` (only when splitting, capped at
-``SCRATCH_BYTES``) and the update snapshot ``programs × BR × p_max`` (programs capped so it
-stays under ``SCRATCH_BYTES``; BR = 32 rows for float32), besides the Gram blocks
-``Σ 4p²`` and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official", Σp² =
-3.76e6) on an H100 (132 SMs): 60 MB of Gram blocks, 30 MB of M, no split partials (532
-symmetric tiles already fill the GPU) and 22 MB of snapshot (264 programs × 32 × 640 fp32),
-next to 135 MB of constrained parameters; parameters whose memory is not a dense ``(c_o, m)`` matrix
-(e.g. channels_last convolution weights) are staged through a contiguous copy.
+Scratch, bounded: Gram partials ``splits × Σ slots·p²`` (only when splitting, capped at
+``SCRATCH_BYTES``), for the CUDA-core update the snapshot ``programs × BR × p_max``, for the
+tensor-core step hi and lo (``2 × Σ p·ld`` floats, ld = n rounded up to 128), besides the Gram
+blocks and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official", Σp² = 3.76e6):
+60 MB of Gram blocks (75 MB with L), 30 MB of M; the tensor-core step adds 270 MB of hi/lo
+next to 135 MB of constrained parameters. Parameters whose memory is not a dense ``(c_o, m)``
+matrix (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
-Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (3×TF32 on tensor
-cores, close to fp32), ``"tf32"`` (opt-in: ~1e-3 relative error in A, so θ settles ~1e-3
-off the manifold). float64 layers always compute in float64 ("ieee").
+Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (tensor cores; A in
+3×TF32, the rest in TF32: close to fp32 in the distance θ settles at), ``"tf32"`` (opt-in:
+~1e-3 relative error in A, so θ settles ~1e-3 off the manifold). float64 layers always compute
+in float64 ("ieee"); 16-bit parameters use the CUDA-core kernels with tensor-core products.
 """
 from __future__ import annotations
 
@@ -45,20 +55,29 @@ import triton
 import triton.language as tl
 
 from fgd_fast.kernels import fgd_step as K
+from fgd_fast.kernels import meta
+from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from .algebra import middle
-from .base import PRECISIONS, TableCache, compute_dtype, device_table, full_precision, plan_of
+from .base import (
+    M_PHI, M_THETA, PRECISIONS, SLOT_A, SLOT_B, SLOT_C, SLOT_E, TableCache, compute_dtype, device_table,
+    middle_of_runs, plan_of, runs_of,
+)
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 64 << 20
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+assert (SLOT_A, SLOT_E, SLOT_B, SLOT_C, M_THETA, M_PHI) == (
+    meta.SLOT_A, meta.SLOT_E, meta.SLOT_B, meta.SLOT_C, meta.M_THETA, meta.M_PHI
+), "the kernels and the backends share one block order"
 
 #: kernel name -> number of launches since import (tests assert the launch count per step)
 launch_counts: Counter = Counter()
 #: tests may force a number of n-splits for the Gram pass (None: chosen from the GPU size)
 force_splits: int | None = None
+#: tests may force the number of programs of the persistent tensor-core grids (None: from the GPU)
+force_programs: int | None = None
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -72,23 +91,66 @@ def _programs_wanted(device: torch.device) -> int:
     return 1  # the interpreter runs programs one after another
 
 
+def _persistent(items: int, device: torch.device) -> int:
+    """Programs of a persistent grid over ``items`` work items (~2 per SM on a GPU)."""
+    wanted = force_programs or (_programs_wanted(device) // 2 if device.type == "cuda" else 3)
+    return max(1, min(items, wanted))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 _tables = TableCache()
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A dense ``(c_o, m)`` tensor sharing memory with ``t``, or a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _Operands:
+    """The tensors a launch class addresses (dense ``(c_o, m)`` memory; copies are written
+    back in ``apply``) and the per-layer hyper-parameter table ``(L, 3)``: η, β, α."""
+
+    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, has_phi, acc):
+        device = params[layers[0]].device
+        self.theta = [_dense(params[i]) for i in layers]
+        self.grad = [_dense(grads[i]) for i in layers]
+        self.phi = [_dense(bufs[i]) for i in layers] if has_phi else []
+        self.copy_back = [(params[i], t) for i, t in zip(layers, self.theta) if t is not params[i]]
+        self.copy_back += [(bufs[i], t) for i, t in zip(layers, self.phi) if t is not bufs[i]]
+        self.ptrs = tuple(
+            (t.data_ptr(), self.phi[k].data_ptr() if has_phi else 0, self.grad[k].data_ptr())
+            for k, t in enumerate(self.theta)
+        )
+        hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
+        self.hyper = _tables.get_or(("hyper", device, hyper_values, acc), lambda: device_table(hyper_values, acc, device))
+
+    def write_back(self) -> None:
+        for dst, src in self.copy_back:
+            dst.copy_(src)
+
+
+def _order(layers, params):
+    """Layers sorted by p (equal p adjacent: one batch of the middle each) and their (n, p)."""
+    layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)
+    return layers, [stiefel_shape(params[i].shape)[:2] for i in layers]
 
 
 @dataclass
 class _Shapes:
-    """Everything about a launch class that depends only on the layer shapes."""
+    """Everything about a CUDA-core launch class that depends only on the layer shapes."""
 
     gram_sym: torch.Tensor  # int32 (W, 3): layer, tile i, tile j, i <= j (A and C)
     gram_full: torch.Tensor  # int32 (W, 3): every (layer, i, j) (B and E)
     update_work: torch.Tensor  # int32 (I, 2): layer, row block
-    gram_off: list[int]  # element offset of [A|B|C|E] per layer
+    gram_off: list[int]  # element offset of [A|E|B|C] per layer
     m_off: list[int]  # element offset of [M_θ|M_Φ] per layer
     chunk: list[int]  # rows per split per layer
     splits: int
     gram_total: int
     m_total: int
-    p_runs: list[tuple[int, int, int]]  # (p, first layer, last layer + 1), layers sorted by p
 
 
 def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
@@ -102,30 +164,20 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
         update_work += [(layer, r) for r in range(triton.cdiv(n, br))]
         gram_off.append(g_total)
         m_off.append(m_total)
-        g_total += 4 * p * p
-        m_total += 2 * p * p
+        g_total += meta.GRAM_SLOTS * p * p
+        m_total += meta.M_SLOTS * p * p
     splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_sym))))
     splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
     chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
-    runs, start = [], 0
-    for layer in range(1, len(np_list) + 1):
-        if layer == len(np_list) or np_list[layer][1] != np_list[start][1]:
-            runs.append((np_list[start][1], start, layer))
-            start = layer
     as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return _Shapes(
         as_table(gram_sym, 3), as_table(gram_full, 3), as_table(update_work, 2),
-        gram_off, m_off, chunk, splits, g_total, m_total, runs,
+        gram_off, m_off, chunk, splits, g_total, m_total,
     )
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """A dense ``(c_o, m)`` tensor sharing memory with ``t``, or a contiguous copy."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
 class _Class:
-    """One launch class: its tables, Gram pass and middle (prepare) and update (apply)."""
+    """A launch class on CUDA cores: tables, Gram pass and middle (prepare), update (apply)."""
 
     def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision):
         device = params[layers[0]].device
@@ -137,69 +189,42 @@ class _Class:
         dtype_name = str(dtype).removeprefix("torch.")
         self.gram_config = K.kernel_config(K.GRAM_CONFIG, dtype_name, precision)
         self.update_config = K.kernel_config(K.UPDATE_CONFIG, dtype_name, precision)
-        layers = sorted(layers, key=lambda i: stiefel_shape(params[i].shape).p)  # group equal p
-        self.layers = layers
-        np_list = [stiefel_shape(params[i].shape)[:2] for i in layers]
+        self.layers, np_list = _order(layers, params)
         blocking = (self.gram_config["BP"], self.gram_config["BK"], self.update_config["BR"], acc_name)
         self.shapes = _tables.get_or(
             ("shapes", device, tuple(np_list), _programs_wanted(device), blocking, force_splits),
             lambda: _shapes(np_list, device, _programs_wanted(device), *blocking),
         )
         sh = self.shapes
-        # tensors the kernels address: dense (c_o, m) memory; copies are written back in apply
-        self.theta = [_dense(params[i]) for i in layers]
-        self.grad = [_dense(grads[i]) for i in layers]
-        self.phi = [_dense(bufs[i]) for i in layers] if has_phi else []
-        self.copy_back = [(params[i], t) for i, t in zip(layers, self.theta) if t is not params[i]]
-        self.copy_back += [(bufs[i], t) for i, t in zip(layers, self.phi) if t is not bufs[i]]
-        ptrs = tuple(
-            (t.data_ptr(), self.phi[k].data_ptr() if has_phi else 0, self.grad[k].data_ptr())
-            for k, t in enumerate(self.theta)
-        )
-        self.meta = _tables.get_or(("meta", device, ptrs, tuple(np_list), sh.splits), lambda: device_table(
-            [[*pt, n, p, sh.gram_off[k], sh.m_off[k], sh.chunk[k]] for k, (pt, (n, p)) in enumerate(zip(ptrs, np_list))],
+        self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, self.acc)
+        self.meta = _tables.get_or(("meta", device, ops.ptrs, tuple(np_list), sh.splits), lambda: device_table(
+            [
+                meta.meta_row(
+                    THETA=th, PHI=ph, GRAD=g, N=n, P=p, GRAM=sh.gram_off[k], M=sh.m_off[k], CHUNK=sh.chunk[k]
+                )
+                for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
+            ],
             torch.int64, device,
         ))
-        hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
-        self.hyper = _tables.get_or(
-            ("hyper", device, hyper_values, self.acc), lambda: device_table(hyper_values, self.acc, device)
-        )  # (L, 3): η, β, α
 
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
         partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
-        blocks = (K.BLOCK_A, K.BLOCK_B, K.BLOCK_C, K.BLOCK_E) if has_phi else (K.BLOCK_A, K.BLOCK_E)
+        blocks = (SLOT_A, SLOT_E, SLOT_B, SLOT_C) if has_phi else (SLOT_A, SLOT_E)
         for block in blocks:
-            work = sh.gram_sym if block in (K.BLOCK_A, K.BLOCK_C) else sh.gram_full
+            work = sh.gram_sym if block in (SLOT_A, SLOT_C) else sh.gram_full
             _launch(
                 K.gram_kernel, (work.shape[0], sh.splits),
                 self.meta, work, partial, sh.gram_total, BLOCK=block, **self.consts, **self.gram_config,
             )
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
-        # the O(p³) middle, one batch per distinct p
-        # (IEEE fp32 products whatever the global TF32 setting)
+        # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
-        dists, finites = [], []
-        with full_precision():
-            for p, lo, hi in sh.p_runs:
-                blocks = gram[sh.gram_off[lo]:sh.gram_off[lo] + (hi - lo) * 4 * p * p].view(hi - lo, 4, p, p)
-                h = self.hyper[lo:hi].view(hi - lo, 3, 1, 1)
-                mid = middle(
-                    blocks[:, 0], blocks[:, 1] if has_phi else None, blocks[:, 2] if has_phi else None, blocks[:, 3],
-                    lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
-                )
-                out = self.mats[sh.m_off[lo]:sh.m_off[lo] + (hi - lo) * 2 * p * p].view(hi - lo, 2, p, p)
-                if has_phi:
-                    out[:, 0].copy_(mid.m_phi)  # Φ₊ = U + θ M_Φ
-                    out[:, 1].copy_(mid.feedback)  # θ₊ = θ + Φ₊ + θ(−α(A − I))
-                else:
-                    out[:, 1].copy_(mid.m_theta)  # θ₊ = θ − ηg + θ M_θ
-                dists.append(mid.dist)
-                finites.append(mid.finite)
-        self.dist = torch.cat(dists).to(torch.float64)
-        self.finite = torch.cat(finites)
-        self.p_max = max(p for p, _, _ in sh.p_runs)
-        self.device = device
+        runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
+        self.dist, self.finite = middle_of_runs(
+            gram, self.mats, ops.hyper, runs, feedback_with_phi=True
+        )
+        self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
         # that fails for lack of memory fails before any write.
@@ -214,12 +239,161 @@ class _Class:
 
     def apply(self) -> None:
         sh = self.shapes
-        args = (self.meta, self.hyper, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max)
-        modes = (K.MODE_PHI, K.MODE_THETA) if self.has_phi else (K.MODE_THETA,)
+        args = (self.meta, self.ops.hyper, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max)
+        modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
-            _launch(K.update_kernel, (self.programs,), *args, MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config)
-        for dst, src in self.copy_back:
-            dst.copy_(src)
+            _launch(
+                K.update_kernel, (self.programs,), *args,
+                MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config,
+            )
+        self.ops.write_back()
+
+
+@dataclass
+class _TCShapes:
+    """Everything about a tensor-core launch class that depends only on the layer shapes."""
+
+    split_work: torch.Tensor  # int32 (S, SPLIT_WORK)
+    gram_work: torch.Tensor  # int32 (W, GRAM_WORK), longest first
+    update_work: torch.Tensor  # int32 (I, UPDATE_WORK), largest p first
+    ld: list[int]  # padded rows of hi/lo per layer
+    split_off: list[int]  # element offset of hi (and lo) per layer
+    split_total: int
+    gram_off: list[int]
+    m_off: list[int]
+    chunk: list[int]
+    splits: int
+    gram_total: int
+    m_total: int
+    upper: dict  # p -> bool (p, p) mask of the tiles i <= j (the stored tiles of H and C)
+
+
+def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShapes:
+    bm, bk = cfg["BM"], cfg["BK"]
+    ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
+    split_off, gram_off, m_off, tiles = [], [], [], []
+    s_total = g_total = m_total = 0
+    for layer, (n, p) in enumerate(np_list):
+        split_off.append(s_total)
+        gram_off.append(g_total)
+        m_off.append(m_total)
+        s_total += p * ld[layer]
+        g_total += meta.TC_GRAM_SLOTS * p * p
+        m_total += meta.M_SLOTS * p * p
+        nt = _cdiv(p, bm)
+        upper = [(i, j) for i in range(nt) for j in range(i, nt)]
+        full = [(i, j) for i in range(nt) for j in range(nt)]
+        products = [(meta.F_HI, meta.F_HI, meta.SLOT_A, upper), (meta.F_HI, meta.F_GRAD, meta.SLOT_E, full)]
+        if lo:
+            products.append((meta.F_HI, meta.F_LO, meta.SLOT_L, full))  # L = hiᵀlo
+        if has_phi:
+            products += [(meta.F_HI, meta.F_PHI, meta.SLOT_B, full), (meta.F_PHI, meta.F_PHI, meta.SLOT_C, upper)]
+        tiles += [(layer, lf, rf, slot, i, j) for lf, rf, slot, ij in products for i, j in ij]
+    # split n when the tiles cannot fill the GPU; the partials stay under the bound
+    splits = force_splits or max(1, min(64, _cdiv(wanted, len(tiles)), min(_cdiv(n, 4 * bk) for n, _ in np_list)))
+    splits = max(1, min(splits, SCRATCH_BYTES // max(1, 4 * g_total)))
+    chunk = [_cdiv(_cdiv(n, splits), bk) * bk for n, _ in np_list]
+    gram_work = [(*t, s) for t in tiles for s in range(splits)]  # every split writes its slab (zeros if empty)
+    gram_work.sort(key=lambda w: -min(chunk[w[0]], np_list[w[0]][0] - w[6] * chunk[w[0]]))  # longest first (LPT)
+    bs, bl = scfg["BS"], scfg["BL"]
+    split_work = [
+        (layer, i, k) for layer, (n, p) in enumerate(np_list) for i in range(_cdiv(p, bs)) for k in range(ld[layer] // bl)
+    ]
+    br, bn = ucfg["BR"], ucfg["BN"]
+    update_work = [
+        (layer, r, c) for layer, (n, p) in enumerate(np_list) for r in range(_cdiv(n, br)) for c in range(_cdiv(p, bn))
+    ]
+    update_work.sort(key=lambda w: -np_list[w[0]][1])  # the largest p (the longest K) first
+    upper = {}
+    for _, p in np_list:
+        t = torch.arange(p, device=device) // bm
+        upper[p] = t[:, None] <= t[None, :]
+    as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
+    return _TCShapes(
+        as_table(split_work, meta.SPLIT_WORK), as_table(gram_work, meta.GRAM_WORK),
+        as_table(update_work, meta.UPDATE_WORK), ld, split_off, s_total, gram_off, m_off, chunk, splits,
+        g_total, m_total, upper,
+    )
+
+
+def _aligned(tensors, np_list, rows) -> bool:
+    """Every address 16-byte aligned and the contiguous dimension a multiple of 4 floats."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n if rows else p) % 4 == 0 for n, p in np_list)
+
+
+class _TensorCoreClass:
+    """A float32 launch class on tensor cores: split, Gram pass and middle (prepare), update (apply)."""
+
+    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, has_phi, rows, precision):
+        device = params[layers[0]].device
+        self.has_phi, self.rows = has_phi, rows
+        self.lo = precision == "tf32x3"
+        self.layers, np_list = _order(layers, params)
+        self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, torch.float32)
+        # hi (and lo) of every layer: scratch written by the split pass (ld = n rounded up, 16-byte aligned)
+        ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
+        split_total = sum(p * d for (_, p), d in zip(np_list, ld))
+        self.split = torch.empty((2 if self.lo else 1) * split_total, dtype=torch.float32, device=device)
+        aligned = _aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list, rows)
+        self.consts = dict(ROWS=rows, ALIGNED=aligned)
+        self.gram_config = TC.GRAM_CONFIG[precision, aligned]
+        self.update_config = TC.UPDATE_CONFIG[precision, aligned]
+        key = ("tc", device, tuple(np_list), _programs_wanted(device), has_phi, precision, aligned, force_splits)
+        self.shapes = sh = _tables.get_or(key, lambda: _tc_shapes(
+            np_list, device, _programs_wanted(device), has_phi, self.lo, self.gram_config, self.update_config,
+            TC.SPLIT_CONFIG,
+        ))
+        base = self.split.data_ptr()
+        self.meta = _tables.get_or(("tc-meta", device, ops.ptrs, base, key), lambda: device_table(
+            [
+                meta.meta_row(
+                    THETA=th, PHI=ph, GRAD=g, N=n, P=p, LD=sh.ld[k], GRAM=sh.gram_off[k], M=sh.m_off[k],
+                    CHUNK=sh.chunk[k], HI=base + 4 * sh.split_off[k],
+                    LO=base + 4 * (sh.split_total + sh.split_off[k]) if self.lo else 0,
+                )
+                for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
+            ],
+            torch.int64, device,
+        ))
+
+        # the split pass: hi = tf32(θ), lo = tf32(θ − hi)
+        items = sh.split_work.shape[0]
+        _launch(
+            TC.tc_split_kernel, (_persistent(items, device),), self.meta, sh.split_work, items,
+            LO=self.lo, **self.consts, **TC.SPLIT_CONFIG,
+        )
+        # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ
+        partial = torch.empty(sh.splits * sh.gram_total, dtype=torch.float32, device=device)
+        items = sh.gram_work.shape[0]
+        _launch(
+            TC.tc_gram_kernel, (_persistent(items, device),), self.meta, sh.gram_work, items, partial, sh.gram_total,
+            PRECISION="tf32", **self.consts, **self.gram_config,
+        )
+        gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
+
+        def assemble(blocks, h, c):
+            upper = sh.upper[h.shape[-1]]
+            a = torch.where(upper, h, h.mT)  # the lower tiles of H are the transposes of the upper ones
+            if self.lo:
+                low = blocks[:, meta.SLOT_L]
+                a = a + (low + low.mT)  # A = H + L + Lᵀ
+            return a, (torch.where(upper, c, c.mT) if c is not None else None)
+
+        self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
+        runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
+        self.dist, self.finite = middle_of_runs(
+            gram, self.mats, ops.hyper, runs, assemble=assemble, transposed=True
+        )
+        self.programs = _persistent(sh.update_work.shape[0], device)
+
+    def apply(self) -> None:
+        sh = self.shapes
+        items = sh.update_work.shape[0]
+        _launch(
+            TC.tc_update_kernel, (self.programs,), self.meta, self.ops.hyper, sh.update_work, items, self.mats,
+            HAS_PHI=self.has_phi, PRECISION="tf32", **self.consts, **self.update_config,
+        )
+        self.ops.write_back()
 
 
 def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
@@ -230,8 +404,10 @@ def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_
     classes: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
         classes[(param.dtype, bufs[i] is not None, stiefel_shape(param.shape).transposed)].append(i)
-    built = [
-        _Class(idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision)
-        for (dtype, has_phi, rows), idx in classes.items()
-    ]
+    built = []
+    for (dtype, has_phi, rows), idx in classes.items():
+        if dtype == torch.float32 and precision in TC.PRECISIONS:
+            built.append(_TensorCoreClass(idx, params, grads, bufs, lr, momentum, feedback, has_phi, rows, precision))
+        else:
+            built.append(_Class(idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision))
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

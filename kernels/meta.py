@@ -1,0 +1,67 @@
+"""Names shared by the Triton kernels and their launcher: metadata fields, block slots, modes.
+
+Plain ``int`` constants: ``@triton.jit`` code reads them as attributes of this module
+(``meta.F_N``), which Triton folds as compile-time constants.
+
+**Metadata table** (``int64``, ``META_FIELDS`` columns, one row per layer):
+
+    θ ptr, Φ ptr (0 if absent), g ptr, hi ptr, lo ptr (0 if unused), n, p, ld,
+    Gram offset, M offset, rows per split
+
+``hi``/``lo`` are the TF32 split of θ written by the tensor-core step's split pass (θ's layout,
+the n dimension padded to ``ld`` rows with zeros); the FMA kernels leave them 0.
+
+**Block order** (every fused backend, Triton and CUDA): per layer the Gram blocks
+``[A | E | B | C]`` (+ ``L`` for the split products), each ``p × p`` in the accumulation type,
+and the update matrices ``[M_θ | M_Φ]``.
+"""
+from __future__ import annotations
+
+# metadata fields (columns of the int64 table)
+F_THETA = 0
+F_PHI = 1
+F_GRAD = 2
+F_HI = 3
+F_LO = 4
+F_N = 5
+F_P = 6
+F_LD = 7
+F_GRAM = 8
+F_M = 9
+F_CHUNK = 10
+META_FIELDS = 11
+FIELD_NAMES = ("THETA", "PHI", "GRAD", "HI", "LO", "N", "P", "LD", "GRAM", "M", "CHUNK")
+
+# Gram slots: A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ (and L = hiᵀlo, tensor-core tf32x3 only)
+SLOT_A = 0
+SLOT_E = 1
+SLOT_B = 2
+SLOT_C = 3
+SLOT_L = 4
+GRAM_SLOTS = 4  # slots of the FMA kernels (A, E, B, C)
+TC_GRAM_SLOTS = 5  # slots of the tensor-core kernels (A, E, B, C, L)
+
+# update matrices: θ₊ = θ + V + θ M_θ-slot, Φ₊ = U + θ M_Φ
+M_THETA = 0
+M_PHI = 1
+M_SLOTS = 2
+
+# work-table columns (int32) of the tensor-core kernels
+G_LAYER, G_LEFT, G_RIGHT, G_SLOT, G_TI, G_TJ, G_SPLIT = range(7)  # Gram: fields of X, Y; slot of XᵀY
+GRAM_WORK = 7
+S_LAYER, S_TI, S_TK = range(3)  # split: tile along p, tile along the padded n
+SPLIT_WORK = 3
+U_LAYER, U_RB, U_CB = range(3)  # update: row block, column block
+UPDATE_WORK = 3
+
+# update modes of the FMA update kernel
+MODE_PHI = 0  # Φ₊ = U + θ M_Φ
+MODE_THETA = 1  # θ₊ = θ + V + θ M
+
+
+def meta_row(**fields) -> list[int]:
+    """One metadata row built by name: ``meta_row(THETA=ptr, N=n, ...)``; absent fields are 0."""
+    row = [0] * META_FIELDS
+    for name, value in fields.items():
+        row[FIELD_NAMES.index(name)] = int(value)
+    return row

@@ -1,0 +1,185 @@
+"""The tensor-core Triton step (float32, ``precision="tf32x3"`` / ``"tf32"``) against float64.
+
+Under the CPU interpreter ``tl.dot`` ignores ``input_precision`` (fp32 products), but the
+split pass rounds θ to TF32 explicitly and every product reads the rounded operands, so the
+interpreter runs the same arithmetic as the GPU except for the TF32 rounding of Φ and g
+inside the tensor cores. The "lean" emulation below does exactly that arithmetic in float64:
+
+    hi = tf32(θ), lo = tf32(θ − hi);  A = hiᵀhi + hiᵀlo + loᵀhi (tf32: A = hiᵀhi)
+    B = hiᵀΦ, C = ΦᵀΦ, E = hiᵀg;      Φ₊ = U + hi M_Φ, θ₊ = θ + U + hi M_θ
+
+so the kernels are checked against it to fp32 accumulation accuracy, and against the exact
+float64 oracle (tests/oracle.py) to the accuracy TF32 operands allow.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.backends.tf32 import round_tf32
+from helpers import backend_reason, device_for_tests
+from oracle import fgd_step, from_theta, random_stiefel, stiefel_dist, sym, to_theta
+
+REASON = backend_reason("triton", str(device_for_tests()))
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
+INTERPRETED = device_for_tests().type == "cpu"
+
+# odd sizes, both layouts (θ = W2ᵀ for conv-like shapes, θ = W2 for tall ones), several p
+SHAPES = [(16, 8, 3, 3), (33, 70), (9, 130), (20, 6), (5, 40), (150, 17)]
+# n (θ = W2ᵀ) and p (θ = W2) multiples of 4: the ALIGNED kernels with their larger tiles
+ALIGNED_SHAPES = [(16, 8, 3, 3), (12, 100), (200, 24), (40, 36)]
+
+
+def tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32 (nearest, ties to even) by the torch backend's helper."""
+    return round_tf32(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+
+
+def lean_step(w, grad, phi, *, lr, momentum, feedback, split=True):
+    """One FGD step with the tensor-core kernels' operands, in float64 (see the module doc)."""
+    th32 = to_theta(np.asarray(w, dtype=np.float32))
+    th, g = th32.astype(np.float64), to_theta(np.asarray(grad, dtype=np.float32)).astype(np.float64)
+    hi = tf32(th32).astype(np.float64)
+    lo = tf32((th32 - tf32(th32)).astype(np.float32)).astype(np.float64)
+    a = hi.T @ hi + (hi.T @ lo + lo.T @ hi if split else 0.0)
+    eye = np.eye(th.shape[1])
+    n_inv = 2 * eye - a
+    inner = lr * sym(hi.T @ g)
+    if phi is not None:
+        b, c = hi.T @ phi, phi.T @ phi
+        s = sym(b)
+        inner = inner - c - (momentum - 1) * s + n_inv @ b @ s - feedback * (b.T @ n_inv + b)
+    m_phi = n_inv @ inner
+    m_theta = m_phi - feedback * (a - eye)
+    u = -lr * g + (momentum * phi if phi is not None else 0.0)
+    th_new = th + u + hi @ m_theta
+    return from_theta(th_new, np.shape(w)), (u + hi @ m_phi if momentum != 0 else None)
+
+
+def _run(shapes, precision, momentum, steps, seed, lr=0.1, feedback=0.4):
+    """Steps of the Triton backend and of both oracles on the same gradients; returns
+    (kernel parameters, lean emulation, float64 oracle, kernel Φ, lean Φ)."""
+    rng = np.random.default_rng(seed)
+    ws = [random_stiefel(rng, s).astype(np.float32) for s in shapes]
+    dev = device_for_tests()
+    params = [torch.nn.Parameter(torch.tensor(w, device=dev)) for w in ws]
+    opt = fgd_fast.FGD(
+        [dict(params=params, orthogonal=True)], lr=lr, momentum=momentum, feedback=feedback,
+        backend="triton", precision=precision,
+    )
+    lean, exact = [w.astype(np.float64) for w in ws], [w.astype(np.float64) for w in ws]
+    lean_phi, exact_phi = [None] * len(shapes), [None] * len(shapes)
+    for _ in range(steps):
+        gs = [(rng.standard_normal(s) / np.sqrt(np.prod(s))).astype(np.float32) for s in shapes]
+        for p, g in zip(params, gs):
+            p.grad = torch.tensor(g, device=dev)
+        opt.step()
+        for k, g in enumerate(gs):
+            kw = dict(lr=lr, momentum=momentum, feedback=feedback)
+            # the emulation keeps fp32 state, as the optimizer does
+            lean[k], lean_phi[k] = lean_step(lean[k], g, lean_phi[k], split=precision == "tf32x3", **kw)
+            lean[k] = lean[k].astype(np.float32)
+            lean_phi[k] = None if lean_phi[k] is None else lean_phi[k].astype(np.float32).astype(np.float64)
+            exact[k], exact_phi[k] = fgd_step(exact[k], g, exact_phi[k], **kw)
+    got = [p.detach().cpu().double().numpy() for p in params]
+    phis = [opt.state[p]["momentum_buffer"].cpu().double().numpy() if momentum else None for p in params]
+    return got, lean, exact, phis, lean_phi
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["theta=W2T", "theta=W2"])
+def test_split_pass_writes_exact_tf32_halves(rows):
+    """hi = tf32(θ), lo = tf32(θ − hi) bit for bit as the torch backend's split (low 13 bits
+    zero), |θ − hi − lo| ≤ 2⁻²² |θ| against float64, zero padding rows past n, θ's layout;
+    Inf and NaN stay Inf and NaN."""
+    from fgd_fast.backends import triton as tb
+    from fgd_fast.kernels import meta
+
+    rng = np.random.default_rng(3)
+    shapes = [(7, 50), (12, 3, 3, 3)] if rows else [(70, 9), (130, 33)]
+    dev = device_for_tests()
+    values = [(rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 3, s)).astype(np.float32) for s in shapes]
+    values[0].flat[:3] = [np.inf, -np.inf, np.nan]
+    params = [torch.tensor(v, device=dev) for v in values]
+    grads = [torch.zeros_like(p) for p in params]
+    cls = tb._TensorCoreClass(
+        list(range(len(params))), params, grads, [None] * len(params), [0.1] * 2, [0.0] * 2, [0.4] * 2,
+        False, rows, "tf32x3",
+    )
+    table = cls.meta.cpu().numpy()
+    split = cls.split.cpu().numpy()
+    base = cls.split.data_ptr()
+    for k, i in enumerate(cls.layers):
+        th32 = to_theta(params[i].cpu().numpy())  # n × p float32
+        n, p, ld = (int(table[k, f]) for f in (meta.F_N, meta.F_P, meta.F_LD))
+        assert ld >= n and ld % 128 == 0
+        at = lambda field: (int(table[k, field]) - base) // 4  # noqa: E731
+        hi = split[at(meta.F_HI):at(meta.F_HI) + p * ld]
+        lo = split[at(meta.F_LO):at(meta.F_LO) + p * ld]
+        hi, lo = (x.reshape(p, ld).T if rows else x.reshape(ld, p) for x in (hi, lo))
+        np.testing.assert_array_equal(hi[:n], tf32(th32))
+        np.testing.assert_array_equal(lo[:n], tf32(th32 - tf32(th32)))
+        assert not hi[n:].any() and not lo[n:].any()
+        assert not (hi.view(np.uint32) & 0x1FFF).any() and not (lo.view(np.uint32) & 0x1FFF).any()
+        finite = np.isfinite(th32)
+        np.testing.assert_array_equal(hi[:n][~finite], th32[~finite])
+        err = np.abs(th32.astype(np.float64) - hi[:n].astype(np.float64) - lo[:n].astype(np.float64))
+        assert (err[finite] <= 2.0**-22 * np.abs(th32[finite])).all()
+
+
+@pytest.mark.parametrize(
+    "precision,momentum,shapes",
+    [("tf32x3", 0.9, SHAPES), ("tf32x3", 0.0, ALIGNED_SHAPES), ("tf32", 0.9, ALIGNED_SHAPES), ("tf32", 0.0, SHAPES)],
+    ids=["tf32x3-momentum", "tf32x3-aligned", "tf32-aligned-momentum", "tf32"],
+)
+def test_tensor_core_step_matches_the_lean_emulation(precision, momentum, shapes):
+    """The kernels against the float64 emulation of their arithmetic (fp32 accumulation: 2e-6),
+    and against the exact float64 oracle (TF32 products of Φ, g and the update: 2e-5 for
+    tf32x3; A in TF32: 3e-4). tf32x3 runs three steps; tf32 one, because from the second step
+    on an fp32-level difference of θ can cross a TF32 rounding boundary and move one element
+    of hi, hence of A, by 2⁻¹¹ relative (with the split, lo absorbs such a move)."""
+    steps = 3 if precision == "tf32x3" else 1
+    got, lean, exact, phis, lean_phis = _run(shapes, precision, momentum, steps=steps, seed=11)
+    for k, (a, b, c) in enumerate(zip(got, lean, exact)):
+        if INTERPRETED:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6, err_msg=f"layer {k} vs lean emulation")
+        np.testing.assert_allclose(a, c, rtol=0, atol=2e-5 if precision == "tf32x3" else 3e-4, err_msg=f"layer {k}")
+        if momentum and INTERPRETED:
+            np.testing.assert_allclose(to_theta(phis[k]), lean_phis[k], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("splits,programs", [(3, 2), (7, 5), (1, 1)])
+def test_split_k_and_persistent_grid_do_not_change_the_result(splits, programs, monkeypatch):
+    """Forced n-splits and persistent grid sizes give the same θ bit for bit up to the
+    fixed-order sum of the splits (deterministic)."""
+    from fgd_fast.backends import triton as tb
+
+    base, *_ = _run(SHAPES[:3], "tf32x3", 0.9, steps=2, seed=4)
+    monkeypatch.setattr(tb, "force_splits", splits)
+    monkeypatch.setattr(tb, "force_programs", programs)
+    again, *_ = _run(SHAPES[:3], "tf32x3", 0.9, steps=2, seed=4)
+    for a, b in zip(base, again):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    rerun, *_ = _run(SHAPES[:3], "tf32x3", 0.9, steps=2, seed=4)
+    for a, b in zip(again, rerun):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_three_launches_per_step_whatever_the_number_of_layers():
+    from fgd_fast.backends import triton as tb
+
+    counts = []
+    for layers in (2, 6):
+        before = dict(tb.launch_counts)
+        _run([(16, 8, 3, 3), (20, 6)] * (layers // 2), "tf32x3", 0.9, steps=1, seed=0)
+        counts.append({k: v - before.get(k, 0) for k, v in tb.launch_counts.items() if v != before.get(k, 0)})
+    # two launch classes (both layouts), each: split, Gram, update
+    assert counts[0] == counts[1] == {"tc_split_kernel": 2, "tc_gram_kernel": 2, "tc_update_kernel": 2}
+
+
+def test_stays_on_the_manifold():
+    """Twenty steps with momentum: tf32x3 keeps ‖θᵀθ − I‖_F at the exact oracle's level."""
+    got, _, exact, _, _ = _run(SHAPES[:2], "tf32x3", 0.9, steps=20, seed=8, lr=0.05)
+    for a, c in zip(got, exact):
+        assert stiefel_dist(a) <= max(3 * stiefel_dist(c), 1e-5)
