@@ -186,7 +186,8 @@ def tc_gram_kernel(
 @triton.jit
 def tc_update_kernel(
     meta_ptr, hyper_ptr, work_ptr, n_items, m_ptr,
-    HAS_PHI: tl.constexpr, ROWS: tl.constexpr, ALIGNED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_PHI: tl.constexpr, ROWS: tl.constexpr, ALIGNED: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -243,13 +244,15 @@ def tc_update_kernel(
 # (kernels/aot.py, tests/test_triton_aot.py). Aligned: 128 × 128 Gram tiles with 16-byte loads;
 # unaligned (scalar loads need more registers): 64 × 64, the largest square tile that does not
 # spill. Compile-only choices, not yet timed on a GPU (benchmarks/gpu/triton_probe.py sweeps them).
-SPLIT_CONFIG = dict(BS=32, BL=128, num_warps=4, num_stages=1)
+SPLIT_CONFIG = dict(BS=32, BL=64, num_warps=8, num_stages=1)
 _GRAM_ALIGNED = dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=3)
 _GRAM_UNALIGNED = dict(BM=64, BN=64, BK=32, num_warps=8, num_stages=3)
 _UPDATE_ALIGNED = dict(BR=128, BN=64, BK=32, num_warps=8, num_stages=3)
 _UPDATE_UNALIGNED = dict(BR=64, BN=64, BK=32, num_warps=8, num_stages=3)
 PRECISIONS = ("tf32x3", "tf32")
-GRAM_CONFIG = {(p, aligned): _GRAM_ALIGNED if aligned else _GRAM_UNALIGNED for p in PRECISIONS for aligned in (True, False)}
+GRAM_CONFIG = {
+    (p, aligned): _GRAM_ALIGNED if aligned else _GRAM_UNALIGNED for p in PRECISIONS for aligned in (True, False)
+}
 UPDATE_CONFIG = {
     (p, aligned): _UPDATE_ALIGNED if aligned else _UPDATE_UNALIGNED for p in PRECISIONS for aligned in (True, False)
 }

@@ -239,7 +239,7 @@ def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=
             m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
             out = mats[r.m_at:r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
             out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
-            out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + η sym(E) + …]
+            out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + …]
             dists.append(mid.dist)
             finites.append(mid.finite)
     return torch.cat(dists).to(torch.float64), torch.cat(finites)

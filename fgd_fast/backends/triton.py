@@ -125,7 +125,9 @@ class _Operands:
             for k, t in enumerate(self.theta)
         )
         hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
-        self.hyper = _tables.get_or(("hyper", device, hyper_values, acc), lambda: device_table(hyper_values, acc, device))
+        self.hyper = _tables.get_or(
+            ("hyper", device, hyper_values, acc), lambda: device_table(hyper_values, acc, device)
+        )
 
     def write_back(self) -> None:
         for dst, src in self.copy_back:
@@ -297,7 +299,10 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShap
     gram_work.sort(key=lambda w: -min(chunk[w[0]], np_list[w[0]][0] - w[6] * chunk[w[0]]))  # longest first (LPT)
     bs, bl = scfg["BS"], scfg["BL"]
     split_work = [
-        (layer, i, k) for layer, (n, p) in enumerate(np_list) for i in range(_cdiv(p, bs)) for k in range(ld[layer] // bl)
+        (layer, i, k)
+        for layer, (n, p) in enumerate(np_list)
+        for i in range(_cdiv(p, bs))
+        for k in range(ld[layer] // bl)
     ]
     br, bn = ucfg["BR"], ucfg["BN"]
     update_work = [
