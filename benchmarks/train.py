@@ -14,9 +14,11 @@ matplotlib and tqdm)::
 
 Every optimizer starts from the same weights (the constrained ones orthonormalised once) and
 sees the same batches: the runs are interleaved, each batch going through every optimizer in
-turn, so a shared machine whose load changes during the comparison slows all of them alike. The learning rates follow the authors' schedule,
-× ``--gamma`` (0.2) after 30 %, 60 % and 80 % of the steps (their epochs 60/120/160 of 200),
-scaled to the run's length; the settings are in ``benchmarks/train_optimizers.py``.
+turn, so a shared machine whose load changes during the comparison slows all of them alike.
+The learning rates follow the authors' schedule, × ``--gamma`` (0.2) after 30 %, 60 % and 80 %
+of the steps (their epochs 60/120/160 of 200), scaled to the run's length; the settings are in
+``benchmarks/train_optimizers.py``. Progress: a bar per optimizer on a terminal, else a line
+per evaluation (on stderr).
 
 Measured per optimizer: forward + backward time and optimizer-step time (medians over the
 steps after the first few; CUDA events on a GPU, ``perf_counter`` on a CPU), the full
@@ -273,7 +275,7 @@ class Run:
         if self.bar is not None:
             self.bar.set_postfix_str("failed")
             self.bar.close()
-        print(f"{self.name}: stopped: {self.error}", flush=True)
+        print(f"{self.name}: stopped: {self.error}", file=sys.stderr, flush=True)
 
     def record(self) -> dict:
         """The per-optimizer entry of train.json."""
@@ -308,8 +310,10 @@ def train(names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings:
     batch goes through every run in turn (the order rotating from step to step), so a machine
     whose load changes during the comparison slows every optimizer alike. A run that raises
     (e.g. FGD refusing a step off the manifold) stops with its error; the others go on."""
-    runs = [Run(n, base, data, cfg, settings[n], i if progress else None) for i, n in enumerate(names)]
+    bars = progress and sys.stderr.isatty()  # else (a log, a pipe): one status line per evaluation
+    runs = [Run(n, base, data, cfg, settings[n], i if bars else None) for i, n in enumerate(names)]
     live = list(runs)
+    total = cfg["epochs"] * cfg["steps_per_epoch"]
     gen = torch.Generator().manual_seed(cfg["seed"])
     every = max(1, cfg["steps_per_epoch"] // cfg["evals_per_epoch"])
     memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
@@ -326,6 +330,10 @@ def train(names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings:
                 except (FloatingPointError, ValueError, RuntimeError) as exc:
                     run.fail(exc)
             live = [r for r in live if r.error is None]
+            if progress and not bars and ((i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]):
+                print(f"step {step}/{total}: " + " | ".join(
+                    f"{r.name} acc {100 * r.hist['eval'][-1]['test_accuracy']:.1f} % "
+                    f"dist {r.hist['eval'][-1]['max_distance']:.1e}" for r in live), file=sys.stderr, flush=True)
         for run in live:
             run.end_epoch(epoch, step)
     return {r.name: r.record() for r in runs}

@@ -26,7 +26,7 @@ def train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """``python benchmarks/train.py ARGS`` as a user runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
-    cmd = [sys.executable, str(TRAIN), "--no-progress", "--threads", "1", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, str(TRAIN), "--threads", "1", "--out", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -67,6 +67,7 @@ def test_digits_run_writes_json_table_and_plot(tmp_path):
     assert result["device"]["device"] == "cpu"
     assert (tmp_path / "train.png").stat().st_size > 10_000
     assert "max ‖θᵀθ−I‖" in proc.stdout and "cayley-sgd" in proc.stdout and "× sgd" in proc.stdout
+    assert "step 12/12: sgd acc" in proc.stderr  # progress without a terminal: a line per evaluation
 
 
 def test_gpu_configuration_rehearsed_on_a_narrow_wrn(tmp_path, train_main):
@@ -109,7 +110,8 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
     result = json.loads((tmp_path / "train.json").read_text())
     assert rc == 1 and "max_distance" in result["optimizers"]["fgd"]["error"]
     assert len(result["optimizers"]["sgd"]["history"]["loss"]) == 6 and "error" not in result["optimizers"]["sgd"]
-    assert "stopped with an error" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "fgd: stopped: ValueError" in captured.err and "stopped¹" in captured.out
 
 
 @pytest.mark.parametrize("args, message", [
