@@ -4,7 +4,8 @@ R threads stand in for R ranks: each calls the backend on its rows of every θ, 
 ``reduce`` sums the ranks' lists in a fixed order behind a barrier (as one all-reduce would).
 Every rank's rows of θ₊ and Φ₊, its distances and finite flags must match the backend on
 the whole matrices. This reaches what the multi-process tests do not: p ≥ 64 (the torch
-backend's block-half Grams), float32, several layers per bucket, shards with no rows.
+backend's block-half Grams), float32, several layers per bucket, shards with no rows, and the
+GPU's stacked operands when a GPU is present.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from fgd_fast._matrix import as_stiefel, from_stiefel, stiefel_shape
 from fgd_fast.backends import resolve_backend
 from fgd_fast.manifold import orthogonalize_
+from helpers import device_for_tests
 
 ROW_SHARD_BACKENDS = ["torch"]
 
@@ -76,7 +78,7 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
     return out
 
 
-def _problem(shapes, dtype, seed, with_phi):
+def _problem(shapes, dtype, seed, with_phi, device):
     gen = torch.Generator().manual_seed(seed)
     params = [orthogonalize_(torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype) for s in shapes]
     grads = [0.01 * torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
@@ -88,7 +90,8 @@ def _problem(shapes, dtype, seed, with_phi):
         th = as_stiefel(theta).to(torch.float64)
         raw = 1e-3 * torch.randn(th.shape, generator=gen, dtype=torch.float64)
         bufs.append(from_stiefel(raw - th @ (th.t() @ raw), s).to(dtype))  # roughly tangent
-    return params, grads, bufs
+    move = lambda ts: [t.to(device) if t is not None else None for t in ts]  # noqa: E731
+    return move(params), move(grads), move(bufs)
 
 
 @pytest.mark.parametrize("backend", ROW_SHARD_BACKENDS)
@@ -96,12 +99,13 @@ def _problem(shapes, dtype, seed, with_phi):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
 def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi):
-    _, prepare = resolve_backend(backend, torch.device("cpu"))
+    device = device_for_tests()
+    _, prepare = resolve_backend(backend, device)
     assert getattr(prepare, "row_shards", False)
     # θ = W2ᵀ conv (p = 70 ≥ 64: block halves), two equal layers in one bucket, θ = W2 with
     # 2 rows (empty shards on 3 ranks), and a Linear
     shapes = [(70, 9, 3, 3), (70, 9, 3, 3), (2, 1), (5, 7), (19, 4, 1, 1)]
-    params, grads, bufs = _problem(shapes, dtype, seed=ranks, with_phi=with_phi)
+    params, grads, bufs = _problem(shapes, dtype, seed=ranks, with_phi=with_phi, device=device)
     grads[3][0, 0] = float("nan")  # reported as not finite by every rank
     fresh = [not with_phi] * len(shapes)
     kw = dict(lr=[0.1] * 5, momentum=[0.9] * 5, feedback=[0.4] * 5, check_finite=True)
