@@ -182,7 +182,7 @@ def update_kernel(
 # without its own entry uses its accumulation type's (see ``kernel_config``). A selectable
 # configuration must compile for sm_80 and sm_90 without spilling, with triton 3.6 and 3.8:
 # kernels/aot.py compiles every one (tests/test_triton_aot.py runs it). float32 "ieee": the
-# fastest spill-free candidates of a GPU sweep (benchmarks/triton_probe.py on an H200,
+# fastest spill-free candidates of a GPU sweep (benchmarks/gpu/triton_probe.py on an H200,
 # WRN-28-10 "official"; benchmarks/results/gpu-h200-2026-11-26-triton-probe.md): Gram
 # 12.3 ms and update 3.7 ms against 19.5 ms and 5.7 ms for the compile-only choice they
 # replace, which fp16/bf16 parameters keep (converting from 16 bits, the new tiles spill a

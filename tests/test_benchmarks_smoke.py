@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite (``benchmarks/``): every case runs once on tiny shapes,
-the report renders from both of its input formats, and ``gpu_check.py`` keeps what it
-measured when a phase fails or runs out of time. The benchmarks themselves are not part of
+the report renders from both of its input formats, ``benchmarks/gpu/gpu_check.py`` keeps what it
+measured when a phase fails or runs out of time, and the accuracy run reports against the
+reference form. The benchmarks themselves are not part of
 the test run (``testpaths = tests``); this only checks that they work."""
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+GPU_TOOLS = BENCH / "gpu"  # the GPU-session tooling
 ALWAYS = {"fgd-auto", "fgd-reference", "fgd-torch", "fgd-torch-tf32x3", "cayley-sgd-lowrank", "cayley-sgd-dense", "cayley-adam-lowrank", "torch-orthogonal", "sgd"}
 
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path.insert(0, str(BENCH))
+    sys.path[:0] = [str(BENCH), str(GPU_TOOLS)]
     try:
         import gpu_check
         import report
@@ -30,6 +32,7 @@ def bench_modules():
         yield report, gpu_check, CASES
     finally:
         sys.path.remove(str(BENCH))
+        sys.path.remove(str(GPU_TOOLS))
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +104,23 @@ def test_gpu_check_keeps_results_of_failed_and_timed_out_phases(tmp_path, bench_
     gpu_check.report(check)
     text = (tmp_path / "report.md").read_text()
     assert "| slow | no |" in text and "timed out" in text and "No benchmark result" in text
+
+
+def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, bench_modules):
+    import accuracy
+
+    out = tmp_path / "accuracy.json"
+    cases = ["fgd-reference", "fgd-torch-tf32x3", "fgd-triton-tf32x3"]
+    argv = [str(out), "--cpu-dry-run", "--steps", "3", "--every", "2", "--workloads", "vgg-16", "--cases", *cases]
+    assert accuracy.main(argv) == 0
+    data = json.loads(out.read_text())
+    by_case = {r["case"]: r for r in data["results"]}
+    assert data["steps"] == 3 and set(by_case) == set(cases)
+    assert all(r["steps"] == 3 for r in data["results"] if "max" in r)
+    ref = by_case["fgd-reference"]
+    assert 0 < ref["max"] < 1e-4 and ref["final"] <= ref["max"]
+    for name in cases[1:]:
+        r = by_case[name]
+        if "skipped" not in r:  # the Triton case runs where Triton (or its interpreter) does
+            assert r["max_vs_reference"] == pytest.approx(r["max"] / ref["max"])
+    assert "| vgg-16 | fgd-reference |" in data["table"]

@@ -343,7 +343,8 @@ class _TensorCoreClass:
         self.consts = dict(ROWS=rows, ALIGNED=aligned)
         self.gram_config = TC.GRAM_CONFIG[precision, aligned]
         self.update_config = TC.UPDATE_CONFIG[precision, aligned]
-        key = ("tc", device, tuple(np_list), _programs_wanted(device), has_phi, precision, aligned, force_splits)
+        tiling = (tuple(self.gram_config.items()), tuple(self.update_config.items()), tuple(TC.SPLIT_CONFIG.items()))
+        key = ("tc", device, tuple(np_list), _programs_wanted(device), has_phi, precision, tiling, force_splits)
         self.shapes = sh = _tables.get_or(key, lambda: _tc_shapes(
             np_list, device, _programs_wanted(device), has_phi, self.lo, self.gram_config, self.update_config,
             TC.SPLIT_CONFIG,

@@ -2,7 +2,7 @@
 
 Usage (repository root, on a GPU machine, after ``gpu_check.py`` or an editable install)::
 
-    python benchmarks/triton_probe.py OUT.json [--budget 180] [--workload wrn-28-10]
+    python benchmarks/gpu/triton_probe.py OUT.json [--budget 180] [--workload wrn-28-10]
 
 On the full-size workload (default WRN-28-10, rule "official"), with ``triton.testing.do_bench``
 (median of CUDA-event timings after warm-up, random data):
@@ -11,9 +11,12 @@ On the full-size workload (default WRN-28-10, rule "official"), with ``triton.te
    whole step of ``backend="torch"``;
 2. the Triton step split into its phases: the Gram launches, prepare (Gram + middle), apply
    (the update launches), for each precision;
-3. a sweep of Gram and update configurations for ``("float32", "ieee")`` (each timed alone,
-   the other kernel at its default). A configuration measured here is only a candidate: it is
-   selectable only after ``kernels/aot.py`` compiles it without spills for sm_80 and sm_90.
+3. a sweep of the tensor-core kernels' Gram and update configurations
+   (``kernels/tc_step.py``, precision ``--precision``, default ``"tf32x3"``, the aligned
+   entry: WRN-28-10's layers are aligned), each timed alone with the other kernel at its
+   default. A configuration measured here is only a candidate: it is selectable only after
+   ``kernels/aot.py`` compiles it for sm_80 and sm_90 without spills and with tensor-core
+   products.
 
 Results go to OUT.json as they come (a run cut off keeps what it measured).
 """
@@ -28,25 +31,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# square Gram tiles (the symmetric blocks store tiles i <= j of a square tiling); BK and BR
+# at most the 128-row padding of the split buffers
 GRAM_CANDIDATES = [
-    dict(BP=64, BK=32, num_warps=8, num_stages=3),
-    dict(BP=64, BK=16, num_warps=4, num_stages=3),
-    dict(BP=64, BK=32, num_warps=4, num_stages=2),
-    dict(BP=128, BK=16, num_warps=8, num_stages=2),
-    dict(BP=128, BK=32, num_warps=8, num_stages=2),
-    dict(BP=32, BK=32, num_warps=4, num_stages=3),
-    dict(BP=64, BK=64, num_warps=8, num_stages=2),
+    dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4),
+    dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=2),
+    dict(BM=128, BN=128, BK=32, num_warps=4, num_stages=3),
+    dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=4),
+    dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3),
 ]
 UPDATE_CANDIDATES = [
-    dict(BR=64, BN=32, BK=32, num_warps=8, num_stages=1),
-    dict(BR=64, BN=64, BK=16, num_warps=8, num_stages=1),
-    dict(BR=128, BN=32, BK=16, num_warps=8, num_stages=1),
-    dict(BR=128, BN=64, BK=16, num_warps=8, num_stages=1),
-    dict(BR=32, BN=64, BK=32, num_warps=4, num_stages=1),
-    dict(BR=64, BN=64, BK=32, num_warps=8, num_stages=2),
-    dict(BR=64, BN=128, BK=16, num_warps=8, num_stages=1),
+    dict(BR=128, BN=128, BK=32, num_warps=8, num_stages=3),
+    dict(BR=128, BN=64, BK=64, num_warps=8, num_stages=2),
+    dict(BR=64, BN=64, BK=32, num_warps=4, num_stages=3),
+    dict(BR=128, BN=64, BK=32, num_warps=4, num_stages=4),
+    dict(BR=64, BN=128, BK=32, num_warps=8, num_stages=3),
 ]
 
 
@@ -55,7 +56,8 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--budget", type=float, default=180.0)
     ap.add_argument("--workload", default="wrn-28-10")
-    ap.add_argument("--base", help='JSON {"gram": {...}, "update": {...}}: the ("float32", "ieee") configurations to start from (default: the shipped ones)')
+    ap.add_argument("--precision", default="tf32x3", choices=("tf32x3", "tf32"), help="precision of the sweep")
+    ap.add_argument("--base", help='JSON {"gram": {...}, "update": {...}}: the configurations to start from (default: the shipped ones)')
     ap.add_argument("--gram", help="JSON list of Gram candidates (default: GRAM_CANDIDATES)")
     ap.add_argument("--update", help="JSON list of update candidates (default: UPDATE_CANDIDATES)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU (TRITON_INTERPRET=1, tiny shapes)")
@@ -65,18 +67,21 @@ def main() -> int:
     import fgd_fast
 
     from fgd_fast.backends import triton as TB
-    from fgd_fast.kernels import fgd_step as K
+    from fgd_fast.kernels import tc_step as K
     from fgd_fast.functional import fgd
     from machine import environment
     from workloads import layer_shapes, weight_shapes, workloads
 
-    key = ("float32", "ieee")
+    key = (args.precision, True)  # the aligned entry
     if args.base:
         base = json.loads(args.base)
         K.GRAM_CONFIG[key] = base.get("gram", K.GRAM_CONFIG[key])
         K.UPDATE_CONFIG[key] = base.get("update", K.UPDATE_CONFIG[key])
     gram_candidates = json.loads(args.gram) if args.gram else GRAM_CANDIDATES
     update_candidates = json.loads(args.update) if args.update else UPDATE_CANDIDATES
+    precisions = ("ieee", "tf32x3", "tf32")
+    if args.cpu_dry_run:  # the interpreter is slow: one precision, one candidate of each kernel
+        gram_candidates, update_candidates, precisions = gram_candidates[:1], update_candidates[:1], (args.precision,)
     dev = torch.device("cpu" if args.cpu_dry_run else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.cpu_dry_run:  # rehearsal under the interpreter: tiny shapes, wall-clock timing
@@ -128,7 +133,7 @@ def main() -> int:
     record(what="step torch", ms=ms, tflops=flops / ms / 1e9)
 
     # 2. phases of the Triton step
-    for precision in ("ieee", "tf32x3", "tf32"):
+    for precision in precisions:
         if time.monotonic() > deadline:
             break
         ms = do_bench(lambda: step("triton", precision=precision))
@@ -144,13 +149,13 @@ def main() -> int:
         ms = do_bench(lambda: plan_box["plan"].apply())
         record(what=f"apply (update) {precision}", ms=ms)
 
-    # 3. configuration sweeps, float32 ieee
+    # 3. configuration sweeps of the tensor-core kernels
     def phase_times(label, table, key, cfg):
         old = table[key]
         table[key] = cfg
         try:
             t0 = time.monotonic()
-            step("triton")
+            step("triton", precision=args.precision)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             compile_s = time.monotonic() - t0
@@ -159,7 +164,7 @@ def main() -> int:
             def prep():
                 box["plan"] = TB.prepare_triton(params, grads, bufs, [False] * len(params), lr=[1e-4] * len(params),
                                                 momentum=[0.9] * len(params), feedback=[0.4] * len(params),
-                                                check_finite=False, precision="ieee")
+                                                check_finite=False, precision=args.precision)
             p_ms = do_bench(prep)
             a_ms = do_bench(lambda: box["plan"].apply())
             record(what=f"sweep {label}", cfg=cfg, prepare_ms=p_ms, apply_ms=a_ms, compile_s=compile_s)
@@ -172,15 +177,15 @@ def main() -> int:
         for label, table, cfg in (("gram", K.GRAM_CONFIG, gc), ("update", K.UPDATE_CONFIG, uc)):
             if cfg is not None and time.monotonic() < deadline:
                 phase_times(label, table, key, cfg)
-    # the update's persistent grid: programs per SM
-    for per_sm in (1, 4, 8):
+    # the persistent grids: programs per SM
+    for per_sm in () if args.cpu_dry_run else (1, 4):
         if time.monotonic() > deadline:
             break
         old = TB._programs_wanted
         TB._programs_wanted = lambda d, k=per_sm: 2 * k * (torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 1)
         try:
-            ms = do_bench(lambda: step("triton"))
-            record(what=f"step triton ieee, update programs {per_sm}/SM", ms=ms)
+            ms = do_bench(lambda: step("triton", precision=args.precision))
+            record(what=f"step triton {args.precision}, persistent programs {per_sm}/SM", ms=ms)
         finally:
             TB._programs_wanted = old
     print("done", flush=True)

@@ -2,8 +2,8 @@
 
 Usage (from the repository root, on the GPU machine)::
 
-    python benchmarks/gpu_check.py OUTDIR [--budget 540] [--commit SHA]
-    python benchmarks/gpu_check.py OUTDIR --cpu-dry-run [--no-install]   # rehearsal on a CPU
+    python benchmarks/gpu/gpu_check.py OUTDIR [--budget 450] [--commit SHA]
+    python benchmarks/gpu/gpu_check.py OUTDIR --cpu-dry-run [--no-install]   # rehearsal on a CPU
 
 Phases, each in a subprocess with its own timeout (its output in ``OUTDIR/<phase>.log``):
 
@@ -16,17 +16,21 @@ Phases, each in a subprocess with its own timeout (its output in ``OUTDIR/<phase
    JUnit XML (``tests-junit.xml``).
 3. **bench**: ``python -m pytest benchmarks`` on the full workloads (``bench.json``, and
    ``bench-cases.jsonl`` written case by case, which survives a timeout).
-4. **triton-probe** (GPU only; ``--no-probe`` skips it): ``benchmarks/triton_probe.py``, the
-   phases of the Triton step and a tile sweep on WRN-28-10 (``triton_probe.json``), in the
-   last ~75 s the benchmarks leave.
-5. **report**: ``bench-report.md`` from ``benchmarks/report.py``, and ``report.md`` with the
+4. **accuracy**: ``benchmarks/gpu/accuracy.py``, max ‖θᵀθ − I‖_F over 2,000 steps per workload
+   and precision against the reference form (``accuracy.json``; the reference and default
+   cases of every workload first, then the others while ``ACCURACY_S`` lasts).
+5. **triton-probe** (``--no-probe`` skips it; a CPU dry run interprets it on tiny shapes):
+   ``benchmarks/gpu/triton_probe.py``, the phases of the Triton step and a tile sweep of the
+   tensor-core kernels on WRN-28-10 (``triton_probe.json``), in the last ~``PROBE_S`` s.
+6. **report**: ``bench-report.md`` from ``benchmarks/report.py``, and ``report.md`` with the
    machine (device, driver, torch, triton, commit, source digest), every phase's outcome, the
    test summary and the benchmark report.
 
 ``OUTDIR/gpu_check.json`` holds the raw outcome and is rewritten after every phase, so a
 phase that fails or times out never loses what came before. A phase past its time gets
 SIGINT (pytest then still writes its JUnit / JSON), then SIGKILL 20 s later. The whole run
-stays under ``--budget`` seconds (default 540: a device call is limited to 10 minutes).
+stays under ``--budget`` seconds (default 450: with the session script's training run, one
+device call of ~8 minutes).
 Without git on the device, pass ``--commit`` (or set ``FGD_BENCH_COMMIT``); the source
 digest (``--digest`` prints this checkout's) identifies the tree either way.
 """
@@ -42,7 +46,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from sources import source_digest  # noqa: E402
@@ -51,7 +55,8 @@ REPORT_RESERVE_S = 25
 BUILD_MAX_S = 200
 TESTS_MAX_S = 180
 BENCH_MIN_S = 150
-PROBE_S = 75  # kept for the Triton probe after the benchmarks (GPU runs)
+ACCURACY_S = 100  # kept for the 2,000-step accuracy run after the benchmarks
+PROBE_S = 60  # kept for the Triton probe after the accuracy run (GPU runs)
 
 
 class Check:
@@ -211,24 +216,56 @@ def bench(check: Check) -> None:
         f"--benchmark-json={check.out / 'bench.json'}", f"--bench-record={check.out / 'bench-cases.jsonl'}",
         "--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name",
     ]
-    check.run("bench", cmd, check.left() - REPORT_RESERVE_S - (PROBE_S if _probing(check) else 0))
+    reserved = ACCURACY_S + (PROBE_S if _probing(check) else 0)
+    check.run("bench", cmd, check.left() - REPORT_RESERVE_S - reserved)
+
+
+def accuracy(check: Check) -> None:
+    """``benchmarks/gpu/accuracy.py``: max ‖θᵀθ − I‖_F over 2,000 steps vs the reference form."""
+    budget = check.left() - REPORT_RESERVE_S - (PROBE_S if _probing(check) else 0)
+    if budget < 20:
+        check.result["phases"]["accuracy"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
+        return
+    out = str(check.out / "accuracy.json")
+    cmd = [sys.executable, "benchmarks/gpu/accuracy.py", out, "--budget", str(round(budget - 15))]
+    if check.args.cpu_dry_run:
+        cmd.append("--cpu-dry-run")
+    check.run("accuracy", cmd, budget)
+
+
+def _accuracy_lines(check: Check) -> list[str]:
+    try:
+        data = json.loads((check.out / "accuracy.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from accuracy import table
+
+    head = f"## Accuracy ({data['steps']} steps, `benchmarks/gpu/accuracy.py`)"
+    return ["", head, "", table(data["results"])]
 
 
 def _probing(check: Check) -> bool:
-    return getattr(check.args, "probe", True) and not check.args.cpu_dry_run
+    return getattr(check.args, "probe", True)
 
 
 def probe(check: Check) -> None:
-    """``benchmarks/triton_probe.py``: phases of the Triton step and a tile sweep (GPU only)."""
+    """``benchmarks/gpu/triton_probe.py``: phases of the Triton step and a tile sweep (GPU only)."""
     if not _probing(check):
-        check.result["phases"]["triton-probe"] = {"ok": True, "skipped": "--no-probe or CPU dry run"}
+        check.result["phases"]["triton-probe"] = {"ok": True, "skipped": "--no-probe"}
         return
     budget = check.left() - REPORT_RESERVE_S - 15
     if budget < 30:
         check.result["phases"]["triton-probe"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
         return
-    cmd = [sys.executable, "benchmarks/triton_probe.py", str(check.out / "triton_probe.json"), "--budget", str(round(budget - 20))]
-    check.run("triton-probe", cmd, budget)
+    cmd = [
+        sys.executable, "benchmarks/gpu/triton_probe.py", str(check.out / "triton_probe.json"), "--budget", str(round(budget - 20))
+    ]
+    env = check.env
+    if check.args.cpu_dry_run:  # rehearsal: the interpreter on tiny shapes
+        cmd.append("--cpu-dry-run")
+        env = {**check.env, "TRITON_INTERPRET": "1"}
+    check.run("triton-probe", cmd, budget, env=env)
 
 
 def _probe_lines(check: Check) -> list[str]:
@@ -236,7 +273,7 @@ def _probe_lines(check: Check) -> list[str]:
         results = json.loads((check.out / "triton_probe.json").read_text(encoding="utf-8"))["results"]
     except (OSError, ValueError, KeyError):
         return []
-    lines = ["", "## Triton probe (WRN-28-10, `benchmarks/triton_probe.py`)", ""]
+    lines = ["", "## Triton probe (WRN-28-10, `benchmarks/gpu/triton_probe.py`)", ""]
     for r in results:
         if "ms" in r:
             lines.append(f"- {r['what']}: {r['ms']:.3g} ms")
@@ -289,6 +326,7 @@ def render(check: Check) -> str:
         lines += ["#" + ln if ln.startswith("#") else ln for ln in text]  # one heading level down
     else:
         lines.append("No benchmark result; see `bench.log`.")
+    lines += _accuracy_lines(check)
     lines += _probe_lines(check)
     return "\n".join(lines) + "\n"
 
@@ -296,7 +334,7 @@ def render(check: Check) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir", nargs="?", help="folder for report.md, gpu_check.json, logs and raw results")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     ap.add_argument("--commit", default=os.environ.get("FGD_BENCH_COMMIT"), help="the commit under test, when the device has no git")
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU: tiny shapes, a few tests")
     ap.add_argument("--no-install", action="store_true", help="skip the pip installs (the package is installed already)")
@@ -311,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.outdir:
         ap.error("OUTDIR is required")
     check = Check(args)
-    for phase in (build, tests, bench, probe):
+    for phase in (build, tests, bench, accuracy, probe):
         try:
             phase(check)
         except Exception as exc:  # an orchestration bug must not lose the other phases
