@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fgd_fast.backends import DEFAULT_PRECISION
-from fgd_fast.functional import backend_for
 from contenders import FEEDBACK, MOMENTUM, Contender
 from costmodel import floor_seconds, step_cost
+from fgd_fast.backends import DEFAULT_PRECISION
+from fgd_fast.functional import backend_for
 from machine import device_rates, environment
 from measure import LR, POOL, gradient_pool
 from plan import BUDGETS, planned_skip, stability_skip
@@ -40,16 +40,29 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     group = parser.getgroup("fgd_fast benchmarks")
-    group.addoption("--bench-scale", choices=SCALES, default=None, help="workload sizes (default: FGD_BENCH_SCALE, else full on a GPU, cpu without)")
-    group.addoption("--bench-record", default=os.environ.get("FGD_BENCH_RECORD"), help="JSON-lines file, one line per finished case")
-    group.addoption("--bench-allow-interpreter", action="store_true", help="time fgd-triton under the Triton interpreter on a CPU (smoke test only)")
+    group.addoption(
+        "--bench-scale",
+        choices=SCALES,
+        default=None,
+        help="workload sizes (default: FGD_BENCH_SCALE, else full on a GPU, cpu without)",
+    )
+    group.addoption(
+        "--bench-record", default=os.environ.get("FGD_BENCH_RECORD"), help="JSON-lines file, one line per finished case"
+    )
+    group.addoption(
+        "--bench-allow-interpreter",
+        action="store_true",
+        help="time fgd-triton under the Triton interpreter on a CPU (smoke test only)",
+    )
 
 
 class BenchSession:
     """Device, scale, budgets, machine rates, skipped cases and the JSON-lines record."""
 
     def __init__(self, config):
-        self.device = torch.device(os.environ.get("FGD_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(
+            os.environ.get("FGD_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.scale = config.getoption("--bench-scale") or default_scale()
         self.budget = BUDGETS[self.scale]
         self.allow_interpreter = config.getoption("--bench-allow-interpreter")
@@ -69,11 +82,16 @@ class BenchSession:
             "scale": self.scale,
             "budget": dataclasses.asdict(self.budget),
             "settings": {
-                "lr": LR, "momentum": MOMENTUM, "feedback": FEEDBACK, "grad_sets": POOL,
-                "grad_norm": "unit Frobenius norm per layer", "fgd_auto_resolves_to": backend_for("auto", self.device, DEFAULT_PRECISION),
+                "lr": LR,
+                "momentum": MOMENTUM,
+                "feedback": FEEDBACK,
+                "grad_sets": POOL,
+                "grad_norm": "unit Frobenius norm per layer",
+                "fgd_auto_resolves_to": backend_for("auto", self.device, DEFAULT_PRECISION),
             },
             "workloads": {
-                w.name: {"description": w.description, "rule": w.rule, "shapes": layer_shapes(w)} for w in self.workloads.values()
+                w.name: {"description": w.description, "rule": w.rule, "shapes": layer_shapes(w)}
+                for w in self.workloads.values()
             },
             "skips": self.skips,
             "load_average_end": [round(x, 2) for x in os.getloadavg()] if final and hasattr(os, "getloadavg") else None,
@@ -106,9 +124,14 @@ class BenchSession:
     def case_info(self, w: Workload, c: Contender) -> dict:
         shapes = layer_shapes(w)
         info = {
-            "workload": w.name, "description": w.description, "rule": w.rule, "contender": c.name,
-            "family": c.family, "layers": len(shapes),
-            "sum_np2": float(sum(n * p * p for n, p in shapes)), "sum_np": float(sum(n * p for n, p in shapes)),
+            "workload": w.name,
+            "description": w.description,
+            "rule": w.rule,
+            "contender": c.name,
+            "family": c.family,
+            "layers": len(shapes),
+            "sum_np2": float(sum(n * p * p for n, p in shapes)),
+            "sum_np": float(sum(n * p for n, p in shapes)),
         }
         if c.backend:
             info["precision"] = c.precision or DEFAULT_PRECISION

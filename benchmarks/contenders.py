@@ -38,8 +38,8 @@ CPU (the interpreter is a correctness tool, not a timing), geoopt when it is not
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -64,7 +64,9 @@ class Case:
     (``(module, attribute)`` per weight) is given when ``W`` is computed by a parametrization.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, theta_layout: bool = False, owners=None):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, theta_layout: bool = False, owners=None
+    ):
         self.optimizer = optimizer
         self.params = params
         self.theta_layout = theta_layout

@@ -133,6 +133,7 @@ def _rank_main(rank, world, init, steps, queue):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+
     from workloads import workloads
 
     torch.set_num_threads(1)
@@ -143,7 +144,8 @@ def _rank_main(rank, world, init, steps, queue):
     results = {}
     for name in ("FGD, shard_placement", "FGD, default placement", "torch SGD"):
         model = work.model()
-        fully_shard(model, mesh=mesh, shard_placement_fn=fgd_fast.shard_placement if "shard_placement" in name else None)
+        placement = fgd_fast.shard_placement if "shard_placement" in name else None
+        fully_shard(model, mesh=mesh, shard_placement_fn=placement)
         if name == "torch SGD":
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         else:
@@ -152,8 +154,9 @@ def _rank_main(rank, world, init, steps, queue):
         gen = torch.Generator().manual_seed(rank)
         for p in model.parameters():
             local = 1e-3 * torch.randn(p.to_local().shape, generator=gen)
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                        stride=p.stride())
+            p.grad = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         times, sent, waits = [], [], []
         for step in range(steps + 2):  # 2 warm-up steps
             dist.barrier()
@@ -165,8 +168,9 @@ def _rank_main(rank, world, init, steps, queue):
                 times.append(time.perf_counter() - t0)
                 sent.append(counter.total)
                 waits.append(counter.seconds)
-        results[name] = dict(ms=1e3 * statistics.median(times), mb=statistics.median(sent) / 1e6,
-                             comm_ms=1e3 * statistics.median(waits))
+        results[name] = dict(
+            ms=1e3 * statistics.median(times), mb=statistics.median(sent) / 1e6, comm_ms=1e3 * statistics.median(waits)
+        )
     if rank == 0:
         queue.put(results)
     dist.barrier()
@@ -185,8 +189,9 @@ def single_process(steps: int) -> dict:
         if name == "torch SGD":
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         else:
-            opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, work.rule, orthogonalize=False), lr=0.1,
-                               momentum=0.9, feedback=0.4)
+            opt = fgd_fast.FGD(
+                fgd_fast.stiefel_param_groups(model, work.rule, orthogonalize=False), lr=0.1, momentum=0.9, feedback=0.4
+            )
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():
             p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
@@ -226,17 +231,21 @@ def main() -> None:
     if args.machine:
         report += [f"Machine: {args.machine}", ""]
     report += [
-        "## Model (MB sent per rank per optimizer step, float32, full-size workloads)", "",
-        model_table(), "",
-        "Schemes as in `benchmarks/dist_comm.py`. \"rows\" counts the layers `shard_placement` cannot "
-        "row-shard at that rank count with the all-gather fallback.", "",
+        "## Model (MB sent per rank per optimizer step, float32, full-size workloads)",
+        "",
+        model_table(),
+        "",
+        'Schemes as in `benchmarks/dist_comm.py`. "rows" counts the layers `shard_placement` cannot '
+        "row-shard at that rank count with the all-gather fallback.",
+        "",
     ]
     if not args.model_only:
         from workloads import workloads
 
         work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
         report += [
-            f"## Measured: gloo, optimizer step of {work.description} under FSDP2 (torch {torch.__version__})", "",
+            f"## Measured: gloo, optimizer step of {work.description} under FSDP2 (torch {torch.__version__})",
+            "",
             "| ranks | optimizer | step (ms, median) | of which in collectives (ms) | sent per rank (MB) |",
             "|---:|---|---:|---:|---:|",
         ]
@@ -245,8 +254,10 @@ def main() -> None:
             for name, r in results.items():
                 report.append(f"| {world} | {name} | {r['ms']:.1f} | {r['comm_ms']:.1f} | {r['mb']:.2f} |")
         report += [
-            "", "1 rank: the whole model in one process, no FSDP2. One torch thread per process; with 4 "
-            "processes on 2 cores the ranks also wait for a core, so the 4-rank times are upper bounds.", "",
+            "",
+            "1 rank: the whole model in one process, no FSDP2. One torch thread per process; with 4 "
+            "processes on 2 cores the ranks also wait for a core, so the 4-rank times are upper bounds.",
+            "",
         ]
     text = "\n".join(report)
     print(text)

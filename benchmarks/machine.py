@@ -15,8 +15,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -144,6 +144,14 @@ def _ieee_fp32_matmul():
             matmul.allow_tf32 = before
 
 
+def _matmul_seconds(n: int, device: torch.device, gen: torch.Generator, reps: int) -> float:
+    """Median time of an ``n³`` fp32 matmul; its operands are freed on return."""
+    a = torch.randn(n, n, device=device, generator=gen)
+    b = torch.randn(n, n, device=device, generator=gen)
+    c = torch.empty(n, n, device=device)
+    return _median_seconds(lambda: torch.mm(a, b, out=c), device, reps)
+
+
 def device_rates(device: torch.device, *, small: bool = False) -> dict[str, object]:
     """Measured fp32 matmul rate (flop/s, TF32 off) and copy bandwidth (bytes/s) of ``device``.
 
@@ -155,11 +163,7 @@ def device_rates(device: torch.device, *, small: bool = False) -> dict[str, obje
     copy_bytes = (4 if small else (1024 if gpu else 256)) * 2**20
     with _ieee_fp32_matmul():
         gen = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(n, n, device=device, generator=gen)
-        b = torch.randn(n, n, device=device, generator=gen)
-        c = torch.empty(n, n, device=device)
-        t_mm = _median_seconds(lambda: torch.mm(a, b, out=c), device, 3 if small else (10 if gpu else 5))
-        del a, b, c
+        t_mm = _matmul_seconds(n, device, gen, 3 if small else (10 if gpu else 5))
         src = torch.randn(copy_bytes // 4, device=device, generator=gen)
         dst = torch.empty_like(src)
         t_copy = _median_seconds(lambda: dst.copy_(src), device, 3 if small else 10)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +55,12 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def measure_case(
-    benchmark, case: Case, pool: list[list[torch.Tensor]], device: torch.device, budget: Budget, stability_skip: dict | None = None
+    benchmark,
+    case: Case,
+    pool: list[list[torch.Tensor]],
+    device: torch.device,
+    budget: Budget,
+    stability_skip: dict | None = None,
 ) -> dict:
     """Run the protocol above; returns the extra information (stability, memory, rounds).
 
@@ -88,8 +93,11 @@ def measure_case(
         moved = [float(torch.linalg.vector_norm(w.double() - b.double())) for w, b in zip(case.weights(), before)]
         dist = [fgd_fast.stiefel_distance(w) for w in case.weights()]
         info["stability"] = {
-            "steps": want, "max": max(dist), "mean": statistics.fmean(dist),
-            "step_norm": statistics.fmean(moved), "seconds": time.perf_counter() - t0,
+            "steps": want,
+            "max": max(dist),
+            "mean": statistics.fmean(dist),
+            "step_norm": statistics.fmean(moved),
+            "seconds": time.perf_counter() - t0,
         }
     else:
         info["stability"] = {

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,7 +23,10 @@ __all__ = ["LiveBytes", "peak_extra_bytes", "METHODS"]
 
 METHODS = {
     "cuda": "torch.cuda.max_memory_allocated() minus the allocation before the step",
-    "cpu": "storages returned by aten ops during the step, tracked live (TorchDispatchMode + weakref finalizers); excludes kernel-internal scratch",
+    "cpu": (
+        "storages returned by aten ops during the step, tracked live (TorchDispatchMode + weakref "
+        "finalizers); excludes kernel-internal scratch"
+    ),
 }
 
 

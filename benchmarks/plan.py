@@ -38,15 +38,29 @@ class Budget:
 
 
 BUDGETS = {
-    "full": Budget(warmup=2, case_s=0.5, min_rounds=5, max_rounds=50, slow_step_s=2.0, stability_steps=200, stability_s=10.0),
-    "cpu": Budget(warmup=2, case_s=0.5, min_rounds=3, max_rounds=30, slow_step_s=1.5, stability_steps=200, stability_s=60.0),
-    "tiny": Budget(warmup=1, case_s=0.0, min_rounds=1, max_rounds=1, slow_step_s=float("inf"), stability_steps=3, stability_s=float("inf")),
+    "full": Budget(
+        warmup=2, case_s=0.5, min_rounds=5, max_rounds=50, slow_step_s=2.0, stability_steps=200, stability_s=10.0
+    ),
+    "cpu": Budget(
+        warmup=2, case_s=0.5, min_rounds=3, max_rounds=30, slow_step_s=1.5, stability_steps=200, stability_s=60.0
+    ),
+    "tiny": Budget(
+        warmup=1,
+        case_s=0.0,
+        min_rounds=1,
+        max_rounds=1,
+        slow_step_s=float("inf"),
+        stability_steps=3,
+        stability_s=float("inf"),
+    ),
 }
 
 #: (scale, contender, workloads it still runs on, why it is left out of the others)
 _EXCLUSIONS = (
     (
-        "cpu", "torch-orthogonal", ("transformer",),
+        "cpu",
+        "torch-orthogonal",
+        ("transformer",),
         "on a CPU, torch.linalg.householder_product's backward (the orthogonal parametrization "
         "of a tall matrix) loops over the p reflectors, too slow for the CPU main job on these "
         "convolution shapes; timed on the transformer set only (all workloads on a GPU or with --full)",
@@ -55,14 +69,28 @@ _EXCLUSIONS = (
 
 #: (scale, contender, why its stability run is left out) — to keep the CPU main job short
 _STABILITY_EXCLUSIONS = (
-    ("cpu", "fgd-reference", "the same update as fgd-torch (both are tested against one float64 oracle); run on a GPU / --full"),
-    ("cpu", "cayley-sgd-dense", "the same iterates as cayley-sgd-lowrank, at O(n²p) per product; run on a GPU / --full"),
-    ("cpu", "geoopt-canonical", "an n × n solve per layer and step makes 200 steps too slow for the CPU main job; run on a GPU / --full"),
+    (
+        "cpu",
+        "fgd-reference",
+        "the same update as fgd-torch (both are tested against one float64 oracle); run on a GPU / --full",
+    ),
+    (
+        "cpu",
+        "cayley-sgd-dense",
+        "the same iterates as cayley-sgd-lowrank, at O(n²p) per product; run on a GPU / --full",
+    ),
+    (
+        "cpu",
+        "geoopt-canonical",
+        "an n × n solve per layer and step makes 200 steps too slow for the CPU main job; run on a GPU / --full",
+    ),
     ("cpu", "torch-orthogonal", "the slowest step on a CPU by far (see the table); run on a GPU / --full"),
 )
 
 
-def planned_skip(scale: str, workload: str, c: Contender, device: torch.device, *, allow_interpreter: bool = False) -> str | None:
+def planned_skip(
+    scale: str, workload: str, c: Contender, device: torch.device, *, allow_interpreter: bool = False
+) -> str | None:
     """Why contender ``c`` is not run on ``workload`` at ``scale`` (``None``: it runs)."""
     reason = unavailable(c, device, allow_interpreter=allow_interpreter)
     if reason:
@@ -81,9 +109,16 @@ def stability_skip(scale: str, c: Contender, device: torch.device) -> dict | Non
     (``"same_as": "fgd-auto"``).
     """
     auto = backend_for("auto", device, DEFAULT_PRECISION)
-    same_backend = c.family == "fgd" and c.backend != "auto" and backend_for(c.backend, device, c.precision or DEFAULT_PRECISION) == auto
+    same_backend = (
+        c.family == "fgd"
+        and c.backend != "auto"
+        and backend_for(c.backend, device, c.precision or DEFAULT_PRECISION) == auto
+    )
     if same_backend and c.precision in (None, DEFAULT_PRECISION):  # fgd-auto runs at the default precision
-        return {"skipped": f"fgd-auto runs this backend ({c.backend}) here: the same code, the same distances", "same_as": "fgd-auto"}
+        return {
+            "skipped": f"fgd-auto runs this backend ({c.backend}) here: the same code, the same distances",
+            "same_as": "fgd-auto",
+        }
     for s, name, why in _STABILITY_EXCLUSIONS:
         if s == scale and name == c.name:
             return {"skipped": why}

@@ -139,7 +139,10 @@ def header(run: dict) -> list[str]:
     commit = env.get("commit", {})
     dirty = {True: " (with uncommitted changes)", False: "", None: ""}[commit.get("dirty")]
     if env.get("device") == "cuda":
-        device = f"GPU: {env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm {env.get('compute_capability')}); host CPU {env.get('cpu')}"
+        device = (
+            f"GPU: {env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm {env.get('compute_capability')}); "
+            f"host CPU {env.get('cpu')}"
+        )
         driver = f"driver {env.get('driver')}, CUDA {env.get('cuda')}"
     else:
         device = (
@@ -159,8 +162,10 @@ def header(run: dict) -> list[str]:
         "|---|---|",
         f"| device | {device} |",
         f"| driver | {driver} |",
-        f"| versions | torch {env.get('torch')}, triton {env.get('triton')}, geoopt {env.get('geoopt')}, numpy {env.get('numpy')}, Python {env.get('python')} |",
-        f"| platform | {env.get('platform')}; load average (1/5/15 min) at start {_load(load)}, at the end {_load(s.get('load_average_end'))} |",
+        f"| versions | torch {env.get('torch')}, triton {env.get('triton')}, geoopt {env.get('geoopt')}, "
+        f"numpy {env.get('numpy')}, Python {env.get('python')} |",
+        f"| platform | {env.get('platform')}; load average (1/5/15 min) at start {_load(load)}, "
+        f"at the end {_load(s.get('load_average_end'))} |",
         f"| commit | `{commit.get('id', '?')}`{dirty}; source digest `{env.get('source_digest', '?')}` |",
         f"| scale | `{s.get('scale')}` (see `benchmarks/workloads.py`) |",
     ]
@@ -173,7 +178,8 @@ def header(run: dict) -> list[str]:
     if st:
         lines.append(
             f"| settings | lr {st['lr']:g}, momentum {st['momentum']}, FGD feedback {st['feedback']}; "
-            f"{st['grad_sets']} seeded gradient sets, {st['grad_norm']}; `fgd-auto` resolves to `{st['fgd_auto_resolves_to']}` |"
+            f"{st['grad_sets']} seeded gradient sets, {st['grad_norm']}; "
+            f"`fgd-auto` resolves to `{st['fgd_auto_resolves_to']}` |"
         )
     return lines
 
@@ -273,7 +279,8 @@ def workload_section(run: dict, w: str) -> list[str]:
         ]
     auto = _median(by.get("fgd-auto", {}))
     lines += [
-        "| contender | median | IQR | rounds | × fgd-auto | × FGD floor | of matmul rate | of copy bandwidth | peak extra memory | × θ bytes | max / mean ‖θᵀθ − I‖_F | step ‖ΔW‖_F |",
+        "| contender | median | IQR | rounds | × fgd-auto | × FGD floor | of matmul rate | of copy bandwidth "
+        "| peak extra memory | × θ bytes | max / mean ‖θᵀθ − I‖_F | step ‖ΔW‖_F |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in _sorted(by):
@@ -303,7 +310,8 @@ def workload_section(run: dict, w: str) -> list[str]:
         )
     skipped = [s for s in run["skips"] if s["workload"] == w]
     not_run = [
-        (name, by[name]["stability"]["skipped"]) for name in _sorted(by)
+        (name, by[name]["stability"]["skipped"])
+        for name in _sorted(by)
         if "skipped" in by[name].get("stability", {}) and "same_as" not in by[name]["stability"]
     ]
     if skipped or not_run:
@@ -343,9 +351,12 @@ def method(run: dict) -> list[str]:
         f"- **Peak extra memory**: {memory}; *× θ bytes* divides it by the bytes of the constrained "
         "weights (float32, 4·Σn·p).",
     ] + (
-        ["- A fraction above 100 % of the copy bandwidth means the step's data fit in the caches "
-         "(the copy measured for the rate is far larger than any cache)."]
-        if _any_above_copy_rate(run) else []
+        [
+            "- A fraction above 100 % of the copy bandwidth means the step's data fit in the caches "
+            "(the copy measured for the rate is far larger than any cache)."
+        ]
+        if _any_above_copy_rate(run)
+        else []
     )
 
 

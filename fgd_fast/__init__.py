@@ -18,6 +18,7 @@ from .optimizer import FGD
 from .selection import select_stiefel, stiefel_param_groups
 
 __all__ = [
+    "__version__",
     "BACKENDS",
     "FGD",
     "as_stiefel",

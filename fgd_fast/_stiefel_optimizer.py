@@ -8,7 +8,8 @@ state of float16/bfloat16 orthogonal parameters stays float32 across ``load_stat
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.optim.optimizer import Optimizer

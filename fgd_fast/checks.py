@@ -7,7 +7,7 @@ any backend writes a parameter or a state tensor, so a failing step changes noth
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +69,9 @@ def raise_if_invalid(
         _raise_if_off_manifold(dist_all, labels, max_distance)
 
 
-def _raise_if_off_manifold(dist_all: list[float], labels: Sequence[str], max_distance: float, *, only_non_finite: bool = False) -> None:
+def _raise_if_off_manifold(
+    dist_all: list[float], labels: Sequence[str], max_distance: float, *, only_non_finite: bool = False
+) -> None:
     for i, dv in enumerate(dist_all):
         if only_non_finite and dv == dv:
             continue

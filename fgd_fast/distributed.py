@@ -27,7 +27,7 @@ Nothing here imports ``torch.distributed`` until a DTensor is seen.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -188,22 +188,32 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
     with torch.no_grad():
         for (mesh, mesh_dim, device), layers in rows.items():
             plan = resolve(device.type)(
-                [params[i].to_local() for i in layers], [grads[i].to_local() for i in layers],
-                [bufs[i].to_local() if bufs[i] is not None else None for i in layers], [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
-                precision=precision, reduce=summing_over(mesh.get_group(mesh_dim)), shapes=[params[i].shape for i in layers],
+                [params[i].to_local() for i in layers],
+                [grads[i].to_local() for i in layers],
+                [bufs[i].to_local() if bufs[i] is not None else None for i in layers],
+                [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
+                check_finite=check_finite,
+                precision=precision,
+                reduce=summing_over(mesh.get_group(mesh_dim)),
+                shapes=[params[i].shape for i in layers],
             )
             out.append((layers, plan))
         for device, layers in whole.items():
             full_p = [full_value(params[i]) for i in layers]  # every rank gets the same whole matrices
             full_b = [full_value(bufs[i]) if bufs[i] is not None else None for i in layers]
             plan = resolve(device.type)(
-                full_p, [full_value(grads[i]) for i in layers], full_b, [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
+                full_p,
+                [full_value(grads[i]) for i in layers],
+                full_b,
+                [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
+                check_finite=check_finite,
                 precision=precision,
             )
-            out.append((layers, _writing_back(plan, [params[i] for i in layers], full_p,
-                                               [bufs[i] for i in layers], full_b)))
+            out.append(
+                (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
+            )
     return out
 
 

@@ -7,8 +7,8 @@ functions do the arithmetic. :func:`fgd` dispatches to one backend implementatio
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -20,7 +20,7 @@ from .validation import check_state_tensor
 __all__ = ["fgd", "sgd", "backend_for"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cached_backend(name: str, device_type: str, precision: str = "ieee") -> tuple[str, Backend]:
     return resolve_backend(name, torch.device(device_type), precision)
 
@@ -107,7 +107,7 @@ def fgd(
     plans, index = [], []
     for device, idx in by_device.items():
         _, prepare = _cached_backend(backend, device.type, precision)
-        pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+        pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
         plans.append(
             prepare(
                 pick(params), pick(grads), pick(bufs), pick(fresh),

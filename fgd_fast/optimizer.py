@@ -1,7 +1,8 @@
 """``FGD``: the ``torch.optim.Optimizer`` front end (collects state, validates, dispatches)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -67,9 +68,10 @@ class FGD(StiefelOptimizer):
         max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
         precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"ieee"``
             (IEEE fp32; the default, ``None``, is ``fgd_fast.backends.DEFAULT_PRECISION``, the
-            fastest precision measured fp32-level on a GPU: ``"ieee"`` today), ``"tf32x3"`` (TF32 tensor cores with θᵀθ split into
-            hi + lo parts: near-fp32 accuracy where it matters) or ``"tf32"`` (opt-in; ~1e-3
-            relative error in θᵀθ, so θ settles ~1e-3 off the manifold). A CPU has no TF32 and
+            fastest precision measured fp32-level on a GPU: ``"ieee"`` today), ``"tf32x3"``
+            (TF32 tensor cores with θᵀθ split into hi + lo parts: near-fp32 accuracy where it
+            matters) or ``"tf32"`` (opt-in; ~1e-3 relative error in θᵀθ, so θ settles ~1e-3 off
+            the manifold). A CPU has no TF32 and
             computes every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for
             ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
             compute in full precision (whatever torch's global TF32 setting), so an explicit one
@@ -110,8 +112,13 @@ class FGD(StiefelOptimizer):
                 "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
             )
         defaults = dict(
-            lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
-            dampening=dampening, nesterov=nesterov, orthogonal=False,
+            lr=lr,
+            momentum=momentum,
+            feedback=feedback,
+            weight_decay=weight_decay,
+            dampening=dampening,
+            nesterov=nesterov,
+            orthogonal=False,
         )
         _check_group(defaults)
         super().__init__(params, defaults)
@@ -139,11 +146,18 @@ class FGD(StiefelOptimizer):
 
         if orth["params"]:
             fgd(
-                orth["params"], orth["grads"], orth["bufs"],
-                lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
-                backend=self.backend, check_finite=self.check_finite,
-                check_manifold=self.check_manifold, max_distance=self.max_distance,
-                precision=self.precision, labels=orth["labels"],
+                orth["params"],
+                orth["grads"],
+                orth["bufs"],
+                lr=orth["lr"],
+                momentum=orth["momentum"],
+                feedback=orth["feedback"],
+                backend=self.backend,
+                check_finite=self.check_finite,
+                check_manifold=self.check_manifold,
+                max_distance=self.max_distance,
+                precision=self.precision,
+                labels=orth["labels"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

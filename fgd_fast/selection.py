@@ -1,7 +1,8 @@
 """Which weights of a model are Stiefel-constrained, and the param groups for them."""
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from .manifold import orthogonalize_
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
-Rule = Union[str, Callable[[str, torch.Tensor], bool]]
+Rule = str | Callable[[str, torch.Tensor], bool]
 RULES = ("paper", "official", "all")
 
 
@@ -48,7 +49,10 @@ def select_stiefel(model: nn.Module, rule: Rule = "paper") -> list[tuple[str, to
             chosen.append((name, p)) if verdict else None
         return chosen
     if rule not in RULES:
-        raise ValueError(f"unknown rule={rule!r}: choose one of {', '.join(map(repr, RULES))}, or pass a callable (name, param) -> bool")
+        raise ValueError(
+            f"unknown rule={rule!r}: choose one of {', '.join(map(repr, RULES))}, "
+            "or pass a callable (name, param) -> bool"
+        )
     if rule == "all":
         return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
     convs = _conv2d_weights(model)

@@ -7,7 +7,8 @@ anything.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -127,8 +128,11 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
 def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str) -> None:
     """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
     ``load_state_dict`` from another model)."""
-    if not isinstance(value, torch.Tensor) or value.shape != p.shape or value.dtype != dtype or value.device != p.device:
-        got = f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
+    fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (p.shape, dtype, p.device)
+    if not fits:
+        got = (
+            f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
+        )
         raise ValueError(
             f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}; "
             "was the optimizer state loaded for another model?"

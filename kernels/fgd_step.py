@@ -47,6 +47,7 @@ import triton.language as tl
 
 from . import meta
 
+
 @triton.jit
 def _offsets(rk, ci, n, p, ROWS: tl.constexpr):
     """Element offsets of θ[rk, ci] (rk: indices along n, ci: indices along p)."""

@@ -2,7 +2,6 @@
 every optimizer shares, non-finite gradients and the like: ``test_failed_step_contract.py``.)"""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -14,7 +13,9 @@ from helpers import assert_unchanged, backend_params, device_for_tests, snapshot
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)).to(device_for_tests())
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)).to(
+        device_for_tests()
+    )
 
 
 def _loss(net):

@@ -36,7 +36,11 @@ PROBLEMS = {
 # √v̂, so its cap needs a larger lr); "uncapped": gradients of norm ~1, small lr, t = lr always.
 REGIMES = {"capped": (0.5, 1.0), "uncapped": (0.02, None)}
 ADAM_LR = {"capped": 5.0, "uncapped": 0.02}
-FORMS = {"lowrank": dict(form="lowrank"), "dense-fro": dict(form="dense", norm="fro"), "dense-one": dict(form="dense", norm="one")}
+FORMS = {
+    "lowrank": dict(form="lowrank"),
+    "dense-fro": dict(form="dense", norm="fro"),
+    "dense-one": dict(form="dense", norm="one"),
+}
 STEPS = 12
 
 
@@ -167,7 +171,10 @@ def test_mixed_groups_and_channels_last_match_oracle():
     params = [torch.tensor(w, requires_grad=True).to(memory_format=torch.channels_last) for w in w0]
     params = [p.detach().requires_grad_() for p in params]
     assert not params[0].is_contiguous()
-    opt = CayleySGD([dict(params=params[:2], orthogonal=True), dict(params=params[2:], orthogonal=True, lr=0.1, momentum=0.5, s=3)], lr=0.5)
+    opt = CayleySGD(
+        [dict(params=params[:2], orthogonal=True), dict(params=params[2:], orthogonal=True, lr=0.1, momentum=0.5, s=3)],
+        lr=0.5,
+    )
     for gs in grads:
         for p, g in zip(params, gs):
             p.grad = torch.tensor(g)
@@ -328,7 +335,9 @@ def test_sgd_public_code_compat_matches_transcription(problem, qr_period):
     w0, grads = _data(problem, "capped", seed=10)
     w0 = [w * 1.01 for w in w0]  # off the unit sphere: the renormalisation matters
     kwargs = {} if qr_period is None else dict(qr_period=qr_period)
-    params, opt = _torch_run(CayleySGD, w0, grads, torch.float64, lr=0.5, momentum=0.9, public_code_compat=True, **kwargs)
+    params, opt = _torch_run(
+        CayleySGD, w0, grads, torch.float64, lr=0.5, momentum=0.9, public_code_compat=True, **kwargs
+    )
     ws = [w.copy() for w in w0]
     for k, gs in enumerate(grads, start=1):
         ws = [co.public_sgd_step(w, g, lr=0.5, qr=qr_period is not None and k % qr_period == 0) for w, g in zip(ws, gs)]
@@ -342,11 +351,15 @@ def test_sgd_public_code_compat_matches_transcription(problem, qr_period):
 def test_adam_public_code_compat_matches_transcription(problem):
     w0, grads = _data(problem, "capped", seed=11)
     w0 = [w * 0.98 for w in w0]
-    params, opt = _torch_run(CayleyADAM, w0, grads, torch.float64, lr=0.5, betas=(0.9, 0.99), public_code_compat=True, qr_period=4)
+    params, opt = _torch_run(
+        CayleyADAM, w0, grads, torch.float64, lr=0.5, betas=(0.9, 0.99), public_code_compat=True, qr_period=4
+    )
     ws, ms, vs = [w.copy() for w in w0], [None] * len(w0), [None] * len(w0)
     for k, gs in enumerate(grads, start=1):
         for i, g in enumerate(gs):
-            ws[i], ms[i], vs[i] = co.public_adam_step(ws[i], g, ms[i], vs[i], k, lr=0.5, betas=(0.9, 0.99), qr=k % 4 == 0)
+            ws[i], ms[i], vs[i] = co.public_adam_step(
+                ws[i], g, ms[i], vs[i], k, lr=0.5, betas=(0.9, 0.99), qr=k % 4 == 0
+            )
     for p, w, m in zip(params, ws, ms):
         assert _rel(p, w) < 1e-12
         assert _rel(fgd_fast.as_stiefel(opt.state[p]["exp_avg"]), m) < 1e-11
@@ -371,7 +384,9 @@ def test_compat_loses_momentum_and_plain_keeps_it():
 
 def test_compat_accepts_explicit_overrides():
     w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 30, dtype=torch.float64)))
-    opt = CayleySGD([dict(params=[w], orthogonal=True)], lr=0.1, public_code_compat=True, form="lowrank", norm="fro", s=3)
+    opt = CayleySGD(
+        [dict(params=[w], orthogonal=True)], lr=0.1, public_code_compat=True, form="lowrank", norm="fro", s=3
+    )
     assert opt.form == "lowrank" and opt.param_groups[0]["s"] == 3 and opt.param_groups[0]["renormalize"]
     with pytest.raises(ValueError, match="form='dense'"):
         CayleySGD([dict(params=[w], orthogonal=True)], lr=0.1, public_code_compat=True, form="lowrank")
@@ -380,7 +395,9 @@ def test_compat_accepts_explicit_overrides():
 # -- torch.optim behaviour -------------------------------------------------------------------------
 def _net(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)
+    )
     return net.to(dtype)
 
 
@@ -400,7 +417,11 @@ def _train(net, opt, steps, start=0, dtype=torch.float32):
 @pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
 def test_state_dict_round_trip_continues_bit_identically(cls, form, dtype):
     net = _net(2, dtype)
-    make = lambda model, ortho: cls(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=ortho), lr=0.1, form=form, weight_decay=1e-4)  # noqa: E731
+
+    def make(model, ortho):
+        groups = fgd_fast.stiefel_param_groups(model, "all", orthogonalize=ortho)
+        return cls(groups, lr=0.1, form=form, weight_decay=1e-4)
+
     opt = make(net, True)
     _train(net, opt, 3, dtype=dtype)
     buffer = io.BytesIO()
@@ -419,7 +440,10 @@ def test_state_dict_round_trip_continues_bit_identically(cls, form, dtype):
         assert torch.equal(pa, pb)
 
 
-@pytest.mark.parametrize("hyper", [dict(momentum=0.0), dict(momentum=0.9, dampening=0.2, weight_decay=1e-2), dict(momentum=0.8, nesterov=True)])
+@pytest.mark.parametrize(
+    "hyper",
+    [dict(momentum=0.0), dict(momentum=0.9, dampening=0.2, weight_decay=1e-2), dict(momentum=0.8, nesterov=True)],
+)
 def test_cayley_sgd_euclidean_parameters_are_torch_sgd(hyper):
     a, b = _net(1), _net(1)
     _train(a, CayleySGD(a.parameters(), lr=0.05, **hyper), 4)
@@ -551,7 +575,9 @@ def test_cayley_options_changed_after_construction_are_checked_at_step(cls):
 # -- adapters --------------------------------------------------------------------------------------
 def _adapter_net(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5), nn.Linear(5, 40))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5), nn.Linear(5, 40)
+    )
 
 
 def _layers(net):

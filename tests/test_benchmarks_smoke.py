@@ -18,7 +18,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 GPU_TOOLS = BENCH / "gpu"  # the GPU-session tooling
-ALWAYS = {"fgd-auto", "fgd-reference", "fgd-torch", "fgd-torch-tf32x3", "cayley-sgd-lowrank", "cayley-sgd-dense", "cayley-adam-lowrank", "torch-orthogonal", "sgd"}
+ALWAYS = {
+    "fgd-auto",
+    "fgd-reference",
+    "fgd-torch",
+    "fgd-torch-tf32x3",
+    "cayley-sgd-lowrank",
+    "cayley-sgd-dense",
+    "cayley-adam-lowrank",
+    "torch-orthogonal",
+    "sgd",
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +36,7 @@ def bench_modules():
     sys.path[:0] = [str(BENCH), str(GPU_TOOLS)]
     try:
         import gpu_check
+
         import report
         from test_optimizer_step import CASES
 
@@ -43,8 +54,17 @@ def tiny_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(FGD_BENCH_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider", "--bench-scale", "tiny",
-        f"--benchmark-json={out / 'run.json'}", f"--bench-record={out / 'run.jsonl'}",
+        sys.executable,
+        "-m",
+        "pytest",
+        "benchmarks",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--bench-scale",
+        "tiny",
+        f"--benchmark-json={out / 'run.json'}",
+        f"--bench-record={out / 'run.jsonl'}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -62,7 +82,13 @@ def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
     assert {c for _, c in ran} >= ALWAYS
     if not torch.cuda.is_available():
         assert {c for _, c in skipped} <= {
-            "fgd-triton", "fgd-triton-tf32x3", "fgd-triton-tf32", "fgd-cuda", "fgd-torch-tf32", "geoopt-qr", "geoopt-canonical",
+            "fgd-triton",
+            "fgd-triton-tf32x3",
+            "fgd-triton-tf32",
+            "fgd-cuda",
+            "fgd-torch-tf32",
+            "geoopt-qr",
+            "geoopt-canonical",
         }
     for (w, c), b in ran.items():
         info = b["extra_info"]
@@ -92,7 +118,13 @@ def test_report_renders_from_json_and_from_the_case_record(tiny_run, bench_modul
 def test_gpu_check_keeps_results_of_failed_and_timed_out_phases(tmp_path, bench_modules):
     _, gpu_check, _ = bench_modules
     args = argparse.Namespace(
-        outdir=str(tmp_path), budget=120.0, commit="abc", cpu_dry_run=True, no_install=True, tests=None, digest=False,
+        outdir=str(tmp_path),
+        budget=120.0,
+        commit="abc",
+        cpu_dry_run=True,
+        no_install=True,
+        tests=None,
+        digest=False,
     )
     check = gpu_check.Check(args)
     slow = check.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)

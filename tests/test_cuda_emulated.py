@@ -91,7 +91,7 @@ def _setup(cuda, monkeypatch, case):
     return spec["layers"], spec.get("channels_last", False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_data(layers, steps, seed):
     rng = np.random.default_rng(seed)
     shapes = [s for s, _ in layers]
@@ -334,8 +334,11 @@ def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
 
     real = functional._cached_backend
     monkeypatch.setattr(
-        functional, "_cached_backend",
-        lambda name, device_type, precision="ieee": ("cuda", cuda.prepare_cuda) if name == "cuda" else real(name, device_type, precision),
+        functional,
+        "_cached_backend",
+        lambda name, device_type, precision="ieee": (
+            ("cuda", cuda.prepare_cuda) if name == "cuda" else real(name, device_type, precision)
+        ),
     )
     groups = [
         ([(130, 150), (8, 4, 3, 3)], dict(lr=0.1, momentum=0.9, feedback=0.4)),
@@ -347,8 +350,9 @@ def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
     w0 = [random_stiefel(rng, s) for s, _ in layers]
     params = [_tensor(cuda, w, torch.float64).requires_grad_() for w in w0]
     it = iter(params)
-    opt = fgd_fast.FGD([dict(params=[next(it) for _ in shapes], orthogonal=True, **h) for shapes, h in groups],
-                       lr=0.1, backend="cuda")
+    opt = fgd_fast.FGD(
+        [dict(params=[next(it) for _ in shapes], orthogonal=True, **h) for shapes, h in groups], lr=0.1, backend="cuda"
+    )
     ow, ophi = [w.copy() for w in w0], [None] * len(layers)
     for _ in range(3):
         grads = [rng.standard_normal(s) / np.sqrt(np.prod(s)) for s, _ in layers]
@@ -375,8 +379,9 @@ def test_emulator_catches_barrier_and_memory_errors(emu_ext, switch):
     endless loop fail the launch, and it runs on normally afterwards; with either way of
     switching threads."""
     threads, blocks = 64, 3
-    want = torch.tensor([(t + 1) % threads + 1000 * b for b in range(blocks) for t in range(threads)],
-                        dtype=torch.float32)
+    want = torch.tensor(
+        [(t + 1) % threads + 1000 * b for b in range(blocks) for t in range(threads)], dtype=torch.float32
+    )
     was = emu_ext.use_ucontext(switch == "ucontext")
     try:
         for reverse in (False, True):
@@ -426,8 +431,25 @@ def test_emulated_16_bit_conversions_match_torch(emu_ext):
         bits = mid.view(torch.int32)
         near = torch.cat([bits - 1, bits, bits + 1]).view(torch.float32)
         rand = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
-        special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65519.99, 65520.0, 1e-8, 2.0**-25,
-                                2.0**-24, 3 * 2.0**-26, 2.0**-14, 3.4e38, 1e-45], dtype=torch.float32)
+        special = torch.tensor(
+            [
+                0.0,
+                -0.0,
+                float("inf"),
+                -float("inf"),
+                65504.0,
+                65519.99,
+                65520.0,
+                1e-8,
+                2.0**-25,
+                2.0**-24,
+                3 * 2.0**-26,
+                2.0**-14,
+                3.4e38,
+                1e-45,
+            ],
+            dtype=torch.float32,
+        )
         x = torch.cat([near, rand.view(torch.float32), special, -special])
         down = emu_ext.convert(x, dtype)
         want = x.to(dtype)

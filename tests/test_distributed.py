@@ -13,10 +13,10 @@ import os
 import tempfile
 import time
 
-import distributed_cases as cases
 import pytest
 import torch
 
+import distributed_cases as cases
 import fgd_fast
 
 pytestmark = pytest.mark.skipif(

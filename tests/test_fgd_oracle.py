@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fgd_fast
-from oracle import fgd_step, random_stiefel, stiefel_dist
 from helpers import backend_params, device_for_tests
+from oracle import fgd_step, random_stiefel, stiefel_dist
 
 # (name, [(shape, group)], per-group hyper-parameters): conv-shaped, wide/tall Linear, p = 1,
 # square, odd sizes, several layers of one shape in one group, mixed groups.
@@ -125,8 +125,11 @@ def test_half_parameters_compute_in_float32(backend, dtype):
     full = [h.detach().float().clone().requires_grad_() for h in half]
     o_half = fgd_fast.FGD([dict(params=half, orthogonal=True)], lr=0.1, backend=backend)
     o_full = fgd_fast.FGD([dict(params=full, orthogonal=True)], lr=0.1, backend="reference")
-    for step in range(3):
-        grads = [torch.tensor(rng.standard_normal(s) / np.sqrt(np.prod(s)), dtype=torch.float32, device=device) for s in shapes]
+    for _ in range(3):
+        grads = [
+            torch.tensor(rng.standard_normal(s) / np.sqrt(np.prod(s)), dtype=torch.float32, device=device)
+            for s in shapes
+        ]
         for h, f, g in zip(half, full, grads):
             h.grad, f.grad = g.to(dtype), g.to(dtype).float()
         o_half.step()
@@ -143,5 +146,7 @@ def test_half_parameters_compute_in_float32(backend, dtype):
                 # differ in about half the elements (the CPU interpreter truncates bfloat16, so
                 # this is checked on a GPU only)
                 assert (h.detach() != f.detach().to(dtype)).float().mean() < 0.05
-            torch.testing.assert_close(o_half.state[h]["momentum_buffer"], o_full.state[f]["momentum_buffer"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                o_half.state[h]["momentum_buffer"], o_full.state[f]["momentum_buffer"], rtol=1e-5, atol=1e-6
+            )
             f.data.copy_(h.detach().float())  # continue both from the same rounded θ

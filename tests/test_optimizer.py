@@ -97,7 +97,9 @@ def test_state_dict_round_trip_continues_bit_identically(backend, dtype):
     ckpt = torch.load(buffer, weights_only=True)
     net2 = _net(99, dtype)
     net2.load_state_dict(ckpt["model"])
-    opt2 = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net2, "all", orthogonalize=False), lr=0.05, backend=backend, weight_decay=1e-4)
+    opt2 = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(net2, "all", orthogonalize=False), lr=0.05, backend=backend, weight_decay=1e-4
+    )
     opt2.load_state_dict(ckpt["opt"])
     for p in opt2.param_groups[0]["params"]:
         assert opt2.state[p]["momentum_buffer"].dtype == fgd_fast.backends.compute_dtype(dtype)
@@ -162,13 +164,17 @@ def test_paper_toy_problem_reaches_closed_form_minimum():
 def _bn_cnn(seed):
     torch.manual_seed(seed)
     block = lambda i, o: [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]  # noqa: E731
-    net = nn.Sequential(*block(3, 16), *block(16, 32), *block(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    net = nn.Sequential(
+        *block(3, 16), *block(16, 32), *block(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)
+    )
     return net.to(device_for_tests())
 
 
 def _train_cnn(backend, feedback, steps=120):
     net = _bn_cnn(4)
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.005, momentum=0.9, feedback=feedback, backend=backend)
+    opt = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(net, "paper"), lr=0.005, momentum=0.9, feedback=feedback, backend=backend
+    )
     losses, worst = [], 0.0
     for s in range(steps):
         x, y = _batch(s % 10, n=32)
@@ -254,7 +260,11 @@ def test_orthogonality_keys_by_name_or_index():
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.1)
     assert sorted(opt.orthogonality()) == ["0.weight", "3.weight"]
     plain = fgd_fast.FGD(
-        [dict(params=[net[0].weight], orthogonal=True), dict(params=[net[0].bias]), dict(params=[net[3].weight], orthogonal=True)],
+        [
+            dict(params=[net[0].weight], orthogonal=True),
+            dict(params=[net[0].bias]),
+            dict(params=[net[3].weight], orthogonal=True),
+        ],
         lr=0.1,
     )
     assert sorted(plain.orthogonality()) == [0, 2]  # the flat indices state_dict uses

@@ -57,7 +57,10 @@ def test_every_selectable_configuration_compiles_without_spills(tmp_path):
 @pytest.mark.skipif(not TRITON36.exists(), reason="no .venv-triton36 (bash .ci/setup-env creates it)")
 def test_gpu_machine_triton_compiles_every_configuration(tmp_path):
     version = subprocess.run(
-        [str(TRITON36), "-c", "import triton; print(triton.__version__)"], capture_output=True, text=True, env=_clean_env()
+        [str(TRITON36), "-c", "import triton; print(triton.__version__)"],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
     )
     assert version.stdout.strip() == "3.6.0", version.stderr
     _check(_compile_all(str(TRITON36), tmp_path))
@@ -82,18 +85,40 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
         keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI")
         consts = {k: kw[k] for k in keys if k in kw}
         consts = {k: (str(v).removeprefix("tl.") if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
-        consts = {k: {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(v, v) for k, v in consts.items()}
-        cfg = {k: v for k, v in kw.items() if k in ("BP", "BM", "BK", "BR", "BN", "BS", "BL", "num_warps", "num_stages")}
-        seen.append((kernel.fn.__name__, json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True), json.dumps(cfg, sort_keys=True)))
+        consts = {
+            k: {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(v, v)
+            for k, v in consts.items()
+        }
+        cfg = {
+            k: v for k, v in kw.items() if k in ("BP", "BM", "BK", "BR", "BN", "BS", "BL", "num_warps", "num_stages")
+        }
+        seen.append(
+            (
+                kernel.fn.__name__,
+                json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True),
+                json.dumps(cfg, sort_keys=True),
+            )
+        )
         return real(kernel, grid, *args, **kw)
 
     monkeypatch.setattr(tb, "_launch", record)
     rng = np.random.default_rng(0)
-    cases = [(torch.float32, 0.9, "tf32x3"), (torch.float32, 0.0, "tf32"), (torch.float32, 0.9, "ieee"),
-             (torch.bfloat16, 0.0, "ieee"), (torch.bfloat16, 0.9, "tf32x3"), (torch.float64, 0.9, "tf32")]
+    cases = [
+        (torch.float32, 0.9, "tf32x3"),
+        (torch.float32, 0.0, "tf32"),
+        (torch.float32, 0.9, "ieee"),
+        (torch.bfloat16, 0.0, "ieee"),
+        (torch.bfloat16, 0.9, "tf32x3"),
+        (torch.float64, 0.9, "tf32"),
+    ]
     for dtype, momentum, precision in cases:
-        params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.tensor(rng.standard_normal(s), dtype=dtype))) for s in [(8, 4, 3, 3), (20, 6)]]
-        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, momentum=momentum, backend="triton", precision=precision)
+        params = [
+            torch.nn.Parameter(fgd_fast.orthogonalize_(torch.tensor(rng.standard_normal(s), dtype=dtype)))
+            for s in [(8, 4, 3, 3), (20, 6)]
+        ]
+        opt = fgd_fast.FGD(
+            [dict(params=params, orthogonal=True)], lr=0.01, momentum=momentum, backend="triton", precision=precision
+        )
         for _ in range(2):
             for p in params:
                 p.grad = torch.randn_like(p)

@@ -114,7 +114,7 @@ def test_split_pass_writes_exact_tf32_halves(rows):
         th32 = to_theta(params[i].cpu().numpy())  # n × p float32
         n, p, ld = (int(table[k, f]) for f in (meta.F_N, meta.F_P, meta.F_LD))
         assert ld >= n and ld % 128 == 0
-        at = lambda field: (int(table[k, field]) - base) // 4  # noqa: E731
+        at = lambda field, k=k: (int(table[k, field]) - base) // 4  # noqa: E731
         hi = split[at(meta.F_HI):at(meta.F_HI) + p * ld]
         lo = split[at(meta.F_LO):at(meta.F_LO) + p * ld]
         hi, lo = (x.reshape(p, ld).T if rows else x.reshape(ld, p) for x in (hi, lo))

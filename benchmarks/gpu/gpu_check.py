@@ -71,7 +71,9 @@ class Check:
         if args.commit:
             self.env["FGD_BENCH_COMMIT"] = args.commit
         if args.cpu_dry_run:
-            self.env.update(FGD_BENCH_DEVICE="cpu", FGD_BENCH_SCALE="tiny", FGD_BENCH_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+            self.env.update(
+                FGD_BENCH_DEVICE="cpu", FGD_BENCH_SCALE="tiny", FGD_BENCH_THREADS="1", OMP_WAIT_POLICY="PASSIVE"
+            )
         else:
             self.env.setdefault("FGD_BENCH_SCALE", "full")
         self.result: dict = {"args": vars(args), "source_digest": source_digest(ROOT), "phases": {}}
@@ -93,7 +95,9 @@ class Check:
         outcome = {"cmd": " ".join(cmd), "log": log.name, "timeout_s": round(timeout)}
         try:
             with open(log, "w", encoding="utf-8") as fh:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, env=env or self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 try:
                     outcome["rc"] = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -148,10 +152,17 @@ def build(check: Check) -> None:
         r = check.run("build-pip", pip, limit, env={**check.env, "FGD_FAST_BUILD_CUDA": "1"})
         if not r["ok"] and "externally-managed" in (check.out / "build-pip.log").read_text(errors="replace"):
             pip.append("--break-system-packages")
-            r = check.run("build-pip", pip, limit - (time.monotonic() - t0), env={**check.env, "FGD_FAST_BUILD_CUDA": "1"})
+            r = check.run(
+                "build-pip", pip, limit - (time.monotonic() - t0), env={**check.env, "FGD_FAST_BUILD_CUDA": "1"}
+            )
         built = r["ok"]
         if not built:  # the package must import either way (fgd_fast.kernels comes from the install)
-            r = check.run("install-python", pip, max(30.0, limit - (time.monotonic() - t0)), env={**check.env, "FGD_FAST_BUILD_CUDA": "0"})
+            r = check.run(
+                "install-python",
+                pip,
+                max(30.0, limit - (time.monotonic() - t0)),
+                env={**check.env, "FGD_FAST_BUILD_CUDA": "0"},
+            )
             if not r["ok"]:  # last resort: the source tree (no fgd_fast.kernels, so no Triton backend)
                 check.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), check.env.get("PYTHONPATH")]))
     if not built:
@@ -171,7 +182,11 @@ def build(check: Check) -> None:
 def tests(check: Check) -> None:
     # the CPU-only checks (ahead-of-time compilation, CUDA emulation) ran in CI already
     full = ["tests", "--ignore=tests/test_triton_aot.py", "--ignore=tests/test_cuda_emulated.py"]
-    selection = check.args.tests.split() if check.args.tests else (["tests/test_bad_input.py", "-k", "construction"] if check.args.cpu_dry_run else full)
+    selection = (
+        check.args.tests.split()
+        if check.args.tests
+        else (["tests/test_bad_input.py", "-k", "construction"] if check.args.cpu_dry_run else full)
+    )
     junit = check.out / "tests-junit.xml"
     cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rfE", f"--junitxml={junit}", "-p", "no:cacheprovider"]
     if check.args.workers and not check.args.cpu_dry_run and _has_xdist():
@@ -212,9 +227,17 @@ def bench(check: Check) -> None:
     for stale in ("bench.json", "bench-cases.jsonl"):
         (check.out / stale).unlink(missing_ok=True)
     cmd = [
-        sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider",
-        f"--benchmark-json={check.out / 'bench.json'}", f"--bench-record={check.out / 'bench-cases.jsonl'}",
-        "--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name",
+        sys.executable,
+        "-m",
+        "pytest",
+        "benchmarks",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--benchmark-json={check.out / 'bench.json'}",
+        f"--bench-record={check.out / 'bench-cases.jsonl'}",
+        "--benchmark-columns=min,median,max,rounds",
+        "--benchmark-sort=name",
     ]
     reserved = ACCURACY_S + (PROBE_S if _probing(check) else 0)
     check.run("bench", cmd, check.left() - REPORT_RESERVE_S - reserved)
@@ -259,7 +282,11 @@ def probe(check: Check) -> None:
         check.result["phases"]["triton-probe"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
         return
     cmd = [
-        sys.executable, "benchmarks/gpu/triton_probe.py", str(check.out / "triton_probe.json"), "--budget", str(round(budget - 20))
+        sys.executable,
+        "benchmarks/gpu/triton_probe.py",
+        str(check.out / "triton_probe.json"),
+        "--budget",
+        str(round(budget - 20)),
     ]
     env = check.env
     if check.args.cpu_dry_run:  # rehearsal: the interpreter on tiny shapes
@@ -280,7 +307,9 @@ def _probe_lines(check: Check) -> list[str]:
         elif "error" in r:
             lines.append(f"- {r['what']} {r.get('cfg')}: {r['error']}")
         else:
-            lines.append(f"- {r['what']} {r.get('cfg')}: prepare {r['prepare_ms']:.3g} ms, apply {r['apply_ms']:.3g} ms")
+            lines.append(
+                f"- {r['what']} {r.get('cfg')}: prepare {r['prepare_ms']:.3g} ms, apply {r['apply_ms']:.3g} ms"
+            )
     return lines
 
 
@@ -289,7 +318,11 @@ def report(check: Check) -> None:
     if not (source.exists() and source.stat().st_size):
         source = check.out / "bench-cases.jsonl"
     if source.exists() and source.stat().st_size:
-        check.run("report", [sys.executable, "benchmarks/report.py", str(source), "-o", str(check.out / "bench-report.md")], 60)
+        check.run(
+            "report",
+            [sys.executable, "benchmarks/report.py", str(source), "-o", str(check.out / "bench-report.md")],
+            60,
+        )
     (check.out / "report.md").write_text(render(check), encoding="utf-8")
 
 
@@ -299,8 +332,10 @@ def render(check: Check) -> str:
     lines = [
         f"# GPU check: {env.get('gpu') or env.get('cpu', '?')}{' (CPU dry run)' if check.args.cpu_dry_run else ''}",
         "",
-        f"- device: {env.get('gpu', 'CPU')}, driver {env.get('driver', '—')}, CUDA {env.get('cuda', '—')}, host CPU {env.get('cpu', '?')}",
-        f"- versions: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, geoopt {env.get('geoopt', '?')}, Python {env.get('python', '?')}",
+        f"- device: {env.get('gpu', 'CPU')}, driver {env.get('driver', '—')}, CUDA {env.get('cuda', '—')}, "
+        f"host CPU {env.get('cpu', '?')}",
+        f"- versions: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, geoopt {env.get('geoopt', '?')}, "
+        f"Python {env.get('python', '?')}",
         f"- commit: `{commit.get('id', '?')}` ({commit.get('source', '?')}); source digest `{r['source_digest']}`",
         f"- date (UTC): {env.get('date_utc', '?')}; budget {check.args.budget} s",
         f"- CUDA extension: {r.get('cuda_extension', '?')}",
@@ -310,14 +345,19 @@ def render(check: Check) -> str:
         "|---|---|---|---|",
     ]
     for name, p in r["phases"].items():
-        note = p.get("skipped") or ("timed out" if p.get("timed_out") else f"exit {p.get('rc')}") + (f", log `{p['log']}`" if p.get("log") else "")
+        note = p.get("skipped") or ("timed out" if p.get("timed_out") else f"exit {p.get('rc')}") + (
+            f", log `{p['log']}`" if p.get("log") else ""
+        )
         lines.append(f"| {name} | {'yes' if p.get('ok') else 'no'} | {p.get('seconds', '—')} | {note} |")
     ts = r.get("test_summary", {})
     lines += ["", "## Tests", ""]
     if "missing" in ts:
         lines.append(f"No JUnit result ({ts['missing']}); see `tests.log`.")
     elif ts:
-        lines.append(f"{ts['passed']} passed, {ts['failures']} failed, {ts['errors']} errors, {ts['skipped']} skipped (of {ts['tests']}).")
+        lines.append(
+            f"{ts['passed']} passed, {ts['failures']} failed, {ts['errors']} errors, "
+            f"{ts['skipped']} skipped (of {ts['tests']})."
+        )
         lines += [f"- {f}" for f in ts.get("failed", [])]
     bench_md = check.out / "bench-report.md"
     lines += ["", "## Benchmarks", ""]
@@ -335,12 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir", nargs="?", help="folder for report.md, gpu_check.json, logs and raw results")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
-    ap.add_argument("--commit", default=os.environ.get("FGD_BENCH_COMMIT"), help="the commit under test, when the device has no git")
+    ap.add_argument(
+        "--commit", default=os.environ.get("FGD_BENCH_COMMIT"), help="the commit under test, when the device has no git"
+    )
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU: tiny shapes, a few tests")
-    ap.add_argument("--no-install", action="store_true", help="skip the pip installs (the package is installed already)")
+    ap.add_argument(
+        "--no-install", action="store_true", help="skip the pip installs (the package is installed already)"
+    )
     ap.add_argument("--tests", help="pytest selection for the tests phase (default: tests; dry run: a few fast ones)")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe after the benchmarks")
-    ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)")
+    ap.add_argument(
+        "--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)"
+    )
     ap.add_argument("--digest", action="store_true", help="print this checkout's source digest and exit")
     args = ap.parse_args(argv)
     if args.digest:

@@ -57,7 +57,10 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=180.0)
     ap.add_argument("--workload", default="wrn-28-10")
     ap.add_argument("--precision", default="tf32x3", choices=("tf32x3", "tf32"), help="precision of the sweep")
-    ap.add_argument("--base", help='JSON {"gram": {...}, "update": {...}}: the configurations to start from (default: the shipped ones)')
+    ap.add_argument(
+        "--base",
+        help='JSON {"gram": {...}, "update": {...}}: the configurations to start from (default: the shipped ones)',
+    )
     ap.add_argument("--gram", help="JSON list of Gram candidates (default: GRAM_CANDIDATES)")
     ap.add_argument("--update", help="JSON list of update candidates (default: UPDATE_CANDIDATES)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="rehearse on a CPU (TRITON_INTERPRET=1, tiny shapes)")
@@ -65,10 +68,9 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
 
     import fgd_fast
-
     from fgd_fast.backends import triton as TB
-    from fgd_fast.kernels import tc_step as K
     from fgd_fast.functional import fgd
+    from fgd_fast.kernels import tc_step as K
     from machine import environment
     from workloads import layer_shapes, weight_shapes, workloads
 
@@ -85,6 +87,7 @@ def main() -> int:
     dev = torch.device("cpu" if args.cpu_dry_run else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.cpu_dry_run:  # rehearsal under the interpreter: tiny shapes, wall-clock timing
+
         def do_bench(fn):
             fn()
             t0 = time.perf_counter()
@@ -96,8 +99,11 @@ def main() -> int:
     shapes = weight_shapes(w)
     np_list = layer_shapes(w)
     out: dict = {
-        "environment": environment(dev), "workload": args.workload, "layers": np_list,
-        "base": {"gram": K.GRAM_CONFIG[key], "update": K.UPDATE_CONFIG[key]}, "results": [],
+        "environment": environment(dev),
+        "workload": args.workload,
+        "layers": np_list,
+        "base": {"gram": K.GRAM_CONFIG[key], "update": K.UPDATE_CONFIG[key]},
+        "results": [],
     }
     path = Path(args.out)
 
@@ -118,7 +124,18 @@ def main() -> int:
 
     def step(backend, **kw):
         # timing only: thousands of steps on one fixed gradient drift θ, so no checks
-        fgd(params, grads, bufs, lr=1e-4, momentum=0.9, feedback=0.4, backend=backend, check_manifold=False, check_finite=False, **kw)
+        fgd(
+            params,
+            grads,
+            bufs,
+            lr=1e-4,
+            momentum=0.9,
+            feedback=0.4,
+            backend=backend,
+            check_manifold=False,
+            check_finite=False,
+            **kw,
+        )
 
     # 1. reference points
     thetas = [p.reshape(p.shape[0], -1) for p in params]
@@ -128,7 +145,11 @@ def main() -> int:
         by_shape.setdefault(tuple(t.shape), []).append(t)
     stacks = [torch.stack(v) for v in by_shape.values()]
     ms = do_bench(lambda: [torch.bmm(s.transpose(1, 2), s) for s in stacks])
-    record(what="torch bmm Gram A (fp32)", ms=ms, tflops=sum(2 * s.shape[0] * s.shape[1] * s.shape[2] ** 2 for s in stacks) / ms / 1e9)
+    record(
+        what="torch bmm Gram A (fp32)",
+        ms=ms,
+        tflops=sum(2 * s.shape[0] * s.shape[1] * s.shape[2] ** 2 for s in stacks) / ms / 1e9,
+    )
     ms = do_bench(lambda: step("torch"))
     record(what="step torch", ms=ms, tflops=flops / ms / 1e9)
 
@@ -136,17 +157,26 @@ def main() -> int:
     for precision in precisions:
         if time.monotonic() > deadline:
             break
-        ms = do_bench(lambda: step("triton", precision=precision))
+        ms = do_bench(lambda precision=precision: step("triton", precision=precision))
         record(what=f"step triton {precision}", ms=ms, tflops=flops / ms / 1e9)
         plan_box = {}
 
-        def prep():
-            plan_box["plan"] = TB.prepare_triton(params, grads, bufs, [False] * len(params), lr=[1e-4] * len(params),
-                                                 momentum=[0.9] * len(params), feedback=[0.4] * len(params),
-                                                 check_finite=False, precision=precision)
+        def prep(plan_box=plan_box, precision=precision):
+            plan_box["plan"] = TB.prepare_triton(
+                params,
+                grads,
+                bufs,
+                [False] * len(params),
+                lr=[1e-4] * len(params),
+                momentum=[0.9] * len(params),
+                feedback=[0.4] * len(params),
+                check_finite=False,
+                precision=precision,
+            )
+
         ms = do_bench(prep)
         record(what=f"prepare (gram + middle) {precision}", ms=ms)
-        ms = do_bench(lambda: plan_box["plan"].apply())
+        ms = do_bench(lambda plan_box=plan_box: plan_box["plan"].apply())
         record(what=f"apply (update) {precision}", ms=ms)
 
     # 3. configuration sweeps of the tensor-core kernels
@@ -162,9 +192,18 @@ def main() -> int:
             box = {}
 
             def prep():
-                box["plan"] = TB.prepare_triton(params, grads, bufs, [False] * len(params), lr=[1e-4] * len(params),
-                                                momentum=[0.9] * len(params), feedback=[0.4] * len(params),
-                                                check_finite=False, precision=args.precision)
+                box["plan"] = TB.prepare_triton(
+                    params,
+                    grads,
+                    bufs,
+                    [False] * len(params),
+                    lr=[1e-4] * len(params),
+                    momentum=[0.9] * len(params),
+                    feedback=[0.4] * len(params),
+                    check_finite=False,
+                    precision=args.precision,
+                )
+
             p_ms = do_bench(prep)
             a_ms = do_bench(lambda: box["plan"].apply())
             record(what=f"sweep {label}", cfg=cfg, prepare_ms=p_ms, apply_ms=a_ms, compile_s=compile_s)
@@ -182,7 +221,9 @@ def main() -> int:
         if time.monotonic() > deadline:
             break
         old = TB._programs_wanted
-        TB._programs_wanted = lambda d, k=per_sm: 2 * k * (torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 1)
+        TB._programs_wanted = lambda d, k=per_sm: (
+            2 * k * (torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 1)
+        )
         try:
             ms = do_bench(lambda: step("triton", precision=args.precision))
             record(what=f"step triton {args.precision}, persistent programs {per_sm}/SM", ms=ms)

@@ -7,13 +7,23 @@ first time they are asked for, so the package imports with no Triton, no GPU and
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .base import PRECISIONS, Backend, StepPlan, compute_dtype
 
-__all__ = ["BACKENDS", "DEFAULT_PRECISION", "PRECISION_BACKENDS", "PRECISIONS", "Backend", "BackendUnavailable", "StepPlan", "compute_dtype", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_PRECISION",
+    "PRECISION_BACKENDS",
+    "PRECISIONS",
+    "Backend",
+    "BackendUnavailable",
+    "StepPlan",
+    "compute_dtype",
+    "resolve_backend",
+]
 
 BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 #: The default ``precision``: the fastest precision whose accuracy is fp32-level as measured on a

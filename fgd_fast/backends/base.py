@@ -36,17 +36,34 @@ tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into ``buf
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from .algebra import middle
 
 __all__ = [
-    "PRECISIONS", "StepPlan", "Backend", "TableCache", "compute_dtype", "device_table", "fp32_matmuls", "full_precision",
-    "in_input_order", "plan_of", "Run", "runs_of", "middle_of_runs", "SLOT_A", "SLOT_E", "SLOT_B", "SLOT_C", "M_THETA",
+    "PRECISIONS",
+    "StepPlan",
+    "Backend",
+    "TableCache",
+    "compute_dtype",
+    "device_table",
+    "fp32_matmuls",
+    "full_precision",
+    "in_input_order",
+    "plan_of",
+    "Run",
+    "runs_of",
+    "middle_of_runs",
+    "SLOT_A",
+    "SLOT_E",
+    "SLOT_B",
+    "SLOT_C",
+    "M_THETA",
     "M_PHI",
 ]
 
@@ -229,15 +246,15 @@ def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=
     with full_precision():
         for r in runs:
             cnt, p = r.end - r.first, r.p
-            blocks = gram[r.gram_at:r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+            blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
             a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
             b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
             if assemble is not None:
                 a, c = assemble(blocks, a, c)
-            h = hyper[r.first:r.end].view(cnt, 3, 1, 1)
+            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
             mid = middle(a, b, c, e, lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2])
             m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
-            out = mats[r.m_at:r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+            out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
             out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
             out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + …]
             dists.append(mid.dist)

@@ -132,7 +132,7 @@ class _Class:
         self.keep, self.copy_back, rows = [], [], []
         gram_off = m_off = tile = block = 0
         shapes: list[tuple[int, bool]] = []  # (p, reads Φ) per layer, for the runs of the middle
-        for k, i in enumerate(order):
+        for i in order:
             n, p, transposed = stiefel_shape(params[i].shape)
             reads, writes = bufs[i] is not None and not fresh[i], bufs[i] is not None
             theta, tsr, tsc = _operand(params[i], transposed)

@@ -7,9 +7,8 @@ Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, wri
 1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
    C only when Φ is read). ``precision="tf32x3"`` computes A from the TF32 split of θ
    (:mod:`.tf32`): ``A ≈ H + L + Lᵀ``, ``[H | L] = hiᵀ[hi | lo]`` in one product.
-2. O(p³) middle (:mod:`.algebra`), with ``N = 2I − A`` and ``S = sym(B)``:
-   ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]``, ``F = −α(A − I)``,
-   ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``.
+2. O(p³) middle (:mod:`.algebra`; docs/algorithm.md §3): ``M_Φ``, ``F = −α(A − I)`` and
+   ``M_θ = M_Φ + F``, kept until ``apply``, with the distance ``‖A − I‖_F``.
 
 and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
 writes in place, layer by layer (or chunk by chunk):
@@ -228,7 +227,10 @@ class _Bucket:
         c, p = theta.shape[0], self.p
         parts = torch.empty((c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt,
                             device=theta.device)
-        hi, lo = (parts[:, : self.c_o], parts[:, self.c_o:]) if self.rows else (parts[..., : self.m], parts[..., self.m:])
+        if self.rows:
+            hi, lo = parts[:, : self.c_o], parts[:, self.c_o :]
+        else:
+            hi, lo = parts[..., : self.m], parts[..., self.m :]
         round_tf32(theta, out=hi)  # hi = tf32(θ): a TF32 number, unchanged by the product's own rounding
         round_tf32(torch.sub(theta, hi, out=lo), out=lo)  # lo = tf32(θ − hi); θ − hi is exact
         both = torch.bmm(self._col(hi).transpose(1, 2), self._col(parts))  # hiᵀ[hi | lo] = [H | L]
@@ -297,7 +299,18 @@ class _Step:
 
 @torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
 def prepare_torch(
-    params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee", reduce=None, shapes=None,
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision="ieee",
+    reduce=None,
+    shapes=None,
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")

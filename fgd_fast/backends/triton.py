@@ -60,8 +60,19 @@ from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
 from .base import (
-    M_PHI, M_THETA, PRECISIONS, SLOT_A, SLOT_B, SLOT_C, SLOT_E, TableCache, compute_dtype, device_table,
-    middle_of_runs, plan_of, runs_of,
+    M_PHI,
+    M_THETA,
+    PRECISIONS,
+    SLOT_A,
+    SLOT_B,
+    SLOT_C,
+    SLOT_E,
+    TableCache,
+    compute_dtype,
+    device_table,
+    middle_of_runs,
+    plan_of,
+    runs_of,
 )
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
@@ -275,7 +286,7 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShap
     ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
     split_off, gram_off, m_off, tiles = [], [], [], []
     s_total = g_total = m_total = 0
-    for layer, (n, p) in enumerate(np_list):
+    for layer, (_, p) in enumerate(np_list):
         split_off.append(s_total)
         gram_off.append(g_total)
         m_off.append(m_total)

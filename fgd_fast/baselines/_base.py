@@ -9,7 +9,8 @@ checks finiteness with one host synchronisation, and only then runs the retracti
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -65,7 +66,9 @@ class Bucket:
         torch._foreach_copy_(self.m_blocks, [as_w2(t.grad) for t in self.params])
         self.x, self.m = self.col[:, :, :p], self.col[:, :, p:]
         # max |G| is NaN/Inf exactly when G has a NaN/Inf
-        self.finite = torch.isfinite(torch.linalg.vector_norm(self.m, float("inf"), dim=(1, 2))) if check_finite else None
+        self.finite = (
+            torch.isfinite(torch.linalg.vector_norm(self.m, float("inf"), dim=(1, 2))) if check_finite else None
+        )
         self.step = [st.get("step", 0) for st in self.states]
         self.scale: torch.Tensor | float = 1.0  # c of W_d = c·W, set by _moments
         self.init: float | None = None  # σ of the start Y₀ = X + tσM (None: projected start)
@@ -89,7 +92,9 @@ class CayleyBase(StiefelOptimizer):
     ) -> None:
         """``defaults``: the subclass's hyper-parameters; the options left ``None`` get the
         plain or the public-code default (:func:`resolve_defaults`)."""
-        d = resolve_defaults(public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period)
+        d = resolve_defaults(
+            public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period
+        )
         defaults = dict(defaults, s=d["s"], renormalize=d["renormalize"], orthogonal=False)
         self.form, self.norm, self.public_code_compat = d["form"], d["norm"], public_code_compat
         self.qr_period, self.check_finite = d["qr_period"], check_finite
@@ -175,8 +180,11 @@ class CayleyBase(StiefelOptimizer):
             buckets.append(b)
         raise_if_invalid(  # the one host synchronisation; raises before any write
             [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
-            [b.finite for b in buckets], [b.idx for b in buckets], labels,
-            check_finite=self.check_finite, check_manifold=False,
+            [b.finite for b in buckets],
+            [b.idx for b in buckets],
+            labels,
+            check_finite=self.check_finite,
+            check_manifold=False,
         )
         for b in buckets:
             self._retract(b)
@@ -209,6 +217,7 @@ class CayleyBase(StiefelOptimizer):
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
         torch._foreach_copy_(b.params, [t.reshape(q.shape) for t, q in zip(y.unbind(0), b.params)])
         self._commit(b, list(wx.unbind(0)))
+
 
 def store_state(state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
     """``state[name] ← value`` reshaped to ``shape``: in place when it exists, else a new tensor."""

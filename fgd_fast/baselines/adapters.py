@@ -20,7 +20,8 @@ applies to the unconstrained parameters only, as in FGD. geoopt is imported when
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +64,10 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def _reparametrize(
-    model: nn.Module, rule: Rule, orthogonalize: bool, attach: Callable[[nn.Module, str, torch.Tensor, torch.Size], None]
+    model: nn.Module,
+    rule: Rule,
+    orthogonalize: bool,
+    attach: Callable[[nn.Module, str, torch.Tensor, torch.Size], None],
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """Constrain the weights ``rule`` selects; returns (constrained θ, other parameters)."""
     chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
@@ -131,8 +135,12 @@ def geoopt_stiefel_sgd(
 
     orth, rest = _reparametrize(model, rule, orthogonalize, attach)
     return geoopt.optim.RiemannianSGD(
-        _groups(orth, rest, weight_decay), lr=lr, momentum=momentum, dampening=dampening,
-        nesterov=nesterov, stabilize=stabilize,
+        _groups(orth, rest, weight_decay),
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        stabilize=stabilize,
     )
 
 
@@ -160,5 +168,9 @@ def torch_orthogonal_sgd(
 
     orth, rest = _reparametrize(model, rule, orthogonalize, attach)
     return torch.optim.SGD(
-        _groups(orth, rest, weight_decay), lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+        _groups(orth, rest, weight_decay),
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
     )

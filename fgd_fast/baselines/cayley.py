@@ -27,7 +27,8 @@ Euclidean weight decay        silently none (SGDG)            the group's ``weig
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -224,7 +225,8 @@ class CayleyADAM(CayleyBase):
             v.add_(torch.stack([st["exp_avg_sq"] for st in b.states]), alpha=beta2)  # v = β₂v + (1 − β₂)‖G‖²
         b.m.mul_(1.0 - beta1)  # (1 − β₁)G
         if not fresh:
-            torch._foreach_add_(b.m_blocks, [as_w2(st["exp_avg"]) for st in b.states], alpha=beta1)  # m = β₁m + (1 − β₁)G
+            m_old = [as_w2(st["exp_avg"]) for st in b.states]
+            torch._foreach_add_(b.m_blocks, m_old, alpha=beta1)  # m = β₁m + (1 − β₁)G
         b.v_new = v
         r = (v / (1.0 - beta2**k)).add_(b.group["eps"]).sqrt_().mul_(1.0 - beta1**k)  # r = (1 − β₁^k)√(v̂ + ε)
         return r.reciprocal_().neg_(), (-1.0 if self.public_code_compat else None)  # W_d = −W/r; compat Y₀ = X − tm

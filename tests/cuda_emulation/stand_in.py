@@ -198,14 +198,17 @@ class EmulatedExtension(ModuleType):
         if not (meta.device.type == "cpu" and meta.dtype == torch.int64 and meta.dim() == 2
                 and meta.shape[1] == self._k["META_FIELDS"] and meta.is_contiguous()):
             raise RuntimeError(f"meta must be a contiguous CPU int64 tensor of shape "
-                               f"(layers, {self._k['META_FIELDS']}), got {tuple(meta.shape)} {meta.dtype} on {meta.device}")
+                               f"(layers, {self._k['META_FIELDS']}), "
+                               f"got {tuple(meta.shape)} {meta.dtype} on {meta.device}")
 
     def _check_acc(self, t, dtype, numel, name) -> None:
         if dtype not in self._acc:
             raise RuntimeError(f"unknown dtype code {dtype}")
         if not (t.device.type == "cpu" and t.dtype == self._acc[dtype] and t.is_contiguous() and t.numel() >= numel):
-            raise RuntimeError(f"{name} must be a contiguous {self._acc[dtype]} CPU tensor of at least {numel} "
-                               f"elements, got {t.numel()} {t.dtype} on {t.device}")
+            raise RuntimeError(
+                f"{name} must be a contiguous {self._acc[dtype]} CPU tensor of at least {numel} "
+                f"elements, got {t.numel()} {t.dtype} on {t.device}"
+            )
 
 
 def _require_cpu(params) -> None:
