@@ -97,11 +97,13 @@ def _groups(orth, rest, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening) -> None:
+def _sgd_options(lr, momentum, weight_decay, nesterov, dampening) -> dict[str, Any]:
+    """The validated SGD keyword arguments both adapters pass on (weight decay goes per group)."""
     check_nonnegative("lr", lr)
     check_unit_interval("momentum", momentum)
     check_nonnegative("weight_decay", weight_decay)
     check_nesterov(nesterov, momentum, dampening)
+    return dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov)
 
 
 def geoopt_stiefel_sgd(
@@ -124,7 +126,7 @@ def geoopt_stiefel_sgd(
     ``stabilize`` is geoopt's (project every ``stabilize`` steps; ``None``: never). Modifies
     ``model`` in place (see the module docstring) and raises ``ImportError`` without geoopt.
     """
-    _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening)
+    sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
     check_bool("canonical", canonical)
     geoopt = _require_geoopt()
     manifold = geoopt.CanonicalStiefel() if canonical else geoopt.EuclideanStiefel()
@@ -134,14 +136,7 @@ def geoopt_stiefel_sgd(
         parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)
 
     orth, rest = _reparametrize(model, rule, orthogonalize, attach)
-    return geoopt.optim.RiemannianSGD(
-        _groups(orth, rest, weight_decay),
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        nesterov=nesterov,
-        stabilize=stabilize,
-    )
+    return geoopt.optim.RiemannianSGD(_groups(orth, rest, weight_decay), **sgd, stabilize=stabilize)
 
 
 def torch_orthogonal_sgd(
@@ -159,7 +154,7 @@ def torch_orthogonal_sgd(
     """``torch.optim.SGD`` with ``torch.nn.utils.parametrizations.orthogonal`` on ``θ`` of the
     weights ``rule`` selects (``orthogonal_map`` is torch's: ``None`` picks ``"matrix_exp"``
     for square ``θ``, else ``"householder"``). Modifies ``model`` in place."""
-    _check_sgd_args(lr, momentum, weight_decay, nesterov, dampening)
+    sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
 
     def attach(module, attr, theta, shape):
         module.register_parameter(attr, nn.Parameter(theta))
@@ -167,10 +162,4 @@ def torch_orthogonal_sgd(
         parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)  # W = view(θ)
 
     orth, rest = _reparametrize(model, rule, orthogonalize, attach)
-    return torch.optim.SGD(
-        _groups(orth, rest, weight_decay),
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        nesterov=nesterov,
-    )
+    return torch.optim.SGD(_groups(orth, rest, weight_decay), **sgd)
