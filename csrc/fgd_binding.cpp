@@ -119,6 +119,14 @@ py::dict constants() {
     fields["FIRST_BLOCK"] = (int)FGD_M_FIRST_BLOCK;
     fields["CHUNK"] = (int)FGD_M_CHUNK;
     d["FIELDS"] = fields;
+    py::dict slots;  // the block order shared with the Triton backend: Gram [A|E|B|C], [M_θ|M_Φ]
+    slots["A"] = (int)FGD_SLOT_A;
+    slots["E"] = (int)FGD_SLOT_E;
+    slots["B"] = (int)FGD_SLOT_B;
+    slots["C"] = (int)FGD_SLOT_C;
+    slots["M_THETA"] = (int)FGD_SLOT_M_THETA;
+    slots["M_PHI"] = (int)FGD_SLOT_M_PHI;
+    d["SLOTS"] = slots;
     d["GRAM_TILE"] = FGD_GRAM_TILE;
     d["GRAM_BK"] = FGD_GRAM_BK;
     d["UPD_ROWS"] = FGD_UPD_ROWS;

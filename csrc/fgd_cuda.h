@@ -54,8 +54,14 @@ enum {
 };
 
 /* Gram blocks of a layer, each p × p row-major in the accumulation type, at GRAM_OFF:
- * slot 0 A = θᵀθ, slot 1 E = θᵀg, and when FGD_READS_PHI: slot 2 B = θᵀΦ, slot 3 C = ΦᵀΦ. */
+ * slot 0 A = θᵀθ, slot 1 E = θᵀg, and when FGD_READS_PHI: slot 2 B = θᵀΦ, slot 3 C = ΦᵀΦ.
+ * The update matrices at M_OFF: [M_θ | M_Φ]. The Triton backend uses the same order (the
+ * binding exports both, fgd_fast/backends/cuda.py checks them against fgd_fast/backends/base.py). */
 enum { FGD_SLOT_A = 0, FGD_SLOT_E = 1, FGD_SLOT_B = 2, FGD_SLOT_C = 3 };
+enum { FGD_SLOT_M_THETA = 0, FGD_SLOT_M_PHI = 1 };
+
+/* the per-layer hyper-parameter table: (num_layers, FGD_HYPER_FIELDS) in the accumulation type */
+enum { FGD_H_LR = 0, FGD_H_BETA = 1, FGD_H_ALPHA = 2, FGD_HYPER_FIELDS = 3 };
 
 #ifdef __cplusplus
 extern "C" {

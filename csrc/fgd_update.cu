@@ -51,9 +51,10 @@ __global__ void __launch_bounds__(UT) fgd_update_kernel(const long long* meta, c
         const long long tsr = m[FGD_M_THETA_SR], tsc = m[FGD_M_THETA_SC];
         const long long psr = m[FGD_M_PHI_SR], psc = m[FGD_M_PHI_SC];
         const long long gsr = m[FGD_M_GRAD_SR], gsc = m[FGD_M_GRAD_SC];
-        const Acc eta = hyper[layer * 3 + 0], beta = hyper[layer * 3 + 1];
-        const Acc* m_theta = mats + m[FGD_M_M_OFF];  // M_θ, then M_Φ p² elements later
-        const Acc* m_phi = m_theta + p * p;
+        const Acc* h = hyper + (long long)layer * FGD_HYPER_FIELDS;
+        const Acc eta = h[FGD_H_LR], beta = h[FGD_H_BETA];
+        const Acc* m_theta = mats + m[FGD_M_M_OFF] + FGD_SLOT_M_THETA * p * p;  // [M_θ | M_Φ]
+        const Acc* m_phi = mats + m[FGD_M_M_OFF] + FGD_SLOT_M_PHI * p * p;
         const bool rows_fast = (tsr == 1);
 
         // 1. snapshot the old rows θ[r0 : r0 + ROWS, :] (zeros past n)

@@ -133,8 +133,8 @@ def update_kernel(
             mat = m_ptr + tl.load(row + meta.F_M) + meta.M_PHI * p * p  # M_Φ
         else:
             mat = m_ptr + tl.load(row + meta.F_M) + meta.M_THETA * p * p  # M (the θ matrix)
-        lr = tl.load(hyper_ptr + 3 * layer)  # η (hyper rows: η, β, α)
-        beta = tl.load(hyper_ptr + 3 * layer + 1)  # β
+        lr = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_LR)  # η
+        beta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_BETA)  # β
         rows = rb * BR + rr
         mr = rows < n
         if HAS_PHI:

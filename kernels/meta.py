@@ -54,6 +54,10 @@ SPLIT_WORK = 3
 U_LAYER, U_RB, U_CB = range(3)  # update: row block, column block
 UPDATE_WORK = 3
 
+# the per-layer hyper-parameter table (accumulation type, HYPER_FIELDS columns): η, β, α
+H_LR, H_BETA, H_ALPHA = range(3)
+HYPER_FIELDS = 3
+
 # update modes of the FMA update kernel
 MODE_PHI = 0  # Φ₊ = U + θ M_Φ
 MODE_THETA = 1  # θ₊ = θ + V + θ M

@@ -226,13 +226,13 @@ def tc_update_kernel(
                 acc_p = tl.dot(a, bp, acc_p, input_precision=PRECISION)  # hi M_Φ
         off = _at(rows, cols, n, p, ROWS)
         m = (rows < n)[:, None] & (cols < p)[None, :]
-        eta = tl.load(hyper_ptr + 3 * layer)  # hyper rows: η, β, α
+        eta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_LR)  # η
         u = -eta * tl.load(grad + off, mask=m, other=0.0)  # U = −ηg …
         if HAS_PHI:
             phi = tl.load(row + meta.F_PHI).to(tl.pointer_type(tl.float32))
             if ALIGNED:
                 phi = tl.multiple_of(phi, 16)
-            beta = tl.load(hyper_ptr + 3 * layer + 1)
+            beta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_BETA)  # β
             u += beta * tl.load(phi + off, mask=m, other=0.0)  # … + βΦ
             tl.store(phi + off, u + acc_p, mask=m)  # Φ₊ = U + θ M_Φ
         th = tl.load(theta + off, mask=m, other=0.0)

@@ -67,12 +67,17 @@ import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
-from .base import PRECISIONS, TableCache, compute_dtype, device_table, middle_of_runs, plan_of, runs_of
+from .base import (
+    M_PHI, M_THETA, PRECISIONS, SLOT_A, SLOT_B, SLOT_C, SLOT_E, TableCache, compute_dtype, device_table, middle_of_runs,
+    plan_of, runs_of,
+)
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 
 _ext = _load_extension()  # ImportError (→ BackendUnavailable) with the reason if unavailable
 _K = _ext.constants()
+if _K["SLOTS"] != dict(A=SLOT_A, E=SLOT_E, B=SLOT_B, C=SLOT_C, M_THETA=M_THETA, M_PHI=M_PHI):
+    raise ImportError(f"the CUDA extension's block order {_K['SLOTS']} is not the backends' (rebuild fgd_fast._C)")
 _F = _K["FIELDS"]  # column of each metadata field
 _TILE, _BK, _ROWS = _K["GRAM_TILE"], _K["GRAM_BK"], _K["UPD_ROWS"]
 _CODE = {torch.float32: _K["F32"], torch.float16: _K["F16"], torch.bfloat16: _K["BF16"], torch.float64: _K["F64"]}

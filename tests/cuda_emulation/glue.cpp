@@ -190,7 +190,9 @@ const char* fgd_emu_constants_json() {
                kv("GRAD_SR", FGD_M_GRAD_SR) + ", " + kv("GRAD_SC", FGD_M_GRAD_SC) + ", " + kv("FLAGS", FGD_M_FLAGS) +
                ", " + kv("GRAM_OFF", FGD_M_GRAM_OFF) + ", " + kv("M_OFF", FGD_M_M_OFF) + ", " +
                kv("FIRST_TILE", FGD_M_FIRST_TILE) + ", " + kv("FIRST_BLOCK", FGD_M_FIRST_BLOCK) + ", " +
-               kv("CHUNK", FGD_M_CHUNK) + "}, " + kv("GRAM_TILE", FGD_GRAM_TILE) + ", " + kv("GRAM_BK", FGD_GRAM_BK) +
+               kv("CHUNK", FGD_M_CHUNK) + "}, \"SLOTS\": {" + kv("A", FGD_SLOT_A) + ", " + kv("E", FGD_SLOT_E) +
+               ", " + kv("B", FGD_SLOT_B) + ", " + kv("C", FGD_SLOT_C) + ", " + kv("M_THETA", FGD_SLOT_M_THETA) + ", " +
+               kv("M_PHI", FGD_SLOT_M_PHI) + "}, " + kv("GRAM_TILE", FGD_GRAM_TILE) + ", " + kv("GRAM_BK", FGD_GRAM_BK) +
                ", " + kv("UPD_ROWS", FGD_UPD_ROWS) + ", " + kv("F32", FGD_F32) + ", " + kv("F16", FGD_F16) + ", " +
                kv("BF16", FGD_BF16) + ", " + kv("F64", FGD_F64) + ", " + kv("READS_PHI", FGD_READS_PHI) + ", " +
                kv("WRITES_PHI", FGD_WRITES_PHI) + "}";
