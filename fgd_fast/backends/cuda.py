@@ -68,8 +68,19 @@ import torch
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
 from .base import (
-    M_PHI, M_THETA, PRECISIONS, SLOT_A, SLOT_B, SLOT_C, SLOT_E, TableCache, compute_dtype, device_table, middle_of_runs,
-    plan_of, runs_of,
+    M_PHI,
+    M_THETA,
+    PRECISIONS,
+    SLOT_A,
+    SLOT_B,
+    SLOT_C,
+    SLOT_E,
+    TableCache,
+    compute_dtype,
+    device_table,
+    middle_of_runs,
+    plan_of,
+    runs_of,
 )
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
