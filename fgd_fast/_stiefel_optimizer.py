@@ -5,10 +5,16 @@ Param groups carry ``orthogonal: bool``; a group is validated (by the subclass's
 parameter has a *key* — its name when the group has ``names`` (``stiefel_param_groups``) or
 torch's ``param_names``, else its flat index (the index ``state_dict`` uses); and floating
 state of float16/bfloat16 orthogonal parameters stays float32 across ``load_state_dict``.
+
+Optimizer-wide options (``backend``, the checks, ``form``, …) live in ``defaults`` like
+torch's ``foreach``/``maximize`` — and so, merged, in every group and in ``state_dict`` — so
+``copy.deepcopy``, ``pickle``, ``torch.save`` and ``state_dict`` keep them. They read and
+write as attributes (``opt.max_distance = 0.3`` validates and sets them everywhere); a group
+may not give one a different value.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +26,7 @@ from .functional import sgd
 from .manifold import stiefel_distance
 from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors
 
-__all__ = ["StiefelOptimizer", "label", "remember_names"]
+__all__ = ["StiefelOptimizer", "label", "option", "remember_names"]
 
 #: parameter -> name, recorded by ``stiefel_param_groups``: a group's ``names`` list no longer
 #: lines up with its ``params`` once ``ZeroRedundancyOptimizer`` gives each rank a subset of
@@ -39,16 +45,53 @@ def label(key: str | int) -> str:
     return repr(key) if isinstance(key, str) else f"#{key}"
 
 
+def option(name: str, doc: str = "") -> property:
+    """An optimizer-wide option stored in ``defaults`` (and every group), read and written as
+    an attribute; writing validates it (changing nothing if it is invalid)."""
+
+    def get(self) -> Any:
+        return self.defaults[name]
+
+    def set(self, value: Any) -> None:
+        self._validate_options({**self.defaults, name: value})
+        self.defaults[name] = value
+        for group in self.param_groups:
+            group[name] = value
+
+    return property(get, set, doc=doc or f"The optimizer-wide option ``{name}`` (kept in ``defaults``).")
+
+
 class StiefelOptimizer(Optimizer):
+    #: the optimizer-wide options (kept in ``defaults``, equal in every group) and their
+    #: defaults (what an optimizer pickled before an option existed gets)
+    _OPTIONS: dict[str, Any] = {}
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Raise (changing nothing) if a merged group's hyper-parameters are invalid."""
         raise NotImplementedError
+
+    def _validate_options(self, options: dict[str, Any]) -> None:
+        """Raise (changing nothing) if the optimizer-wide options in ``options`` are invalid."""
+
+    def _check_options(self, groups: Iterable[dict[str, Any]]) -> None:
+        """The options are valid and every group holds the optimizer's values."""
+        self._validate_options(self.defaults)
+        for group in groups:
+            for name in self._OPTIONS:
+                if name in group and group[name] != self.defaults[name]:
+                    raise ValueError(
+                        f"{name} is optimizer-wide: a parameter group holds {name}={group[name]!r} but the optimizer "
+                        f"{self.defaults[name]!r}; set it on the optimizer (opt.{name} = value), which updates "
+                        "every group"
+                    )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
             params = param_group.get("params", [])
             if not isinstance(params, (torch.Tensor, set)):
                 param_group["params"] = params = list(params)  # a generator is read only once
+            if hasattr(self, "defaults"):
+                self._check_options([param_group])
             merged = {**self.defaults, **param_group}
             self._validate_group(merged)
             if merged["orthogonal"] and not isinstance(params, set):
@@ -64,6 +107,7 @@ class StiefelOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_options(self.param_groups)
         for group in self.param_groups:
             self._validate_group(group)
         return loss
@@ -116,11 +160,49 @@ class StiefelOptimizer(Optimizer):
                 yield group, p, key
                 flat += 1
 
+    #: group keys a state_dict of this optimizer always has (a state_dict without them was
+    #: saved by another optimizer, e.g. torch.optim.SGD, whose buffers mean something else)
+    _STATE_DICT_KEYS: tuple[str, ...] = ("orthogonal",)
+
+    def _check_saved_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], text: str) -> None:
+        """Refuse saved state of ``p`` that cannot be this optimizer's (subclasses add keys)."""
+        buf = state.get("momentum_buffer")
+        if buf is not None:
+            _check_saved_tensor(buf, p, text, "momentum_buffer")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim``, but the floating state of float16/bfloat16 orthogonal parameters
-        stays float32 (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
+        """As ``torch.optim``, but a state_dict that cannot be this optimizer's is refused with
+        the reason (nothing changes): groups without this optimizer's keys, state tensors of
+        the wrong shape, a non-floating or non-finite buffer. Optimizer-wide options saved in
+        the groups are restored (missing ones, from older checkpoints, keep their current
+        value). The floating state of float16/bfloat16 orthogonal parameters stays float32
+        (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
         saved = state_dict["state"]
+        saved_groups = state_dict["param_groups"]
+        name = type(self).__name__
+        for k, group in enumerate(saved_groups):
+            missing = [key for key in self._STATE_DICT_KEYS if key not in group]
+            if missing:
+                raise ValueError(
+                    f"this state_dict was not saved by {name}: its param_groups[{k}] has no "
+                    f"{', '.join(map(repr, missing))} (a torch.optim.SGD state_dict, say, holds momentum in "
+                    f"gradient units, not {name}'s); load the model's weights only and start the optimizer fresh"
+                )
+        options = {o: saved_groups[0][o] for o in self._OPTIONS if saved_groups and o in saved_groups[0]}
+        for group in saved_groups:
+            for o, v in options.items():
+                if group.get(o, v) != v:
+                    raise ValueError(f"this state_dict's groups disagree on the optimizer-wide option {o}")
+        self._validate_options({**self.defaults, **options})
+        if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
+            for index, (group, p, key) in enumerate(self._keyed()):
+                if index in saved and isinstance(saved[index], dict):
+                    self._check_saved_state(p, group, saved[index], label(key))
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for o in self._OPTIONS:
+                group[o] = options.get(o, self.defaults[o])
+        self.defaults.update(options)
         for index, (group, p, _) in enumerate(self._keyed()):
             cdt = compute_dtype(p.dtype)
             if index not in saved or cdt == p.dtype or not group["orthogonal"]:
@@ -129,8 +211,31 @@ class StiefelOptimizer(Optimizer):
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for o, default in self._OPTIONS.items():  # an optimizer pickled before an option existed
+            self.defaults.setdefault(o, default)
+            for group in self.param_groups:
+                group.setdefault(o, self.defaults[o])
+
     def orthogonality(self) -> dict[str | int, float]:
         """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the
         group has ``names`` (``stiefel_param_groups`` sets them) or torch's ``param_names``,
         else by the parameter's flat index (the index ``state_dict`` uses)."""
         return {key: stiefel_distance(p) for group, p, key in self._keyed() if group["orthogonal"]}
+
+
+def _check_saved_tensor(value: Any, p: torch.Tensor, text: str, name: str) -> None:
+    """A saved floating state tensor of ``p``: its shape, floating, finite (it is cast to the
+    parameter's dtype and device by ``load_state_dict``)."""
+    if not isinstance(value, torch.Tensor) or value.shape != p.shape or not value.is_floating_point():
+        got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(
+            f"cannot load this state_dict: parameter {text}'s {name} is {got}, expected a floating tensor of shape "
+            f"{tuple(p.shape)}; was it saved for another model? Nothing was loaded"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(
+            f"cannot load this state_dict: parameter {text}'s {name} has NaN/Inf values; nothing was loaded "
+            "(drop that entry from state_dict['state'] to restart its momentum)"
+        )

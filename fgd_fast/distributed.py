@@ -165,13 +165,15 @@ def gram64(t: torch.Tensor) -> torch.Tensor:
     return theta.t() @ theta
 
 
-def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision):
+def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision,
+                     trust_radius=None, max_distance=None):
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
     ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
     and Φ share θ's layout go to one ``prepare`` per (mesh, sharded mesh dimension) with
     ``reduce`` (over that dimension's process group) and ``shapes`` when the backend supports
-    row shards; every other layer is gathered and stepped whole (exact).
+    row shards; every other layer is gathered and stepped whole (exact). ``trust_radius``,
+    ``max_distance``: the step guard, passed on to the backend.
     """
     rows: dict[tuple, list[int]] = {}
     whole: dict[torch.device, list[int]] = {}
@@ -188,32 +190,26 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
     with torch.no_grad():
         for (mesh, mesh_dim, device), layers in rows.items():
             plan = resolve(device.type)(
-                [params[i].to_local() for i in layers],
-                [grads[i].to_local() for i in layers],
-                [bufs[i].to_local() if bufs[i] is not None else None for i in layers],
-                [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
-                check_finite=check_finite,
+                [params[i].to_local() for i in layers], [grads[i].to_local() for i in layers],
+                [bufs[i].to_local() if bufs[i] is not None else None for i in layers], [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
                 precision=precision,
                 reduce=summing_over(mesh.get_group(mesh_dim)),
                 shapes=[params[i].shape for i in layers],
+                trust_radius=trust_radius,
+                max_distance=max_distance,
             )
             out.append((layers, plan))
         for device, layers in whole.items():
             full_p = [full_value(params[i]) for i in layers]  # every rank gets the same whole matrices
             full_b = [full_value(bufs[i]) if bufs[i] is not None else None for i in layers]
             plan = resolve(device.type)(
-                full_p,
-                [full_value(grads[i]) for i in layers],
-                full_b,
-                [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
-                check_finite=check_finite,
-                precision=precision,
+                full_p, [full_value(grads[i]) for i in layers], full_b, [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
+                precision=precision, trust_radius=trust_radius, max_distance=max_distance,
             )
-            out.append(
-                (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
-            )
+            out.append((layers, _writing_back(plan, [params[i] for i in layers], full_p,
+                                               [bufs[i] for i in layers], full_b)))
     return out
 
 
@@ -228,4 +224,5 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
                 if b is not None:
                     write_shard(b, fb)
 
-    return StepPlan(dist=plan.dist, finite=plan.finite, apply=apply)
+    return StepPlan(dist=plan.dist, finite=plan.finite, apply=apply, dist_next=plan.dist_next,
+                    finite_next=plan.finite_next, guarded=plan.guarded)

@@ -3,26 +3,41 @@
 As in ``torch.optim``, the optimizer class collects state and validates arguments; these
 functions do the arithmetic. :func:`fgd` dispatches to one backend implementation per device
 (see :mod:`fgd_fast.backends`); all of them share one signature, compute the same update
-(docs/algorithm.md §2), and check the step before writing.
+(docs/algorithm.md §2), guard it (:mod:`fgd_fast.backends.algebra`) and check the step before
+writing (:mod:`fgd_fast.guards`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from typing import NamedTuple
 
 import torch
 
 from .backends import Backend, compute_dtype, resolve_backend
-from .checks import MAX_DISTANCE, raise_if_invalid
 from .distributed import is_dtensor, prepare_dtensors
+from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import check_state_tensor
 
-__all__ = ["fgd", "sgd", "backend_for"]
+__all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
 
 
-@cache
+class GuardReport(NamedTuple):
+    """What the guard did in one :func:`fgd` step."""
+
+    guarded: list[torch.Tensor | None]  # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None
+    read: list[int] | None  # the same, read at the checks' host synchronisation (None: no check ran)
+
+
+_resolved: dict[tuple[str, str, str], tuple[str, Backend]] = {}
+
+
 def _cached_backend(name: str, device_type: str, precision: str = "ieee") -> tuple[str, Backend]:
-    return resolve_backend(name, torch.device(device_type), precision)
+    """``resolve_backend`` once per (name, device type, precision); a plain dict, which
+    ``torch.compile`` reads (and guards on) like any global."""
+    key = (name, device_type, precision)
+    if key not in _resolved:
+        _resolved[key] = resolve_backend(name, torch.device(device_type), precision)
+    return _resolved[key]
 
 
 def backend_for(name: str, device: torch.device | str, precision: str = "ieee") -> str:
@@ -32,7 +47,7 @@ def backend_for(name: str, device: torch.device | str, precision: str = "ieee") 
 
 
 def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:
-    if isinstance(value, (int, float)):
+    if not isinstance(value, (list, tuple)):
         return [float(value)] * count
     values = [float(v) for v in value]
     if len(values) != count:
@@ -54,14 +69,21 @@ def fgd(
     max_distance: float = MAX_DISTANCE,
     precision: str = "ieee",
     labels: Sequence[str] | None = None,
-) -> None:
+    guard: bool = True,
+    trust_radius: float = TRUST_RADIUS,
+) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
     ``momentum_buffers[i]`` is Φ of ``params[i]`` or ``None``. Where ``momentum[i] > 0`` and
     the buffer is ``None`` (first step), a new float32/float64 buffer is created and stored
     into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
     step raises ``FloatingPointError``/``ValueError`` **before** writing anything if a
-    gradient is not finite or a θ is more than ``max_distance`` from the manifold.
+    gradient or Φ is not finite or a θ is more than ``max_distance`` from the manifold, or if
+    the step would write a non-finite value or a θ beyond ``max_distance`` (predicted from
+    the ``p × p`` blocks). With ``guard`` (default) the step's inputs Φ, g are scaled into
+    the trust region ``‖Φ‖ + η‖g‖ ≤ trust_radius`` and a step still predicted beyond
+    ``max_distance`` is replaced by the feedback pull-back with Φ₊ = 0; all on the device.
+    Returns what the guard did (:class:`GuardReport`).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -104,6 +126,8 @@ def fgd(
         if not is_dtensor(params[i]):
             by_device.setdefault(params[i].device, []).append(i)
 
+    predict = guard or check_finite or check_manifold
+    steering = dict(trust_radius=trust_radius if guard else None, max_distance=max_distance if predict else None)
     plans, index = [], []
     for device, idx in by_device.items():
         _, prepare = _cached_backend(backend, device.type, precision)
@@ -112,7 +136,7 @@ def fgd(
             prepare(
                 pick(params), pick(grads), pick(bufs), pick(fresh),
                 lr=pick(lrs), momentum=pick(betas), feedback=pick(alphas), check_finite=check_finite,
-                precision=precision,
+                precision=precision, **steering,
             )
         )
         index.append(idx)
@@ -120,19 +144,27 @@ def fgd(
         for idx, plan in prepare_dtensors(
             lambda device_type: _cached_backend(backend, device_type, precision)[1], sharded,
             params, grads, bufs, fresh, lr=lrs, momentum=betas, feedback=alphas, check_finite=check_finite,
-            precision=precision,
+            precision=precision, **steering,
         ):
             plans.append(plan)
             index.append(idx)
-    raise_if_invalid(
+    read = raise_if_invalid(
         [pl.dist for pl in plans], [pl.finite for pl in plans], index, labels,
         check_finite=check_finite, check_manifold=check_manifold, max_distance=max_distance,
+        dist_next=[pl.dist_next for pl in plans], finite_next=[pl.finite_next for pl in plans],
+        guarded=[pl.guarded for pl in plans],
     )
     for pl in plans:
         pl.apply()
     for i in range(count):
         if bufs[i] is not None:
             momentum_buffers[i] = bufs[i]
+    per_param: list[torch.Tensor | None] = [None] * count
+    for pl, idx in zip(plans, index):
+        if pl.guarded is not None:
+            for i, t in zip(idx, pl.guarded.unbind(0)):
+                per_param[i] = t
+    return GuardReport(per_param, read)
 
 
 def sgd(

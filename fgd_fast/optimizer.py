@@ -1,20 +1,25 @@
 """``FGD``: the ``torch.optim.Optimizer`` front end (collects state, validates, dispatches)."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ._stiefel_optimizer import StiefelOptimizer
+from ._stiefel_optimizer import StiefelOptimizer, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
-from .checks import MAX_DISTANCE
-from .functional import backend_for, fgd
+from .functional import GuardReport, backend_for, fgd
+from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
+from .manifold import orthogonalize_
 from .validation import (
     check_bool,
     check_choice,
+    check_closed_unit_interval,
+    check_keys,
     check_nesterov,
     check_nonnegative,
+    check_positive,
     check_real,
     check_unit_interval,
 )
@@ -40,6 +45,7 @@ class FGD(StiefelOptimizer):
     The first step uses Φ = 0; ``momentum=0`` is the stateless form
     ``θ ← θ − η(g − θN\,sym(θᵀg)) − αθ(A − I)``. Weight decay, dampening and Nesterov do not
     apply to orthogonal parameters. All other parameters get exactly ``torch.optim.SGD``.
+
     What each term does, the two-pass form the fast backends compute, the cost model and the
     precision notes: ``docs/algorithm.md``.
 
@@ -50,22 +56,35 @@ class FGD(StiefelOptimizer):
             (default ``False``); the other arguments are optimizer-wide.
         lr: learning rate η (>= 0).
         momentum: β in [0, 1) (the paper's γ = 1 − β).
-        feedback: α in [0, 1), pull back towards θᵀθ = I; 0.5 cancels first-order drift
-            (the paper's α relates as α = η·α_paper/4).
+        feedback: α in [0, 1), pull back towards θᵀθ = I: the drift D = θᵀθ − I contracts by
+            about |1 − 2α| per step and settles near ‖ΦᵀΦ‖_F / (2·min(α, 1 − α)); 0.5 cancels
+            first-order drift (the paper's α relates as α = η·α_paper/4). Outside [0.1, 0.9]
+            it barely pulls back (measured: 71× further off at 0.99 than at 0.4,
+            ``benchmarks/feedback_contraction.py``) and FGD warns once.
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
             ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run). On an H200
             the ``"torch"`` backend was measured fastest in full fp32 precision, so ``"auto"``
             is ``"torch"`` unless ``precision="tf32"`` asks for Triton's tensor-core path.
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
-            parameter's gradient has NaN/Inf.
+            parameter's gradient or momentum buffer has NaN/Inf, or when the step would write a
+            non-finite value (predicted before writing).
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
-            is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F (call
-            ``fgd_fast.orthogonalize_`` first). Both checks share one host synchronisation
-            per step; turn both off to capture ``step()`` in a CUDA graph (warm up with two
-            steps first; a replay reuses the captured step's hyper-parameters, so a new lr
-            means a new capture).
-        max_distance: the limit of ``check_manifold``, in (0, 1); default 0.5.
+            is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F, or would be after the
+            step (a bound predicted from the ``p × p`` blocks; with ``guard`` on the guard keeps
+            it inside). The advice: ``opt.reset_parameter(p)``. Both checks share one host
+            synchronisation per step; turn both off to capture ``step()`` in a CUDA graph (warm
+            up with two steps first; a replay reuses the captured step's hyper-parameters, so
+            a new lr means a new capture) or to compile it with ``fullgraph=True``.
+        guard: keep training alive through spikes, on the device with no synchronisation of
+            its own: per layer, Φ and g are scaled by ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, and a
+            step still predicted beyond ``max_distance`` or non-finite becomes the pull-back
+            ``θ ← θ − αθ(A − I)`` with Φ = 0 (see :mod:`fgd_fast.backends.algebra`). Where it
+            does not bind the update is exactly the one above. ``guard_stats()`` counts the
+            steps it bound; a warning says so once (at the checks' synchronisation).
+        trust_radius: ρ of the guard (> 0); default 0.5, 5× the largest value measured in
+            training with the paper's settings (``benchmarks/guard_headroom.py``).
+        max_distance: the limit of ``check_manifold`` and of the guard, in (0, 1); default 0.5.
         precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"ieee"``
             (IEEE fp32; the default, ``None``, is ``fgd_fast.backends.DEFAULT_PRECISION``, the
             fastest precision measured fp32-level on a GPU: ``"ieee"`` today), ``"tf32x3"``
@@ -93,94 +112,199 @@ class FGD(StiefelOptimizer):
         check_manifold: bool = True,
         max_distance: float = MAX_DISTANCE,
         precision: str | None = None,
+        guard: bool = True,
+        trust_radius: float = TRUST_RADIUS,
     ) -> None:
-        self.backend = check_choice("backend", backend, BACKENDS)
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
-        self.precision = check_choice("precision", precision, PRECISIONS)
+        defaults = dict(
+            lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
+            dampening=dampening, nesterov=nesterov, orthogonal=False,
+            backend=backend, precision=precision, check_finite=check_finite, check_manifold=check_manifold,
+            max_distance=max_distance, guard=guard, trust_radius=trust_radius,
+        )
+        self._validate_options(defaults)
+        _check_group(defaults)
+        super().__init__(params, defaults)
+
+    _OPTIONS = dict(
+        backend="auto", precision="ieee", check_finite=True, check_manifold=True, max_distance=MAX_DISTANCE,
+        guard=True, trust_radius=TRUST_RADIUS,
+    )
+    _STATE_DICT_KEYS = ("orthogonal", "feedback")
+    backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
+    precision = option("precision", "fp32 product precision of the Triton backend (optimizer-wide).")
+    check_finite = option("check_finite", "Raise on non-finite inputs or outputs of a step (optimizer-wide).")
+    check_manifold = option("check_manifold", "Raise on a θ beyond ``max_distance``, before or after (optimizer-wide).")
+    max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
+    guard = option("guard", "Whether the step guard (trust region + reset) is on (optimizer-wide).")
+    trust_radius = option("trust_radius", "ρ of the guard's trust region on ‖Φ‖ + η‖g‖ (optimizer-wide).")
+
+    def _validate_options(self, options: dict[str, Any]) -> None:
+        check_choice("backend", options["backend"], BACKENDS)
+        precision, backend = options["precision"], options["backend"]
+        check_choice("precision", precision, PRECISIONS)
         if precision != "ieee" and backend not in PRECISION_BACKENDS:
             raise ValueError(
                 f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "
                 "computes in full precision: drop precision= or choose one of those backends"
             )
-        self.check_finite = check_bool("check_finite", check_finite)
-        self.check_manifold = check_bool("check_manifold", check_manifold)
-        self.max_distance = check_real("max_distance", max_distance)
-        if not 0.0 < self.max_distance < 1.0:
+        check_bool("check_finite", options["check_finite"])
+        check_bool("check_manifold", options["check_manifold"])
+        check_bool("guard", options["guard"])
+        max_distance = check_real("max_distance", options["max_distance"])
+        if not 0.0 < max_distance < 1.0:
             raise ValueError(
                 f"invalid max_distance={max_distance}: it must lie in (0, 1), inside the radius of the "
                 "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
             )
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            feedback=feedback,
-            weight_decay=weight_decay,
-            dampening=dampening,
-            nesterov=nesterov,
-            orthogonal=False,
+        check_positive(
+            "trust_radius", options["trust_radius"], "the guard's bound on ‖Φ‖ + η‖g‖ per layer; 0.5 is the default"
         )
-        _check_group(defaults)
-        super().__init__(params, defaults)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)
-        orth = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
-        eucl = []
-        for group, p, text in self._params_with_grads():
-            if group["orthogonal"]:
-                orth["params"].append(p)
-                orth["grads"].append(p.grad)
-                orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if group["momentum"] > 0 else None)
-                orth["lr"].append(group["lr"])
-                orth["momentum"].append(group["momentum"])
-                orth["feedback"].append(group["feedback"])
-                orth["labels"].append(text)
-        for group in self.param_groups:
+        orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
+        eucl: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        for group, p, text in self._params_with_grads():  # the one collection pass (checks the gradients)
             if not group["orthogonal"]:
-                ps = [p for p in group["params"] if p.grad is not None]
-                eucl.append((group, ps))
+                eucl.setdefault(id(group), (group, []))[1].append(p)
+                continue
+            beta, alpha = float(group["momentum"]), float(group["feedback"])
+            _warn_feedback_once(alpha)
+            orth["params"].append(p)
+            orth["grads"].append(p.grad)
+            orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
+            orth["lr"].append(float(group["lr"]))
+            orth["momentum"].append(beta)
+            orth["feedback"].append(alpha)
+            orth["labels"].append(text)
 
         if orth["params"]:
-            fgd(
-                orth["params"],
-                orth["grads"],
-                orth["bufs"],
-                lr=orth["lr"],
-                momentum=orth["momentum"],
-                feedback=orth["feedback"],
-                backend=self.backend,
-                check_finite=self.check_finite,
-                check_manifold=self.check_manifold,
-                max_distance=self.max_distance,
-                precision=self.precision,
-                labels=orth["labels"],
+            opts = self.defaults
+            report = fgd(
+                orth["params"], orth["grads"], orth["bufs"],
+                lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
+                backend=opts["backend"], check_finite=opts["check_finite"],
+                check_manifold=opts["check_manifold"], max_distance=float(opts["max_distance"]),
+                precision=opts["precision"], labels=orth["labels"], guard=opts["guard"],
+                trust_radius=float(opts["trust_radius"]),
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:
                     self.state[p]["momentum_buffer"] = buf
-        for group, ps in eucl:
-            self._sgd(ps, group, momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"])
+            self._count_guarded(orth["params"], report)
+        for group, ps in eucl.values():
+            self._sgd(
+                ps, group, momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                nesterov=group["nesterov"],
+            )
         return loss
+
+    def _count_guarded(self, params: list[torch.Tensor], report: GuardReport) -> None:
+        """Add this step's guard decisions to ``state[p]["guard_count"]`` = [scaled, reset]
+        steps (device tensors, no synchronisation); warn once when it first bound (only read
+        at the checks' synchronisation)."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p, code in zip(params, report.guarded):
+            if code is None:
+                continue
+            state = self.state[p]
+            if "guard_count" not in state:
+                state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
+            counts, codes = by_device.setdefault(p.device, ([], []))
+            counts.append(state["guard_count"])
+            codes.append(code)
+        for counts, codes in by_device.values():
+            stacked = torch.stack(codes)
+            delta = torch.stack([stacked == SCALED, stacked == RESET], 1).to(torch.int64)  # (L, 2)
+            torch._foreach_add_(counts, list(delta.unbind(0)))
+        if report.read is not None and any(report.read) and not self.__dict__.get("_guard_warned", False):
+            self._guard_warned = True
+            warnings.warn(
+                "the FGD step guard bound: a step's velocity was scaled into the trust region (or the step was "
+                "reset to the feedback pull-back) to keep the weights near the manifold, likely after a gradient "
+                "or learning-rate spike; opt.guard_stats() counts such steps per parameter",
+                RuntimeWarning, stacklevel=2,
+            )
+
+    def guard_stats(self) -> dict[str | int, dict[str, int]]:
+        """Per orthogonal parameter (by name, else flat index): how many steps the guard
+        ``"scaled"`` into its trust region and how many it ``"reset"`` (pull-back, Φ₊ = 0).
+        Reads device counters (synchronises with the device)."""
+        out = {}
+        for group, p, key in self._keyed():
+            if group["orthogonal"]:
+                counts = self.state.get(p, {}).get("guard_count")
+                scaled, reset = counts.tolist() if counts is not None else (0, 0)
+                out[key] = {"scaled": int(scaled), "reset": int(reset)}
+        return out
+
+    @torch.no_grad()
+    def reset_parameter(self, param: torch.Tensor) -> None:
+        """Recover an orthogonal parameter after a bad step: project it onto the manifold
+        (:func:`fgd_fast.orthogonalize_`) and clear its momentum (the next step starts from
+        Φ = 0, as the first one does). The advice of the step's errors."""
+        for group, p, _ in self._keyed():
+            if p is param:
+                if not group["orthogonal"]:
+                    raise ValueError("reset_parameter is for parameters of an orthogonal=True group")
+                orthogonalize_(p)
+                self.state.get(p, {}).pop("momentum_buffer", None)
+                return
+        raise ValueError("reset_parameter: this tensor is not a parameter of the optimizer")
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
 
+    def _check_saved_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], text: str) -> None:
+        super()._check_saved_state(p, group, state, text)
+        counts = state.get("guard_count")
+        if counts is not None and (
+            not isinstance(counts, torch.Tensor) or counts.shape != (2,) or counts.is_floating_point()
+        ):
+            raise ValueError(
+                f"cannot load this state_dict: parameter {text}'s guard_count is not an integer (2,) tensor"
+            )
+
     # -- introspection ----------------------------------------------------------------------
     def resolved_backend(self, device: torch.device | str = "cpu") -> str:
         """The backend that ``step()`` runs on tensors of ``device``."""
-        return backend_for(self.backend, device, self.precision)
+        return backend_for(self.defaults["backend"], device, self.defaults["precision"])
+
+
+_GROUP_KEYS = ("lr", "momentum", "feedback", "weight_decay", "dampening", "nesterov", "orthogonal")
+
+#: feedback outside this range is accepted with a one-time warning: the drift contracts by
+#: |1 − 2α| per step, so α near 0 or 1 barely pulls θ back (benchmarks/feedback_contraction.py)
+FEEDBACK_RANGE = (0.1, 0.9)
+
+
+def _warn_feedback_once(alpha: float) -> None:
+    lo, hi = FEEDBACK_RANGE
+    if not lo <= alpha <= hi and alpha not in _warned_feedback:
+        _warned_feedback.add(alpha)
+        warnings.warn(
+            f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} per step, "
+            f"so θ settles about 1/(2·min(α, 1 − α)) = {1 / (2 * max(min(alpha, 1 - alpha), 1e-12)):.3g}× the per-step "
+            f"drift away; use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
+_warned_feedback: set[float] = set()
 
 
 def _check_group(group: dict[str, Any]) -> None:
     """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
+    check_keys(group, _GROUP_KEYS)
     check_nonnegative("lr", group["lr"])
     check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive")
     check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
     check_nonnegative("weight_decay", group["weight_decay"])
-    check_real("dampening", group["dampening"])
+    check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
     check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
     check_bool("orthogonal", group["orthogonal"])

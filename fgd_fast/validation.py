@@ -1,12 +1,15 @@
-"""Argument validation shared by every optimizer of the package (FGD and the baselines).
+"""Argument validation: the host-side checks of what a caller passes (hyper-parameters,
+options, parameters, gradients, state tensors), shared by every optimizer of the package.
 
-Each helper raises a ``ValueError`` / ``TypeError`` whose message says how to fix the call.
+(The step's own device-side guards, which look at what a step is about to write, live in
+:mod:`fgd_fast.guards`.) Each helper raises a ``ValueError`` / ``TypeError`` whose message says how to fix the call.
 They only read their arguments, so an optimizer can validate everything before it changes
 anything.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +21,8 @@ __all__ = [
     "check_real",
     "check_nonnegative",
     "check_unit_interval",
+    "check_closed_unit_interval",
+    "check_keys",
     "check_positive",
     "check_int_at_least",
     "check_bool",
@@ -31,10 +36,22 @@ __all__ = [
 
 
 def check_real(name: str, value: Any) -> float:
-    """``value`` as a finite Python float; bools and tensors are refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a finite Python float.
+
+    Accepted: every ``numbers.Real`` (int, float, ``fractions.Fraction``, numpy scalars such as
+    ``np.float32`` / ``np.int64``) and, as ``torch.optim`` does for ``lr``, a one-element real
+    tensor on the CPU. Refused: bools (``True`` is an int, but never a hyper-parameter) and
+    tensors elsewhere (reading one would synchronise with the device)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.device.type != "cpu":
+            raise TypeError(
+                f"{name} as a tensor must hold one real number on the CPU, got {tuple(value.shape)} {value.dtype} "
+                f"on {value.device}; pass a Python float"
+            )
+        value = value.item()
+    if isinstance(value, (bool,)) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{name} must be a real number (int or float), got {type(value).__name__}: {value!r}"
+            f"{name} must be a real number (int, float or a numpy scalar), got {type(value).__name__}: {value!r}"
         )
     value = float(value)
     if not math.isfinite(value):
@@ -58,6 +75,15 @@ def check_unit_interval(name: str, value: Any, hint: str = "") -> float:
     return value
 
 
+def check_closed_unit_interval(name: str, value: Any, hint: str = "") -> float:
+    """``0 <= value <= 1``."""
+    value = check_real(name, value)
+    if not 0.0 <= value <= 1.0:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"invalid {name}={value}: it must lie in [0, 1]{extra}")
+    return value
+
+
 def check_positive(name: str, value: Any, hint: str = "") -> float:
     """``value > 0`` (a finite real number)."""
     value = check_real(name, value)
@@ -77,7 +103,19 @@ def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> i
     return value
 
 
+def check_keys(group: dict, names: Iterable[str], what: str = "parameter group") -> None:
+    """Every key of ``names`` is in ``group`` (a ``ValueError`` names the missing ones)."""
+    missing = [k for k in names if k not in group]
+    if missing:
+        raise ValueError(
+            f"the {what} has no {', '.join(map(repr, missing))}; a group gets every key from the optimizer's "
+            "defaults when it is added, so put the key(s) back (e.g. group[key] = opt.defaults[key])"
+        )
+
+
 def check_bool(name: str, value: Any) -> bool:
+    if type(value).__name__ == "bool_":  # numpy's bool
+        value = bool(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
     return value

@@ -135,9 +135,9 @@ def test_zero_size_orthogonal_parameter_is_skipped(backend):
     assert opt.orthogonality()[1] == 0.0
 
 
-def test_mismatched_euclidean_state_raises_before_any_write():
-    """A state dict from a model that differs in a bias: the step raises and changes nothing
-    (the orthogonal update, which runs first, included)."""
+def test_mismatched_euclidean_state_is_refused_at_load():
+    """A state dict from a model that differs in a layer: load_state_dict refuses it with the
+    reason and changes nothing (before, it loaded and the next step raised)."""
     net, opt = _trained()
     other = _model()
     other[3] = nn.Linear(8 * 4 * 4, 4).to(device_for_tests())  # 4 classes instead of 5
@@ -145,11 +145,11 @@ def test_mismatched_euclidean_state_raises_before_any_write():
     opt_other.zero_grad()
     _loss(other).backward()
     opt_other.step()
-    opt.load_state_dict(opt_other.state_dict())
     snap = snapshot(net, opt)
     with pytest.raises(ValueError, match="momentum_buffer"):
-        opt.step()
+        opt.load_state_dict(opt_other.state_dict())
     assert_unchanged(net, opt, snap)
+    opt.step()  # the optimizer still works
 
 
 def test_gradient_of_another_dtype_is_refused():

@@ -566,8 +566,16 @@ def test_cayley_options_changed_after_construction_are_checked_at_step(cls):
     assert_unchanged(net, opt, snap)
     opt.param_groups[0]["s"] = 2
     opt.form = "lowrank"
-    opt.norm = "one"
+    with pytest.raises(ValueError, match="form='dense'"):  # an option is checked when it is set
+        opt.norm = "one"
+    assert opt.norm == "fro" and all(g["norm"] == "fro" for g in opt.param_groups)
+    opt.defaults["norm"] = "one"  # behind the setter's back: caught at the next step
     with pytest.raises(ValueError, match="form='dense'"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+    opt.defaults["norm"] = "fro"
+    opt.param_groups[0]["form"] = "dense"  # a group may not differ from the optimizer
+    with pytest.raises(ValueError, match="optimizer-wide"):
         opt.step()
     assert_unchanged(net, opt, snap)
 

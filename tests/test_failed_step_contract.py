@@ -82,6 +82,8 @@ def test_non_finite_gradient_on_first_step_creates_no_state(optimizer):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_finite_check_turned_off_lets_a_nan_through(optimizer):
     net, opt = _trained(optimizer, check_finite=False)
+    if hasattr(type(opt), "guard"):
+        opt.guard = False  # (FGD's guard may replace such a step by the pull-back instead)
     net[1].weight.grad[0, 0, 0, 0] = float("nan")
     opt.step()  # no exception: the user asked for no check
     assert torch.isnan(net[1].weight).any()

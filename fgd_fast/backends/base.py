@@ -3,7 +3,7 @@
 A backend is a function
 
     prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision,
-            [reduce, shapes]) -> StepPlan
+            trust_radius, max_distance, [reduce, shapes]) -> StepPlan
 
 over the orthogonal parameters of one device:
 
@@ -14,7 +14,10 @@ over the orthogonal parameters of one device:
 * ``fresh[i]`` — Φ is known to be zero (first step): a backend may skip reading it;
 * ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α;
 * ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products (``torch``,
-  ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it.
+  ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it;
+* ``trust_radius`` — ρ of the step guard (:mod:`.algebra`), ``None`` for no guard;
+* ``max_distance`` — the guard's limit on the predicted distance after the step; without a
+  guard, a request to predict it (``None``: no prediction).
 
 Row shards (optional; a backend that supports them sets ``prepare.row_shards = True``, the
 others only ever see whole matrices):
@@ -30,8 +33,10 @@ others only ever see whole matrices):
   ``finite`` and updates its own rows.
 
 ``prepare`` must not write any parameter or buffer. It returns a :class:`StepPlan` with the
-per-layer distance ``‖θᵀθ − I‖_F`` (and gradient finiteness when ``check_finite``) as device
-tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into ``bufs``.
+per-layer distance ``‖θᵀθ − I‖_F`` (and input finiteness when ``check_finite``), and with a
+guard or prediction the predicted distance and finiteness after the step and the guard's
+decision, as device tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into
+``bufs``.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from typing import Protocol
 
 import torch
 
-from .algebra import middle
+from .algebra import Checks, join_checks, middle
 
 __all__ = [
     "PRECISIONS",
@@ -79,8 +84,11 @@ PRECISIONS = ("ieee", "tf32x3", "tf32")
 @dataclass
 class StepPlan:
     dist: torch.Tensor  # (L,) ‖θᵀθ − I‖_F per layer, in input order
-    finite: torch.Tensor | None  # (L,) bool: gradient finite; None when not checked
+    finite: torch.Tensor | None  # (L,) bool: gradient (and Φ) finite; None when not checked
     apply: Callable[[], None]  # performs every write of the step
+    dist_next: torch.Tensor | None = None  # (L,) predicted bound of ‖θ₊ᵀθ₊ − I‖_F
+    finite_next: torch.Tensor | None = None  # (L,) bool: θ₊ and Φ₊ finite
+    guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
 
 
 class Backend(Protocol):
@@ -96,6 +104,8 @@ class Backend(Protocol):
         feedback: list[float],
         check_finite: bool,
         precision: str = "ieee",
+        trust_radius: float | None = None,
+        max_distance: float | None = None,
         reduce: Callable[[list[torch.Tensor]], None] | None = None,
         shapes: list[torch.Size] | None = None,
     ) -> StepPlan: ...
@@ -148,7 +158,14 @@ def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def fp32_matmuls(precision: str = "ieee"):
     """fp32 matmuls at ``precision`` inside, whatever the global setting (restored after):
     ``"ieee"`` in IEEE fp32, ``"tf32"``/``"tf32x3"`` with TF32 tensor cores allowed (a CPU
-    computes them in fp32). The Gram A = θᵀθ sets the distance the feedback term can reach."""
+    computes them in fp32). The Gram A = θᵀθ sets the distance the feedback term can reach.
+
+    Under ``torch.compile`` the setting cannot be switched inside a graph, so it is left as
+    it is (keep ``torch.set_float32_matmul_precision("highest")``, the default, for compiled
+    steps)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
     try:
@@ -188,16 +205,21 @@ def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.de
 def plan_of(units: list, device: torch.device, check_finite: bool) -> StepPlan:
     """The :class:`StepPlan` of a backend's units (launch classes, buckets): each has
     ``layers`` (its positions in the input lists), per-layer ``dist`` and ``finite`` device
-    tensors and an ``apply()`` that performs its writes."""
+    tensors, optional ``dist_next``, ``finite_next``, ``guarded`` (absent or ``None``: not
+    computed) and an ``apply()`` that performs its writes."""
     order = [i for u in units for i in u.layers]
     dist = in_input_order([u.dist.to(torch.float64) for u in units], order, device)
     finite = in_input_order([u.finite for u in units], order, device) if check_finite else None
+    extra = {}
+    for name in ("dist_next", "finite_next", "guarded"):
+        parts = [getattr(u, name, None) for u in units]
+        extra[name] = in_input_order(parts, order, device) if units and all(t is not None for t in parts) else None
 
     def apply() -> None:
         for u in units:
             u.apply()
 
-    return StepPlan(dist=dist, finite=finite, apply=apply)
+    return StepPlan(dist=dist, finite=finite, apply=apply, **extra)
 
 
 @dataclass
@@ -230,7 +252,8 @@ def runs_of(shapes: list[tuple[int, bool]], slots: list[int]) -> list[Run]:
     return runs
 
 
-def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=False, transposed=False):
+def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=False, transposed=False,
+                   g_sq=None, trust_radius=None, max_distance=None) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
 
     ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
@@ -238,28 +261,32 @@ def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=
     ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
     θ slot holds ``F = −α(A − I)`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
     ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
-    kernels store split products and only the upper tiles of symmetric blocks). Products in
-    IEEE fp32 whatever the global TF32 setting. Returns the per-layer distance ``‖A − I‖_F``
-    (float64) and the finite flag of E, in launch order.
+    kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
+    (``(layers,)`` float64 ‖g‖², launch order), ``trust_radius``, ``max_distance``: the step
+    guard (:func:`.algebra.middle`). Products in IEEE fp32 whatever the global TF32 setting.
+    Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
+    takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
-    dists, finites = [], []
+    mids = []
     with full_precision():
         for r in runs:
             cnt, p = r.end - r.first, r.p
-            blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+            blocks = gram[r.gram_at:r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
             a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
             b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
             if assemble is not None:
                 a, c = assemble(blocks, a, c)
-            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
-            mid = middle(a, b, c, e, lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2])
+            h = hyper[r.first:r.end].view(cnt, 3, 1, 1)
+            mid = middle(
+                a, b, c, e, lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
+                g_sq=g_sq[r.first:r.end] if g_sq is not None else None, radius=trust_radius, limit=max_distance,
+            )
             m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
-            out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+            out = mats[r.m_at:r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
             out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
             out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + …]
-            dists.append(mid.dist)
-            finites.append(mid.finite)
-    return torch.cat(dists).to(torch.float64), torch.cat(finites)
+            mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
+    return join_checks(mids)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -67,6 +67,7 @@ import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
+from .algebra import grad_sq, scaled_hyper
 from .base import (
     M_PHI,
     M_THETA,
@@ -138,7 +139,7 @@ def _operand(t: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, int, int]
 class _Class:
     """The layers of one dtype: tables, Gram pass and middle (prepare); update (apply)."""
 
-    def __init__(self, idx, params, grads, bufs, fresh, lr, beta, alpha, dtype):
+    def __init__(self, idx, params, grads, bufs, fresh, lr, beta, alpha, dtype, trust_radius=None, max_distance=None):
         device = params[idx[0]].device
         self.device, self.code, self.acc = device, _CODE[dtype], compute_dtype(dtype)
         acc_bytes = torch.finfo(self.acc).bits // 8
@@ -206,7 +207,15 @@ class _Class:
 
         # the O(p³) middle, one batch per run of equal (reads Φ, p): [M_θ | M_Φ] per layer
         self.mats = torch.empty(m_off, dtype=self.acc, device=device)
-        self.dist, self.finite = middle_of_runs(gram, self.mats, self.hyper, runs)
+        # the guard's ‖g‖² by one multi-tensor torch op on the inputs (the Gram kernel does not take it)
+        predict = trust_radius is not None or max_distance is not None
+        g_sq = grad_sq([grads[i] for i in order]) if predict else None
+        checks = middle_of_runs(
+            gram, self.mats, self.hyper, runs, g_sq=g_sq, trust_radius=trust_radius, max_distance=max_distance,
+        )
+        self.dist, self.finite = checks.dist, checks.finite
+        self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
+        self.hyper_step = scaled_hyper(self.hyper, checks.scale)  # [sη, sβ, α]: the guard's U → sU
         # the update's scratch is reserved here, so that apply() allocates nothing: a step that
         # fails for lack of memory fails before any write
         acc_bytes = torch.finfo(self.acc).bits // 8
@@ -217,7 +226,7 @@ class _Class:
     def apply(self) -> None:
         _launch(
             "update", _ext.update,
-            self.meta, self.hyper, self.mats, self.scratch, self.total_blocks, self.grid, self.p_max, self.code,
+            self.meta, self.hyper_step, self.mats, self.scratch, self.total_blocks, self.grid, self.p_max, self.code,
         )
         for dst, src in self.copy_back:
             dst.copy_(src.view(dst.shape))  # staged copies are contiguous (c_o, m)
@@ -229,7 +238,8 @@ def _check_devices(params) -> None:
         raise RuntimeError(f"backend='cuda' needs CUDA tensors, got tensors on {', '.join(sorted(bad))}")
 
 
-def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
+                 trust_radius=None, max_distance=None):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     _check_devices(params)
@@ -239,6 +249,7 @@ def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_fi
             raise TypeError(f"backend='cuda' supports float16/bfloat16/float32/float64 parameters, got {param.dtype}")
         classes[param.dtype].append(i)
     built = [
-        _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype) for dtype, idx in classes.items()
+        _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance)
+        for dtype, idx in classes.items()
     ]
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

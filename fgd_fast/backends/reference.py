@@ -2,13 +2,19 @@
 (the sequence of docs/algorithm.md §3, everything evaluated at the pre-step θ).
 
 Every faster backend is tested against it, so it favours legibility over speed.
+
+The guard (``trust_radius``) is the batched backends' (:mod:`.algebra`), applied the way the
+authors' sequence allows: the scale ``s = min(1, ρ/(‖Φ‖ + η‖g‖))`` comes first and the
+sequence runs on ``sΦ, sg``; the distance after the step is then computed exactly from the
+candidate θ₊ (the batched backends bound it from ``p × p`` blocks), and a candidate beyond
+``max_distance`` or non-finite is replaced by ``θ₊ = θ − αθ(A − I)``, ``Φ₊ = 0``.
 """
 from __future__ import annotations
 
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .algebra import sym
+from .algebra import fallback_distance, sym, trust_scale
 from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
@@ -31,9 +37,18 @@ def _velocity(theta, phi, g, *, lr, momentum, feedback):
     return phi + con + rd + ext + fb_phi
 
 
-def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+def _norm64(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """‖t‖_F accumulated in float64 (a finite float32 tensor cannot overflow it); 0 for None."""
+    if t is None:
+        return torch.zeros((), dtype=torch.float64, device=like.device)
+    return torch.linalg.vector_norm(t, dtype=torch.float64)
+
+
+def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
+                      trust_radius=None, max_distance=None):
     """Compute every θ₊, Φ₊ now (nothing is written); ``apply`` only copies them into place."""
-    dists, finite, results = [], [], []
+    dists, finite, results, dist_next, finite_next, guarded = [], [], [], [], [], []
+    predict = trust_radius is not None or max_distance is not None
     with full_precision():  # IEEE fp32 products whatever the global TF32 setting
         for i, param in enumerate(params):
             cdt = compute_dtype(param.dtype)
@@ -41,14 +56,35 @@ def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, che
             eye = torch.eye(theta.shape[1], dtype=cdt, device=theta.device)
             a_minus_i = theta.t() @ theta - eye  # A − I
             dists.append(torch.linalg.matrix_norm(a_minus_i))
-            if check_finite:
-                finite.append(torch.isfinite(grads[i]).all())
             g = as_stiefel(grads[i]).to(cdt)
             buf = bufs[i]
             phi = None if buf is None or fresh[i] else as_stiefel(buf).to(cdt)
+            if check_finite:
+                ok = torch.isfinite(grads[i]).all()
+                finite.append(ok if phi is None else ok & torch.isfinite(phi).all())
+            scale = None
+            if trust_radius is not None:  # the guard's trust region: run the sequence on sΦ, sg
+                scale, _ = trust_scale(_norm64(phi, g), _norm64(g, g), lr[i], trust_radius)
+                s = scale.to(cdt)
+                g = g * s
+                phi = phi * s if phi is not None else None
             phi_new = _velocity(theta, phi, g, lr=lr[i], momentum=momentum[i], feedback=feedback[i])
             fb_theta = -feedback[i] * theta @ a_minus_i  # fb_θ = −α θ (A − I)
             theta_new = theta + phi_new + fb_theta
+            if predict:  # the distance after the step, exactly, from the candidate θ₊
+                d_new = torch.linalg.matrix_norm(theta_new.t() @ theta_new - eye).to(torch.float64)
+                fin_new = torch.isfinite(d_new) & torch.isfinite(phi_new).all()
+                if scale is not None:
+                    ok = fin_new & (d_new <= max_distance) if max_distance is not None else fin_new
+                    theta_new = torch.where(ok, theta_new, theta + fb_theta)  # reset: θ₊ = θ − αθ(A − I)
+                    phi_new = torch.where(ok, phi_new, torch.zeros_like(phi_new))  # Φ₊ = 0
+                    reset = fallback_distance(a_minus_i, feedback[i])
+                    d_new = torch.where(ok, d_new, reset)
+                    fin_new = torch.where(ok, fin_new, torch.isfinite(reset))
+                    reset_code = torch.full_like(scale, 2, dtype=torch.int8)  # guards.RESET
+                    guarded.append(torch.where(ok, (scale < 1.0).to(torch.int8), reset_code))
+                dist_next.append(d_new)
+                finite_next.append(fin_new)
             results.append((from_stiefel(theta_new, param.shape), from_stiefel(phi_new, param.shape)))
 
     def apply() -> None:
@@ -58,8 +94,12 @@ def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, che
                 buf.copy_(phi_new)
 
     dev = params[0].device if params else torch.device("cpu")
+    stack = lambda ts: torch.stack(ts) if ts else None  # noqa: E731
     return StepPlan(
         dist=torch.stack(dists) if dists else torch.zeros(0, device=dev),
         finite=torch.stack(finite) if check_finite and finite else None,
         apply=apply,
+        dist_next=stack(dist_next),
+        finite_next=stack(finite_next),
+        guarded=stack(guarded),
     )

@@ -7,15 +7,20 @@ Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, wri
 1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
    C only when Φ is read). ``precision="tf32x3"`` computes A from the TF32 split of θ
    (:mod:`.tf32`): ``A ≈ H + L + Lᵀ``, ``[H | L] = hiᵀ[hi | lo]`` in one product.
-2. O(p³) middle (:mod:`.algebra`; docs/algorithm.md §3): ``M_Φ``, ``F = −α(A − I)`` and
-   ``M_θ = M_Φ + F``, kept until ``apply``, with the distance ``‖A − I‖_F``.
+2. O(p³) middle (:mod:`.algebra`), with ``N = 2I − A`` and ``S = sym(B)``:
+   ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]``, ``F = −α(A − I)``,
+   ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
+   guard also its per-layer scale ``s`` (inputs from ``‖g‖²``, the per-column sums of g² in
+   float64 taken in the Gram pass, reduced with the Grams under row shards) and its
+   prediction of the step's outcome.
 
 and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
 writes in place, layer by layer (or chunk by chunk):
 
-3. ``Φ ← βΦ − ηg`` (``U``), ``Φ ← Φ + θ M_Φ`` (``Φ₊ = U + θM_Φ``), ``O ← Φ₊ + θF``,
-   ``θ ← θ + O`` (``θ₊ = θ + U + θM_θ = θ + Φ₊ + θF``); without Φ (``momentum == 0``)
-   ``O ← −ηg + θM_θ``, ``θ ← θ + O``.
+3. ``Φ ← (sβ)Φ − (sη)g`` (``sU``), ``Φ ← Φ + θ M_Φ`` (``Φ₊ = sU + θM_Φ``), ``O ← Φ₊ + θF``,
+   ``θ ← θ + O`` (``θ₊ = θ + sU + θM_θ = θ + Φ₊ + θF``); without Φ (``momentum == 0``)
+   ``O ← −(sη)g + θM_θ``, ``θ ← θ + O``. The coefficients carry the guard's scale (s = 1
+   exactly where it does not bind, and without a guard).
 
 So a step that fails in ``prepare`` — a check, or lack of memory — has written nothing, and
 the step's extra memory is the p × p matrices plus a bounded scratch, not copies of θ, Φ and g.
@@ -51,13 +56,13 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .algebra import middle
+from .algebra import join_checks, middle
 from .base import PRECISIONS, compute_dtype, fp32_matmuls, plan_of
 from .tf32 import round_tf32
 
 __all__ = ["prepare_torch"]
 
-_MIDDLE_BLOCKS = 16  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, N, S, …)
+_MIDDLE_BLOCKS = 24  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, N, S, …, guard: K, T, P)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 _HALVES_FROM = 64  # symmetric Grams from this p on as block halves (measured faster on a CPU from p ≈ 96)
 _CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
@@ -166,31 +171,39 @@ class _Bucket:
             torch.baddbmm(y, a, b, beta=beta, out=out)
 
     # -- prepare: Gram pass and middle ----------------------------------------------------
-    def prepare(self, scratch: list[torch.Tensor], check_finite: bool, middle_numel: int) -> None:
+    def prepare(self, scratch: list[torch.Tensor], check_finite: bool, middle_numel: int,
+                trust_radius: float | None = None, max_distance: float | None = None) -> None:
         """Gram pass and middle, chunk by chunk (the Grams of one middle chunk alive at once)."""
-        self.start(middle_numel)
+        self.start(middle_numel, trust_radius, max_distance)
         for gemm_chunks in self.plan:
             self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
         self.finish(self.finite_flags() if check_finite else None)
 
-    def start(self, middle_numel: int) -> None:
+    def start(self, middle_numel: int, trust_radius: float | None = None, max_distance: float | None = None) -> None:
         self.plan = self.chunks(middle_numel)
         p, count = self.p, len(self.layers)
         self.m_phi = torch.empty((count, p, p), dtype=self.cdt, device=self.params[0].device)
         self.m_second = torch.empty_like(self.m_phi)  # F (with Φ) or M_θ (without)
-        self.dists = []
+        self.guard = dict(radius=trust_radius, limit=max_distance)
+        self.predict = trust_radius is not None or max_distance is not None
+        self.mids = []
 
     def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
-        """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ."""
+        """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
+        the guard also the per-column sums of g² (float64, ``(L, p)``) last."""
         s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
         blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device)
                   for _ in range(4 if self.reads_phi else 2)]
         a, g_blk = blocks[:2]
+        g_sq = torch.empty((e - s, p), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
         for ch in gemm_chunks:
             r = slice(ch.s - s, ch.e - s)
             theta = self._operand(scratch[0], self.params, ch)
             grad = self._operand(scratch[2], self.grads, ch)
             self._gram(theta, grad, g_blk[r])  # E = θᵀg
+            if g_sq is not None:  # Σ_rows g² per column, accumulated in float64 (no overflow for a finite g)
+                torch.linalg.vector_norm(self._col(grad), dim=1, dtype=torch.float64, out=g_sq[r])
+                g_sq[r].square_()
             if self.split:
                 self._split_gram(theta, a[r])  # A ≈ H + L + Lᵀ
             else:
@@ -199,16 +212,18 @@ class _Bucket:
                 phi = self._operand(scratch[1], self.bufs, ch)
                 self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
                 self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
-        return blocks
+        return blocks + ([g_sq] if g_sq is not None else [])
 
     def middle(self, gemm_chunks: list[_Chunk], blocks: list[torch.Tensor]) -> None:
         """``M_Φ``, ``F`` or ``M_θ`` and ``‖A − I‖_F`` of a middle chunk from its (full) Grams."""
         s, e = gemm_chunks[0].s, gemm_chunks[-1].e
-        a, g_blk, b, c = blocks if self.reads_phi else (*blocks, None, None)
-        mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha)
+        g_sq = blocks[-1] if self.predict else None
+        grams = blocks[:-1] if self.predict else blocks
+        a, g_blk, b, c = grams if self.reads_phi else (*grams, None, None)
+        mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha, g_sq=g_sq, **self.guard)
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
-        self.dists.append(mid.dist)
+        self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
 
     def finite_flags(self) -> torch.Tensor:
         """(L,) bool: g is finite iff its min and max are (both propagate NaN); an empty
@@ -218,8 +233,16 @@ class _Bucket:
         return torch.stack(flags)
 
     def finish(self, finite: torch.Tensor | None) -> None:
-        self.dist = torch.cat(self.dists) if self.dists else torch.zeros(0, device=self.m_phi.device)
-        self.finite = finite
+        checks = join_checks(self.mids)
+        self.dist, self.dist_next, self.finite_next, self.guarded = (
+            checks.dist, checks.dist_next, checks.finite_next, checks.guarded,
+        )
+        self.finite = checks.finite if finite is not None and self.predict else finite  # with the guard: g and Φ
+        # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard)
+        count = len(self.layers)
+        scale = checks.scale if checks.scale is not None else torch.ones(count, dtype=torch.float64,
+                                                                          device=self.m_phi.device)
+        self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
 
     def _split_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A ≈ H + L + Lᵀ``: hi = tf32(θ), lo = tf32(θ − hi) side by side (``[hi | lo]`` in
@@ -227,10 +250,9 @@ class _Bucket:
         c, p = theta.shape[0], self.p
         parts = torch.empty((c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt,
                             device=theta.device)
-        if self.rows:
-            hi, lo = parts[:, : self.c_o], parts[:, self.c_o :]
-        else:
-            hi, lo = parts[..., : self.m], parts[..., self.m :]
+        hi, lo = (
+            (parts[:, : self.c_o], parts[:, self.c_o :]) if self.rows else (parts[..., : self.m], parts[..., self.m :])
+        )
         round_tf32(theta, out=hi)  # hi = tf32(θ): a TF32 number, unchanged by the product's own rounding
         round_tf32(torch.sub(theta, hi, out=lo), out=lo)  # lo = tf32(θ − hi); θ − hi is exact
         both = torch.bmm(self._col(hi).transpose(1, 2), self._col(parts))  # hiᵀ[hi | lo] = [H | L]
@@ -248,6 +270,7 @@ class _Bucket:
         theta = self._operand(scratch[0], self.params, ch)
         out = scratch[2][: c * self.numel].view(c, self.c_o, self.m)
         grads, params = self.grads[i], self.params[i]
+        beta_s, eta_s = self.coef[i, 0], self.coef[i, 1]  # (c, 1, 1): sβ and −sη
         if ch.staged:
             g_views = None  # g is added layer by layer, in its own shape
         else:
@@ -261,23 +284,28 @@ class _Bucket:
             else:  # Φ = 0 is not read: the slot starts as g
                 phi = self._stack(scratch[1], self.grads, ch)
             if self.reads_phi:
-                self._add_theta_times(phi, theta, self.m_phi[i], beta=self.beta)  # βΦ + θ M_Φ
-                if g_views is None:
-                    torch._foreach_add_(self._shaped(phi, bufs), grads, alpha=-self.lr)  # Φ₊ = βΦ − ηg + θ M_Φ
+                phi.mul_(beta_s)  # sβΦ
+                self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
+                if g_views is None:  # Φ₊ = sβΦ − sηg + θ M_Φ
+                    torch._foreach_addcmul_(self._shaped(phi, bufs), grads, list(eta_s.view(-1).unbind(0)))
                 else:
-                    phi.add_(g_views, alpha=-self.lr)
+                    phi.addcmul_(g_views, eta_s)
             elif g_views is None:
-                self._add_theta_times(phi, theta, self.m_phi[i], beta=-self.lr)  # Φ₊ = −ηg + θ M_Φ
+                phi.mul_(eta_s)  # the slot holds g: −sηg
+                self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
             else:
-                self._add_theta_times(g_views, theta, self.m_phi[i], beta=-self.lr, out=phi)
+                torch.mul(g_views, eta_s, out=phi)  # −sηg
+                self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
             self._add_theta_times(phi, theta, self.m_second[i], out=out)  # O = Φ₊ + θF
             if ch.staged:
                 torch._foreach_copy_(bufs, self._shaped(phi, bufs))  # Φ ← Φ₊
         elif g_views is None:
             torch._foreach_copy_(self._shaped(out, grads), grads)
-            self._add_theta_times(out, theta, self.m_second[i], beta=-self.lr)  # O = −ηg + θ M_θ
+            out.mul_(eta_s)  # −sηg
+            self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
         else:
-            self._add_theta_times(g_views, theta, self.m_second[i], beta=-self.lr, out=out)
+            torch.mul(g_views, eta_s, out=out)  # −sηg
+            self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
         if ch.staged:
             torch._foreach_add_(params, self._shaped(out, params))  # θ₊ = θ + O
         else:
@@ -290,27 +318,16 @@ class _Step:
     def __init__(self, buckets, scratch, precision):
         self.units, self.scratch, self.precision = buckets, scratch, precision
 
-    @torch.no_grad()
     def apply(self) -> None:
-        with fp32_matmuls(self.precision):
+        with torch.no_grad(), fp32_matmuls(self.precision):  # (a context, not a decorator: torch.compile traces it)
             for b in self.units:
                 b.apply(self.scratch[b.cdt])
 
 
 @torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
 def prepare_torch(
-    params,
-    grads,
-    bufs,
-    fresh,
-    *,
-    lr,
-    momentum,
-    feedback,
-    check_finite,
-    precision="ieee",
-    reduce=None,
-    shapes=None,
+    params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee", reduce=None, shapes=None,
+    trust_radius=None, max_distance=None,
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
@@ -336,11 +353,12 @@ def prepare_torch(
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for b in buckets:
-                b.prepare(scratch[b.cdt], check_finite, middle_numel=middle_numel)
+                b.prepare(scratch[b.cdt], check_finite, middle_numel=middle_numel, trust_radius=trust_radius,
+                          max_distance=max_distance)
         else:  # two phases around one reduce: every bucket's partial Grams, Σ over ranks, every middle
             held = []
             for b in buckets:
-                b.start(middle_numel)
+                b.start(middle_numel, trust_radius, max_distance)
                 held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
             _reduce_packed(reduce, [chunk for blocks in held for chunk in blocks], bad)

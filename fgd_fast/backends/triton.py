@@ -59,6 +59,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
+from .algebra import grad_sq, scaled_hyper
 from .base import (
     M_PHI,
     M_THETA,
@@ -151,6 +152,23 @@ def _order(layers, params):
     return layers, [stiefel_shape(params[i].shape)[:2] for i in layers]
 
 
+def _guard(ops, trust_radius, max_distance) -> dict:
+    """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
+    multi-tensor torch op on the inputs (the Gram kernels do not take it)."""
+    predict = trust_radius is not None or max_distance is not None
+    return dict(g_sq=grad_sq(ops.grad) if predict else None, trust_radius=trust_radius, max_distance=max_distance)
+
+
+class _Checked:
+    """What a launch class reports from its middle: the per-layer checks and the update
+    kernel's hyper-parameter table with the guard's scale folded in."""
+
+    def checks(self, checks) -> None:
+        self.dist, self.finite = checks.dist, checks.finite
+        self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
+        self.hyper_step = scaled_hyper(self.ops.hyper, checks.scale)  # [sη, sβ, α]: the guard's U → sU
+
+
 @dataclass
 class _Shapes:
     """Everything about a CUDA-core launch class that depends only on the layer shapes."""
@@ -189,10 +207,11 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     )
 
 
-class _Class:
+class _Class(_Checked):
     """A launch class on CUDA cores: tables, Gram pass and middle (prepare), update (apply)."""
 
-    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision):
+    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision,
+                 trust_radius=None, max_distance=None):
         device = params[layers[0]].device
         self.acc = compute_dtype(dtype)
         self.has_phi = has_phi
@@ -234,9 +253,9 @@ class _Class:
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
-        self.dist, self.finite = middle_of_runs(
-            gram, self.mats, ops.hyper, runs, feedback_with_phi=True
-        )
+        self.checks(middle_of_runs(
+            gram, self.mats, ops.hyper, runs, feedback_with_phi=True, **_guard(ops, trust_radius, max_distance),
+        ))
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
@@ -252,7 +271,9 @@ class _Class:
 
     def apply(self) -> None:
         sh = self.shapes
-        args = (self.meta, self.ops.hyper, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max)
+        args = (
+            self.meta, self.hyper_step, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max,
+        )
         modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
             _launch(
@@ -337,10 +358,11 @@ def _aligned(tensors, np_list, rows) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n if rows else p) % 4 == 0 for n, p in np_list)
 
 
-class _TensorCoreClass:
+class _TensorCoreClass(_Checked):
     """A float32 launch class on tensor cores: split, Gram pass and middle (prepare), update (apply)."""
 
-    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, has_phi, rows, precision):
+    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, has_phi, rows, precision,
+                 trust_radius=None, max_distance=None):
         device = params[layers[0]].device
         self.has_phi, self.rows = has_phi, rows
         self.lo = precision == "tf32x3"
@@ -398,22 +420,24 @@ class _TensorCoreClass:
 
         self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        self.dist, self.finite = middle_of_runs(
-            gram, self.mats, ops.hyper, runs, assemble=assemble, transposed=True
-        )
+        self.checks(middle_of_runs(
+            gram, self.mats, ops.hyper, runs, assemble=assemble, transposed=True,
+            **_guard(ops, trust_radius, max_distance),
+        ))
         self.programs = _persistent(sh.update_work.shape[0], device)
 
     def apply(self) -> None:
         sh = self.shapes
         items = sh.update_work.shape[0]
         _launch(
-            TC.tc_update_kernel, (self.programs,), self.meta, self.ops.hyper, sh.update_work, items, self.mats,
+            TC.tc_update_kernel, (self.programs,), self.meta, self.hyper_step, sh.update_work, items, self.mats,
             HAS_PHI=self.has_phi, PRECISION="tf32", **self.consts, **self.update_config,
         )
         self.ops.write_back()
 
 
-def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee"):
+def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
+                   trust_radius=None, max_distance=None):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
@@ -424,7 +448,12 @@ def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_
     built = []
     for (dtype, has_phi, rows), idx in classes.items():
         if dtype == torch.float32 and precision in TC.PRECISIONS:
-            built.append(_TensorCoreClass(idx, params, grads, bufs, lr, momentum, feedback, has_phi, rows, precision))
+            built.append(_TensorCoreClass(
+                idx, params, grads, bufs, lr, momentum, feedback, has_phi, rows, precision, trust_radius, max_distance,
+            ))
         else:
-            built.append(_Class(idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision))
+            built.append(_Class(
+                idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision, trust_radius,
+                max_distance,
+            ))
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from .._matrix import as_w2, stiefel_shape
-from .._stiefel_optimizer import StiefelOptimizer
+from .._stiefel_optimizer import StiefelOptimizer, _check_saved_tensor, option
 from ..backends import compute_dtype
-from ..checks import raise_if_invalid
+from ..guards import raise_if_invalid
 from ..manifold import sign_fixed_q
 from ..validation import (
     check_bool,
@@ -95,12 +95,27 @@ class CayleyBase(StiefelOptimizer):
         d = resolve_defaults(
             public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period
         )
-        defaults = dict(defaults, s=d["s"], renormalize=d["renormalize"], orthogonal=False)
-        self.form, self.norm, self.public_code_compat = d["form"], d["norm"], public_code_compat
-        self.qr_period, self.check_finite = d["qr_period"], check_finite
-        self._validate_options()
+        defaults = dict(
+            defaults, s=d["s"], renormalize=d["renormalize"], orthogonal=False, form=d["form"], norm=d["norm"],
+            public_code_compat=public_code_compat, qr_period=d["qr_period"], check_finite=check_finite,
+        )
+        self._validate_options(defaults)
         self._validate_group(defaults)
         super().__init__(params, defaults)
+
+    #: optimizer-wide options, kept in ``defaults`` (so copies and state_dicts keep them)
+    _OPTIONS = dict(form="lowrank", norm="fro", public_code_compat=False, qr_period=0, check_finite=True)
+    _STATE_DICT_KEYS = ("orthogonal", "q", "s")
+    form = option("form", "``\"lowrank\"`` or ``\"dense\"`` (optimizer-wide, kept in ``defaults``).")
+    norm = option("norm", "``\"fro\"`` or ``\"one\"`` (optimizer-wide).")
+    public_code_compat = option("public_code_compat", "Reproduce the public code (optimizer-wide).")
+    qr_period = option("qr_period", "QR re-orthonormalisation period, 0 for never (optimizer-wide).")
+    check_finite = option("check_finite", "Raise on a non-finite gradient (optimizer-wide).")
+
+    def _check_saved_state(self, p, group, state, text) -> None:
+        for name in ("momentum_buffer", "exp_avg"):
+            if state.get(name) is not None:
+                _check_saved_tensor(state[name], p, text, name)
 
     # -- subclass hooks -----------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -123,13 +138,13 @@ class CayleyBase(StiefelOptimizer):
         raise NotImplementedError
 
     # -- validation ---------------------------------------------------------------------------
-    def _validate_options(self) -> None:
-        check_choice("form", self.form, FORMS)
-        check_choice("norm", self.norm, NORMS)
-        check_bool("public_code_compat", self.public_code_compat)
-        check_int_at_least("qr_period", self.qr_period, 0, "0 never re-orthonormalises by QR")
-        check_bool("check_finite", self.check_finite)
-        if self.form == "lowrank" and self.norm == "one":
+    def _validate_options(self, options: dict[str, Any]) -> None:
+        check_choice("form", options["form"], FORMS)
+        check_choice("norm", options["norm"], NORMS)
+        check_bool("public_code_compat", options["public_code_compat"])
+        check_int_at_least("qr_period", options["qr_period"], 0, "0 never re-orthonormalises by QR")
+        check_bool("check_finite", options["check_finite"])
+        if options["form"] == "lowrank" and options["norm"] == "one":
             raise ValueError(
                 "norm='one' (the matrix 1-norm of the n×n W) needs form='dense'; use norm='fro' "
                 "with form='lowrank', or form='dense'"
@@ -154,7 +169,6 @@ class CayleyBase(StiefelOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
-        self._validate_options()
         loss = self._run_closure(closure)
 
         # bucket = equal (shape, layout, dtype, device, group, QR due, subclass key)
@@ -180,11 +194,8 @@ class CayleyBase(StiefelOptimizer):
             buckets.append(b)
         raise_if_invalid(  # the one host synchronisation; raises before any write
             [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
-            [b.finite for b in buckets],
-            [b.idx for b in buckets],
-            labels,
-            check_finite=self.check_finite,
-            check_manifold=False,
+            [b.finite for b in buckets], [b.idx for b in buckets], labels,
+            check_finite=self.check_finite, check_manifold=False,
         )
         for b in buckets:
             self._retract(b)
@@ -217,7 +228,6 @@ class CayleyBase(StiefelOptimizer):
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
         torch._foreach_copy_(b.params, [t.reshape(q.shape) for t, q in zip(y.unbind(0), b.params)])
         self._commit(b, list(wx.unbind(0)))
-
 
 def store_state(state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
     """``state[name] ← value`` reshaped to ``shape``: in place when it exists, else a new tensor."""

@@ -1,0 +1,145 @@
+"""The step's guards: what the device computes about a step before it writes, read on the host.
+
+Argument validation (types, ranges, shapes of what a caller passes) is in
+:mod:`fgd_fast.validation`; this module is about the *numbers* of one step. Every backend
+returns, per orthogonal layer, device tensors (no host synchronisation):
+
+* ``dist`` — ``‖θᵀθ − I‖_F`` of the parameter now (from the Gram block ``A``);
+* ``finite`` — the step's inputs g and Φ are finite (with ``check_finite``);
+* ``dist_next`` — an upper bound of ``‖θ₊ᵀθ₊ − I‖_F`` after the step, predicted from the
+  ``p × p`` blocks before anything is written (:func:`fgd_fast.backends.algebra.middle`);
+* ``finite_next`` — θ₊ and Φ₊ will be finite;
+* ``guarded`` — what the guard did: :data:`KEPT` (the authors' update), :data:`SCALED`
+  (trust region: the step's inputs scaled) or :data:`RESET` (the step replaced by the
+  feedback pull-back with Φ₊ = 0).
+
+:func:`raise_if_invalid` reads them with **one** ``.tolist()`` per device (the only host
+synchronisation of a step, and only when a check is on) and raises before any backend
+writes, so a failing step changes nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["MAX_DISTANCE", "TRUST_RADIUS", "KEPT", "SCALED", "RESET", "raise_if_invalid"]
+
+#: Default limit on ‖θᵀθ − I‖_F. The truncated Neumann series 2I − θᵀθ approximates
+#: (θᵀθ)⁻¹ with error ‖(I − θᵀθ)²‖, which stops being small well before the series'
+#: radius ‖I − θᵀθ‖ < 1; 0.5 catches an un-projected initialisation (distance ~√p or more)
+#: while leaving room for the transients of aggressive settings.
+MAX_DISTANCE = 0.5
+
+#: Default trust radius ρ of the guard on ``‖Φ‖_F + η‖g‖_F`` (per layer). One step moves θ
+#: off the manifold by at most about ‖U‖² (U = βΦ − ηg, the step's velocity): ρ = 0.5 keeps
+#: that under half of MAX_DISTANCE, and is ≥ 20× the largest value measured in training with
+#: the paper's settings (``benchmarks/guard_headroom.py``).
+TRUST_RADIUS = 0.5
+
+KEPT, SCALED, RESET = 0, 1, 2
+
+_RESET_ADVICE = (
+    "Call opt.reset_parameter(param) (projects θ onto the manifold and clears its momentum), "
+    "lower the learning rate or clip the gradient, or keep guard=True (the default), which scales "
+    "such steps instead"
+)
+
+
+def raise_if_invalid(
+    dist: Sequence[torch.Tensor],
+    finite: Sequence[torch.Tensor | None],
+    index: Sequence[Sequence[int]],
+    labels: Sequence[str],
+    *,
+    check_finite: bool,
+    check_manifold: bool,
+    max_distance: float = MAX_DISTANCE,
+    dist_next: Sequence[torch.Tensor | None] | None = None,
+    finite_next: Sequence[torch.Tensor | None] | None = None,
+    guarded: Sequence[torch.Tensor | None] | None = None,
+) -> list[int] | None:
+    """Raise if any layer failed a check; return the guard's per-layer decisions read at the
+    same synchronisation (``None`` when no check is on: nothing is read).
+
+    ``dist[k]``, ``finite[k]``, … are per-layer device tensors of one backend call whose
+    layers are ``index[k]`` (positions into ``labels``). One ``.tolist()`` per device.
+    """
+    if not (check_finite or check_manifold) or not labels:
+        return None
+    count = len(dist)
+    dist_next = list(dist_next) if dist_next is not None else [None] * count
+    finite_next = list(finite_next) if finite_next is not None else [None] * count
+    guarded = list(guarded) if guarded is not None else [None] * count
+    # layers in no batch (zero-size) are trivially on the manifold, finite and untouched
+    values = {name: [fill] * len(labels) for name, fill in
+              (("dist", 0.0), ("finite", 1.0), ("dist_next", 0.0), ("finite_next", 1.0), ("guarded", 0.0))}
+    by_device: dict[torch.device, list[int]] = {}
+    for k, d in enumerate(dist):
+        by_device.setdefault(d.device, []).append(k)
+    for ks in by_device.values():
+        parts = []
+        for k in ks:
+            d = dist[k].reshape(-1)
+            ones, zeros = torch.ones_like(d, dtype=torch.float64), torch.zeros_like(d, dtype=torch.float64)
+            for t, fill in ((dist[k], zeros), (finite[k], ones), (dist_next[k], zeros), (finite_next[k], ones),
+                            (guarded[k], zeros)):
+                parts.append(fill if t is None else t.reshape(-1).to(torch.float64))
+        read = torch.cat(parts).tolist()  # the one host synchronisation of a step
+        at = 0
+        for k in ks:
+            n = len(index[k])
+            for name in ("dist", "finite", "dist_next", "finite_next", "guarded"):
+                for i, v in zip(index[k], read[at:at + n]):
+                    values[name][i] = v
+                at += n
+    dist_all, dist_next_all = values["dist"], values["dist_next"]
+    fin_all = [v != 0.0 for v in values["finite"]]
+    fin_next_all = [v != 0.0 for v in values["finite_next"]]
+    if check_manifold:  # a non-finite parameter first: fused backends' finite flags see it too (θᵀg)
+        _raise_if_off_manifold(dist_all, labels, max_distance, only_non_finite=True)
+    if check_finite:
+        bad = [labels[i] for i, ok in enumerate(fin_all) if not ok]
+        if bad:
+            raise FloatingPointError(
+                f"non-finite gradient or momentum_buffer (NaN or Inf) for orthogonal parameter(s) {', '.join(bad)}; "
+                "the step was not applied and no parameter or state changed. Skip this step "
+                "(torch.amp.GradScaler does) or find the overflow; a non-finite momentum_buffer is cleared by "
+                "opt.reset_parameter(param); check_finite=False turns this check off"
+            )
+    if check_manifold:
+        _raise_if_off_manifold(dist_all, labels, max_distance)
+    if check_finite:
+        bad = [labels[i] for i, ok in enumerate(fin_next_all) if not ok]
+        if bad:
+            raise FloatingPointError(
+                f"this step would write non-finite values (overflow) into orthogonal parameter(s) {', '.join(bad)} "
+                f"or their momentum_buffer; it was not applied and nothing changed. {_RESET_ADVICE}"
+            )
+    if check_manifold:
+        for i, dv in enumerate(dist_next_all):  # (a non-finite prediction is check_finite's)
+            if math.isfinite(dv) and dv > max_distance:
+                raise ValueError(
+                    f"this step would move orthogonal parameter {labels[i]} to ‖θᵀθ − I‖_F ≤ {dv:.4g} (predicted "
+                    f"bound), beyond max_distance={max_distance}; it was not applied and nothing changed. "
+                    f"{_RESET_ADVICE}"
+                )
+    return [int(v) for v in values["guarded"]]
+
+
+def _raise_if_off_manifold(
+    dist_all: list[float], labels: Sequence[str], max_distance: float, *, only_non_finite: bool = False,
+) -> None:
+    for i, dv in enumerate(dist_all):
+        if only_non_finite and dv == dv:
+            continue
+        if not dv <= max_distance:  # also catches NaN
+            what = "is not finite" if dv != dv else f"is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold"
+            raise ValueError(
+                f"orthogonal parameter {labels[i]} {what} (the limit is max_distance={max_distance};  "
+                "2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not applied. Project it "
+                "first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
+                "for you), or call opt.reset_parameter(param), which also clears its momentum; "
+                "check_manifold=False turns this check off"
+            )

@@ -1,0 +1,232 @@
+"""torch.optim citizenship: options survive copies, every real number type is a
+hyper-parameter, settings are validated whenever they change, foreign state is refused at
+load, and ``torch.compile`` traces the step."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fgd_fast
+from fgd_fast.baselines import CayleyADAM, CayleySGD
+from helpers import assert_unchanged, snapshot
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+
+
+def _loss(net, seed):
+    torch.manual_seed(100 + seed)
+    return net(torch.randn(4, 3, 8, 8)).square().mean()
+
+
+OPTIMIZERS = {
+    "FGD": lambda groups: fgd_fast.FGD(groups, lr=0.01, backend="torch", max_distance=0.3, check_finite=False),
+    "CayleySGD": lambda groups: CayleySGD(groups, lr=0.01, form="dense", qr_period=3),
+    "CayleyADAM": lambda groups: CayleyADAM(groups, lr=0.01, form="dense", norm="one"),
+}
+
+
+def _copy(opt, net, how):
+    """(copied net, copied optimizer) through ``how``, sharing nothing with the originals."""
+    bundle = {"net": net, "opt": opt}
+    if how == "deepcopy":
+        out = copy.deepcopy(bundle)
+    elif how == "pickle":
+        out = pickle.loads(pickle.dumps(bundle))
+    else:
+        buffer = io.BytesIO()
+        torch.save(bundle, buffer)
+        buffer.seek(0)
+        out = torch.load(buffer, weights_only=False)
+    return out["net"], out["opt"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_copies_keep_the_options_and_continue_bit_identically(name, how):
+    """Why 3: deepcopy/pickle/torch.save lost backend, the checks, max_distance (CayleySGD:
+    form) and the next step raised AttributeError."""
+    net = _net()
+    opt = OPTIMIZERS[name](fgd_fast.stiefel_param_groups(net, "paper"))
+    for k in range(2):
+        opt.zero_grad()
+        _loss(net, k).backward()
+        opt.step()
+    net2, opt2 = _copy(opt, net, how)
+    for o in type(opt)._OPTIONS:
+        assert getattr(opt2, o) == getattr(opt, o)
+    for k in range(2, 5):
+        for n, o in ((net, opt), (net2, opt2)):
+            o.zero_grad()
+            _loss(n, k).backward()
+            o.step()
+    for p, q in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_carries_the_options():
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, max_distance=0.3, guard=False)
+    other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
+    other.load_state_dict(opt.state_dict())
+    assert other.max_distance == 0.3 and other.guard is False
+    assert all(g["max_distance"] == 0.3 for g in other.param_groups)
+    legacy = opt.state_dict()  # a checkpoint written before the options were in the groups
+    for g in legacy["param_groups"]:
+        for o in fgd_fast.FGD._OPTIONS:
+            del g[o]
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01, max_distance=0.2)
+    fresh.load_state_dict(legacy)
+    assert fresh.max_distance == 0.2  # missing options keep their current value
+
+
+@pytest.mark.parametrize("value", [np.float32(0.01), np.float64(0.01), np.int64(0), torch.tensor(0.01)])
+def test_every_real_number_type_is_a_hyper_parameter(value):
+    """Why 5: numpy scalars were refused as "not a real number"."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=value, momentum=np.float32(0.9),
+                       feedback=np.float64(0.4), max_distance=np.float32(0.5))
+    _loss(net, 0).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_bools_and_device_tensors_are_not_hyper_parameters():
+    net = _net()
+    with pytest.raises(TypeError, match="lr"):
+        fgd_fast.FGD(net.parameters(), lr=True)
+    with pytest.raises(TypeError, match="one real number"):
+        fgd_fast.FGD(net.parameters(), lr=torch.tensor([0.1, 0.2]))
+
+
+@pytest.mark.parametrize("dampening", [-0.1, 1.5])
+def test_dampening_is_range_checked(dampening):
+    """Why 5: dampening was never range-checked."""
+    for cls in (fgd_fast.FGD, CayleySGD):
+        with pytest.raises(ValueError, match="dampening"):
+            cls(_net().parameters(), lr=0.1, dampening=dampening)
+
+
+def test_a_missing_group_key_is_named():
+    """Why 5: a group missing feedback gave a bare KeyError."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01)
+    del opt.param_groups[0]["feedback"]
+    _loss(net, 0).backward()
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="'feedback'"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+
+
+def test_options_changed_after_construction_are_validated():
+    """Why 5: max_distance/precision changed after construction were not re-validated."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, backend="reference")
+    with pytest.raises(ValueError, match="max_distance"):
+        opt.max_distance = 2.0
+    with pytest.raises(ValueError, match="precision"):
+        opt.precision = "tf32"  # the reference backend computes in full precision only
+    assert opt.max_distance == 0.5 and opt.precision == "ieee"
+    opt.max_distance = 0.3
+    assert all(g["max_distance"] == 0.3 for g in opt.param_groups)
+    _loss(net, 0).backward()
+    snap = snapshot(net, opt)
+    for edit in ({"max_distance": 2.0}, {"precision": "bf16"}):
+        for g in opt.param_groups:  # behind the setter's back: caught at the next step
+            g.update(edit)
+        opt.defaults.update(edit)
+        with pytest.raises(ValueError):
+            opt.step()
+        assert_unchanged(net, opt, snap)
+        opt.defaults.update(max_distance=0.3, precision="ieee")
+        for g in opt.param_groups:
+            g.update(max_distance=0.3, precision="ieee")
+    with pytest.raises(ValueError, match="optimizer-wide"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "backend": "torch"})
+
+
+def test_an_sgd_state_dict_is_refused_at_load():
+    """Why 5: torch SGD's state_dict loaded into FGD and its first step wrote distance 1.4e7."""
+    net = _net()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _loss(net, 0).backward()
+    sgd.step()
+    opt = fgd_fast.FGD([dict(params=list(net.parameters()), orthogonal=False)], lr=0.01)
+    with pytest.raises(ValueError, match="not saved by FGD"):
+        opt.load_state_dict(sgd.state_dict())
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("bad", ["nan", "integer"])
+def test_a_state_dict_with_unusable_buffers_is_refused(bad):
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01)
+    _loss(net, 0).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    buf = sd["state"][0]["momentum_buffer"]
+    sd["state"][0]["momentum_buffer"] = buf.fill_(float("nan")) if bad == "nan" else buf.to(torch.int64)
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opt.load_state_dict(sd)
+    assert_unchanged(net, opt, snap)
+
+
+def test_feedback_near_0_or_1_warns_once():
+    """Why 4: α = 0.9999 ran 150 steps 0.1–0.34 off the manifold without a word."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, feedback=0.97)
+    _loss(net, 0).backward()
+    with pytest.warns(RuntimeWarning, match=r"\|1 − 2α\|"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, feedback=0.4).step()  # in range: silent
+
+
+def _compiled_setup(checks: bool):
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4, 3, 3)))
+    b = nn.Parameter(torch.randn(8))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[b])], lr=0.01, backend="torch",
+                       check_finite=checks, check_manifold=checks)
+    w.grad, b.grad = torch.randn_like(w) * 0.01, torch.randn_like(b)
+    opt.step()  # state exists: the traced step is the steady one
+    return w, opt
+
+
+def test_compiled_step_has_no_graph_break_with_checks_off():
+    """Why 5: torch.compile(step, fullgraph=True) failed on get_float32_matmul_precision.
+    (The "eager" compiler backend: Dynamo's tracing is what is tested, without Inductor's
+    minutes of code generation on this CPU.)"""
+    torch._dynamo.reset()
+    w, opt = _compiled_setup(checks=False)
+    expected = copy.deepcopy((w, opt.state[w]["momentum_buffer"]))
+    eager_opt = copy.deepcopy(opt)
+    ew, eb = eager_opt.param_groups[0]["params"][0], eager_opt.param_groups[1]["params"][0]
+    ew.grad, eb.grad = w.grad.clone(), opt.param_groups[1]["params"][0].grad.clone()
+    eager_opt.step()
+    torch.compile(opt.step, fullgraph=True, backend="eager")()
+    assert not torch.equal(w, expected[0])
+    torch.testing.assert_close(w, ew, rtol=0, atol=1e-6)
+
+
+def test_compiled_step_breaks_only_at_the_check_sync():
+    torch._dynamo.reset()
+    w, opt = _compiled_setup(checks=True)
+    explained = torch._dynamo.explain(opt.step)()
+    assert explained.graph_break_count >= 1
+    for reason in explained.break_reasons:
+        frames = [f.name for f in reason.user_stack]
+        assert "raise_if_invalid" in frames, (reason.reason, frames)

@@ -1,0 +1,177 @@
+"""The step guard: spikes survive, nothing non-finite or off the manifold is ever written,
+``guard=False`` raises before writing with advice that works, and the guard is invisible in
+ordinary steps."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.guards import MAX_DISTANCE
+from helpers import backend_params
+
+BACKENDS = backend_params(("reference", "torch", "triton"))
+
+
+def _spike_run(backend="torch", *, spike=300.0, lr_spike=1.0, guard=True, steps=60, recover=False, seed=0):
+    """The issue's repro: unit-norm random gradients, lr 0.01, one gradient ×``spike`` at step
+    20 (or lr ×``lr_spike`` for steps 20–22). Returns (final distance, raises, the optimizer)."""
+    torch.manual_seed(seed)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, momentum=0.9, feedback=0.4,
+                       backend=backend, guard=guard)
+    raises = []
+    for k in range(steps):
+        g = torch.randn_like(w)
+        w.grad = g / g.norm() * (spike if k == 20 else 1.0)
+        opt.param_groups[0]["lr"] = 0.01 * (lr_spike if 20 <= k < 23 else 1.0)
+        try:
+            opt.step()
+        except (ValueError, FloatingPointError):
+            raises.append(k)
+            if not recover:
+                raise
+            opt.reset_parameter(w)  # what the message advises
+        phi = opt.state[w].get("momentum_buffer", torch.zeros(()))  # (none right after a reset)
+        assert torch.isfinite(w).all() and torch.isfinite(phi).all()
+        assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
+    return fgd_fast.stiefel_distance(w), raises, opt
+
+
+@pytest.fixture(scope="module")
+def calm_distance():
+    return _spike_run(spike=1.0)[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_spike_is_survived_by_default(backend, calm_distance):
+    """Why 1: a ×300 gradient at step 20 used to write θ 2.2 off the manifold and end in NaN."""
+    with pytest.warns(RuntimeWarning, match="guard bound"):
+        final, raises, opt = _spike_run(backend)
+    assert raises == [] and final <= 3 * calm_distance, (final, calm_distance)
+    stats = opt.guard_stats()[0]
+    assert stats["scaled"] + stats["reset"] >= 1
+
+
+def test_lr_spike_is_survived_by_default(calm_distance):
+    """Why 1: lr ×100 for 3 steps used to write θ up to 30 off the manifold."""
+    with pytest.warns(RuntimeWarning, match="guard bound"):
+        final, raises, opt = _spike_run(spike=1.0, lr_spike=100.0)
+    assert raises == [] and final <= 3 * calm_distance
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_guard_the_spike_raises_before_writing_and_the_advice_recovers(backend, calm_distance):
+    """Why 1: the error came one step late and its advice (orthogonalise) left the runaway Φ."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, backend=backend, guard=False)
+    for k in range(21):
+        g = torch.randn_like(w)
+        w.grad = g / g.norm() * (300.0 if k == 20 else 1.0)
+        if k < 20:
+            opt.step()
+    before_w, before_phi = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match="reset_parameter") as info:
+        opt.step()
+    assert "would move" in str(info.value)
+    assert torch.equal(w, before_w) and torch.equal(opt.state[w]["momentum_buffer"], before_phi)
+    final, raises, _ = _spike_run(backend, guard=False, recover=True)
+    assert raises == [20] and final <= 3 * calm_distance, (final, calm_distance)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_finite_gradient_never_writes_non_finite(backend):
+    """Why 2: a finite gradient of 3e38 wrote NaN θ and Φ."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 5)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, backend=backend)
+    w.grad = torch.randn_like(w) * 0.01
+    opt.step()
+    w.grad = torch.full_like(w, 3e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert torch.isfinite(w).all() and torch.isfinite(opt.state[w]["momentum_buffer"]).all()
+    assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
+    # without the guard the same step is refused before writing
+    opt.guard = False
+    before = w.detach().clone()
+    with pytest.raises((FloatingPointError, ValueError), match="reset_parameter"):
+        opt.step()
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_momentum_buffer_is_refused_before_writing(backend):
+    """Why 2: a NaN in momentum_buffer with a finite gradient made θ NaN; no check covered Φ."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 5)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, backend=backend)
+    w.grad = torch.randn_like(w) * 0.01
+    opt.step()
+    opt.state[w]["momentum_buffer"][0, 0] = float("nan")
+    before = w.detach().clone()
+    with pytest.raises(FloatingPointError, match="momentum_buffer"):
+        opt.step()
+    assert torch.equal(w, before)
+    opt.reset_parameter(w)  # the advice: clears Φ
+    opt.step()
+    assert torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guard_does_not_change_an_ordinary_step(backend):
+    """Where the guard does not bind, the update is bit-identical to the unguarded one."""
+    torch.manual_seed(3)
+    shapes = [(8, 4, 3, 3), (20, 7), (6, 30)]
+    runs = []
+    for guard in (True, False):
+        torch.manual_seed(3)
+        ws = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s))) for s in shapes]
+        opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], lr=0.05, backend=backend, guard=guard)
+        for _ in range(4):
+            for w in ws:
+                g = torch.randn_like(w)
+                w.grad = g / g.norm() * 0.5
+            opt.step()
+        runs.append([w.detach().clone() for w in ws] + [opt.state[w]["momentum_buffer"].clone() for w in ws])
+        if guard:
+            assert all(v == {"scaled": 0, "reset": 0} for v in opt.guard_stats().values())
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_guard_counts_without_checks_and_warns_only_at_the_check_sync():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(10, 4)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=1.0, check_finite=False, check_manifold=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no check, no sync: no warning
+        for _ in range(3):
+            w.grad = torch.randn_like(w) * 10
+            opt.step()
+    stats = opt.guard_stats()[0]
+    assert stats["scaled"] + stats["reset"] == 3
+    opt.check_manifold = True
+    w.grad = torch.randn_like(w) * 10
+    with pytest.warns(RuntimeWarning, match="guard_stats"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per optimizer
+        w.grad = torch.randn_like(w) * 10
+        opt.step()
+
+
+def test_reset_parameter_projects_and_clears_momentum():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(10, 4))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, check_manifold=False)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.reset_parameter(w)
+    assert fgd_fast.stiefel_distance(w) < 1e-5 and "momentum_buffer" not in opt.state[w]
+    with pytest.raises(ValueError, match="not a parameter"):
+        opt.reset_parameter(torch.nn.Parameter(torch.randn(3, 3)))
