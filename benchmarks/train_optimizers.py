@@ -34,7 +34,7 @@ __all__ = ["SETTINGS", "FAMILIES", "available_fgd_backends", "build_optimizer", 
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "sgd": dict(lr=0.1, momentum=0.9, weight_decay=5e-4),
-    "fgd": dict(lr=0.2, feedback=0.4, momentum=0.9, euclidean_lr=0.05, weight_decay=5e-4),
+    "fgd": dict(lr=0.2, feedback=0.4, momentum=0.9, euclidean_lr=0.05, weight_decay=5e-4, guard=True),
     "cayley-sgd": dict(lr=0.1, momentum=0.9, euclidean_lr=0.8, weight_decay=5e-4, nesterov=True),
     "cayley-adam": dict(lr=0.1, beta1=0.9, beta2=0.99, euclidean_lr=0.5, weight_decay=5e-4),
 }
@@ -91,7 +91,9 @@ def build_optimizer(name: str, model: nn.Module, rule: str, s: dict[str, Any]) -
     if fam == "fgd":
         backend = name.split("-", 1)[1] if "-" in name else "auto"
         groups = _groups(model, rule, dict(lr=s["lr"]), euclid)
-        return fgd_fast.FGD(groups, lr=s["lr"], momentum=s["momentum"], feedback=s["feedback"], backend=backend)
+        return fgd_fast.FGD(
+            groups, lr=s["lr"], momentum=s["momentum"], feedback=s["feedback"], backend=backend, guard=s["guard"]
+        )
     if fam == "cayley-sgd":
         groups = _groups(model, rule, dict(lr=s["lr"]), dict(euclid, nesterov=s["nesterov"]))
         return CayleySGD(groups, lr=s["lr"], momentum=s["momentum"])

@@ -103,10 +103,11 @@ def test_cifar10_read_from_the_pickle_batches(tmp_path, train_main):
 
 
 def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_main, capsys):
-    """An lr far too large takes FGD off the manifold: its step is refused (max_distance), the
-    run records the error, sgd trains on, and the command exits with 1."""
+    """An lr far too large would take FGD off the manifold: without the step guard its step is
+    refused (max_distance), the run records the error, sgd trains on, and the command exits
+    with 1. (With the guard, the default, FGD scales such steps and trains on.)"""
     rc = train_main(tmp_path, "--dataset", "digits", "--epochs", "1", "--steps-per-epoch", "6",
-                    "--optimizers", "sgd,fgd", "--set", "fgd.lr=50", "--no-plot")
+                    "--optimizers", "sgd,fgd", "--set", "fgd.lr=50", "--set", "fgd.guard=false", "--no-plot")
     result = json.loads((tmp_path / "train.json").read_text())
     assert rc == 1 and "max_distance" in result["optimizers"]["fgd"]["error"]
     assert len(result["optimizers"]["sgd"]["history"]["loss"]) == 6 and "error" not in result["optimizers"]["sgd"]
