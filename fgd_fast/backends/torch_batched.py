@@ -7,9 +7,8 @@ Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, wri
 1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
    C only when Φ is read). ``precision="tf32x3"`` computes A from the TF32 split of θ
    (:mod:`.tf32`): ``A ≈ H + L + Lᵀ``, ``[H | L] = hiᵀ[hi | lo]`` in one product.
-2. O(p³) middle (:mod:`.algebra`), with ``N = 2I − A`` and ``S = sym(B)``:
-   ``M_Φ = N[−C − (β − 1)S + η sym(E) + N B S − α(BᵀN + B)]``, ``F = −α(A − I)``,
-   ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
+2. O(p³) middle (:mod:`.algebra`; the math: docs/algorithm.md §3): ``M_Φ``,
+   ``F = −α(A − I)`` and ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
    guard also its per-layer scale ``s`` (inputs from ``‖g‖²``, the per-column sums of g² in
    float64 taken in the Gram pass, reduced with the Grams under row shards) and its
    prediction of the step's outcome.
