@@ -12,6 +12,7 @@ a CUDA build of torch and a CUDA toolkit are present, or when ``FGD_FAST_BUILD_C
 (then a failure is an error); ``FGD_FAST_BUILD_CUDA=0`` skips it. Otherwise the build prints
 one line saying why it skipped, and ``backend="cuda"`` tries a just-in-time build on first use.
 """
+
 import importlib.util
 import os
 import re

@@ -11,6 +11,7 @@ The session fixture :func:`bench` measures the machine's rates once, before the 
 and collects the skipped cases; :func:`pytest_benchmark_update_json` adds all of it to the
 pytest-benchmark JSON under the key ``"fgd_bench"``, which ``report.py`` reads.
 """
+
 from __future__ import annotations
 
 import dataclasses

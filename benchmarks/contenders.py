@@ -36,6 +36,7 @@ use momentum 0.9 (Cayley ADAM: betas 0.9, 0.99), FGD feedback 0.4, and the same 
 report): FGD backends that :func:`fgd_fast.backends.resolve_backend` refuses, Triton on a
 CPU (the interpreter is a correctness tool, not a timing), geoopt when it is not installed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -12,6 +12,7 @@ Other contenders get no model (their minimum work depends on the algorithm); the
 shows their time against FGD's floor instead. The floor of a step is
 ``max(flops / matmul rate, bytes / copy bandwidth)`` with both rates measured in the run.
 """
+
 from __future__ import annotations
 
 __all__ = ["step_cost", "floor_seconds"]

@@ -3,6 +3,7 @@
 Usage: ``python benchmarks/cpu_backends.py [--widths 4 10] [--repeat 5]``. Prints the median
 step time of each backend and the speed-up of ``torch`` over ``reference``.
 """
+
 from __future__ import annotations
 
 import argparse

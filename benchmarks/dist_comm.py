@@ -28,6 +28,7 @@ placement (the all-gather fallback for most layers) and ``torch.optim.SGD`` (mom
 its default foreach path) on the same model. It reports the median step time (barrier to
 barrier, rank 0) and the bytes the step's collectives carried per rank.
 """
+
 from __future__ import annotations
 
 import argparse

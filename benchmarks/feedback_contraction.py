@@ -9,6 +9,7 @@ the last 100 of 400 steps), the mean ‖ΦᵀΦ‖_F, that estimate, and the rat
 
     python benchmarks/feedback_contraction.py
 """
+
 from __future__ import annotations
 
 import platform
@@ -24,8 +25,15 @@ ALPHAS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
 def settle(alpha: float, steps: int = 400, seed: int = 0) -> tuple[float, float]:
     torch.manual_seed(seed)
     w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3, dtype=torch.float64)))
-    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, momentum=0.9, feedback=alpha,
-                       backend="torch", check_finite=False, check_manifold=False)
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True)],
+        lr=0.01,
+        momentum=0.9,
+        feedback=alpha,
+        backend="torch",
+        check_finite=False,
+        check_manifold=False,
+    )
     dists, drifts = [], []
     for k in range(steps):
         g = torch.randn_like(w)

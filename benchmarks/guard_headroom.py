@@ -11,6 +11,7 @@ the guard's counters (``opt.guard_stats()``), which must be zero.
 
     python benchmarks/guard_headroom.py [--steps 150] [--width 1] [--depth 16] [--batch 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,13 +67,19 @@ def main() -> None:
         first_loss = first_loss if first_loss is not None else losses[0]
     stats = opt.guard_stats()
     bound = sum(v["scaled"] + v["reset"] for v in stats.values())
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {time.time() - t0:.0f} s")
-    print(f"WRN-{args.depth}-{args.width:g}, {len(orth)} orthogonal layers, {args.steps} steps of batch {args.batch}, "
-          f"lr {args.lr}, momentum 0.9, feedback 0.4")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {time.time() - t0:.0f} s"
+    )
+    print(
+        f"WRN-{args.depth}-{args.width:g}, {len(orth)} orthogonal layers, {args.steps} steps of batch {args.batch}, "
+        f"lr {args.lr}, momentum 0.9, feedback 0.4"
+    )
     print(f"loss: first {first_loss:.3f}, mean of the last 10 {sum(losses[-10:]) / 10:.3f}")
-    print(f"max r = ‖Φ‖ + η‖g‖: {worst_r[0]:.4g} ({worst_r[1]}); "
-          f"r/ρ = {worst_r[0] / TRUST_RADIUS:.3g} (ρ = {TRUST_RADIUS})")
+    print(
+        f"max r = ‖Φ‖ + η‖g‖: {worst_r[0]:.4g} ({worst_r[1]}); "
+        f"r/ρ = {worst_r[0] / TRUST_RADIUS:.3g} (ρ = {TRUST_RADIUS})"
+    )
     print(f"max ‖θᵀθ − I‖_F after a step: {worst_d[0]:.3g} ({worst_d[1]})")
     print(f"guard bound in {bound} layer-steps: {'OK' if bound == 0 else stats}")
 

@@ -5,6 +5,7 @@ commit; :func:`device_rates` measures, in the same run as the benchmarks, the tw
 cost model divides by: the fp32 matmul rate (TF32 off) and the copy bandwidth (bytes read +
 written per second).
 """
+
 from __future__ import annotations
 
 import contextlib

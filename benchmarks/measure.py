@@ -17,6 +17,7 @@ protocol of :mod:`plan` on a :class:`contenders.Case`:
    round (synchronising inside the timed function on a GPU).
 4. **Memory.** One more step measures the peak extra memory (:mod:`memtrack`).
 """
+
 from __future__ import annotations
 
 import statistics

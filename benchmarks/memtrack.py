@@ -10,6 +10,7 @@
   result. It sees what aten ops return (temporaries, new state), not scratch memory that a
   kernel allocates and frees inside itself (e.g. LAPACK workspaces), so it is a lower bound.
 """
+
 from __future__ import annotations
 
 import weakref

@@ -12,6 +12,7 @@
 
 Every constructor takes a ``width`` multiplier so CPU runs can use the same structure, narrower.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -54,7 +55,8 @@ class _Basic(nn.Module):
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
         self.down = (
             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-            if stride != 1 or cin != cout else nn.Identity()
+            if stride != 1 or cin != cout
+            else nn.Identity()
         )
 
     def forward(self, x):
@@ -102,7 +104,8 @@ class _Bottleneck(nn.Module):
         self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
         self.down = (
             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-            if stride != 1 or cin != cout else nn.Identity()
+            if stride != 1 or cin != cout
+            else nn.Identity()
         )
 
     def forward(self, x):

@@ -13,6 +13,7 @@
 :func:`planned_skip` gives the reason a case is not run at all. Both lists of exclusions
 are fixed per scale, so what a report contains does not depend on the machine's load.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

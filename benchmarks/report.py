@@ -13,6 +13,7 @@ step time with every contender's ratio to ``fgd-auto``, stability after the grad
 and, per workload, the cost model, fractions of the measured rates, peak extra memory and
 the skipped cases with their reasons. ``--summary`` prints only the step-time table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,22 @@ from pathlib import Path
 __all__ = ["load", "render", "summary_table"]
 
 ORDER = (
-    "fgd-auto", "fgd-triton", "fgd-triton-tf32x3", "fgd-triton-tf32", "fgd-cuda", "fgd-torch", "fgd-torch-tf32x3",
-    "fgd-torch-tf32", "fgd-reference", "cayley-sgd-lowrank",
-    "cayley-sgd-dense", "cayley-adam-lowrank", "geoopt-qr", "geoopt-canonical", "torch-orthogonal", "sgd",
+    "fgd-auto",
+    "fgd-triton",
+    "fgd-triton-tf32x3",
+    "fgd-triton-tf32",
+    "fgd-cuda",
+    "fgd-torch",
+    "fgd-torch-tf32x3",
+    "fgd-torch-tf32",
+    "fgd-reference",
+    "cayley-sgd-lowrank",
+    "cayley-sgd-dense",
+    "cayley-adam-lowrank",
+    "geoopt-qr",
+    "geoopt-canonical",
+    "torch-orthogonal",
+    "sgd",
 )
 
 

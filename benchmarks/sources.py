@@ -5,6 +5,7 @@ package, kernel, extension, benchmark and test sources (paths and contents, in s
 is the same there as in the checkout it came from, so a result can be matched to a commit:
 ``python benchmarks/gpu/gpu_check.py --digest`` prints it for the current checkout.
 """
+
 from __future__ import annotations
 
 import hashlib

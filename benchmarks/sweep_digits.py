@@ -9,6 +9,7 @@ For each (lr, feedback) it reports the final test accuracy, the final max ‖θ�
 peak of that distance during the run (at the ``--evals-per-epoch`` points), next to an
 ``sgd`` run of the same length. Writes a Markdown report (and the raw numbers as ``.json``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lrs, fbs = _floats(args.lr), _floats(args.feedback)
     t0 = time.perf_counter()
-    targs = train.parse_args(["--dataset", "digits", "--epochs", str(args.epochs), "--threads", str(args.threads),
-                              "--optimizers", "sgd", "--no-progress", "--no-plot"])
+    targs = train.parse_args(
+        [
+            "--dataset",
+            "digits",
+            "--epochs",
+            str(args.epochs),
+            "--threads",
+            str(args.threads),
+            "--optimizers",
+            "sgd",
+            "--no-progress",
+            "--no-plot",
+        ]
+    )
     names, settings, data, base, cfg = train.prepare(targs)
     record = train.machine_record(torch.device(targs.device))
     sgd = train.train(["sgd"], base, data, cfg, settings, progress=False)["sgd"]
@@ -59,12 +72,28 @@ def main(argv: list[str] | None = None) -> int:
                 grid.append({"lr": lr, "feedback": fb, "failed": r["error"]})
                 continue
             peak = max(e["max_distance"] for e in r["history"]["eval"])
-            grid.append({"lr": lr, "feedback": fb, "test_accuracy": r["test_accuracy"],
-                         "max_distance": r["max_distance"], "peak_max_distance": peak, "train_loss": r["train_loss"]})
-            print(f"lr {lr:<5g} feedback {fb:<4g} acc {100 * r['test_accuracy']:5.1f} %  "
-                  f"distance {r['max_distance']:.1e} (peak {peak:.1e})", flush=True)
-    result = {"grid": grid, "sgd": {k: sgd[k] for k in ("test_accuracy", "max_distance", "train_loss", "settings")},
-              "config": cfg, **record, "seconds": time.perf_counter() - t0}
+            grid.append(
+                {
+                    "lr": lr,
+                    "feedback": fb,
+                    "test_accuracy": r["test_accuracy"],
+                    "max_distance": r["max_distance"],
+                    "peak_max_distance": peak,
+                    "train_loss": r["train_loss"],
+                }
+            )
+            print(
+                f"lr {lr:<5g} feedback {fb:<4g} acc {100 * r['test_accuracy']:5.1f} %  "
+                f"distance {r['max_distance']:.1e} (peak {peak:.1e})",
+                flush=True,
+            )
+    result = {
+        "grid": grid,
+        "sgd": {k: sgd[k] for k in ("test_accuracy", "max_distance", "train_loss", "settings")},
+        "config": cfg,
+        **record,
+        "seconds": time.perf_counter() - t0,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -95,15 +124,23 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
         f"`{result['commit']['id'][:10]}`, {result['seconds']:.0f} s. SGD (lr {sgd['settings']['lr']:g}) on the same "
         f"run: {100 * sgd['test_accuracy']:.1f} %, its constrained-shape weights drift to {sgd['max_distance']:.1f}.",
         "",
-        "Test accuracy (%):", "", head, rule,
+        "Test accuracy (%):",
+        "",
+        head,
+        rule,
     ]
     for lr in lrs:
         cells = [_cell(result["grid"], lr, f, "test_accuracy", lambda v: f"{100 * v:.1f}") for f in fbs]
         lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
     lines += ["", "Max ‖θᵀθ − I‖_F at the end (peak during the run):", "", head, rule]
     for lr in lrs:
-        cells = [_cell(result["grid"], lr, f, "max_distance", lambda v: f"{v:.1e}") + " ("
-                 + _cell(result["grid"], lr, f, "peak_max_distance", lambda v: f"{v:.0e}") + ")" for f in fbs]
+        cells = [
+            _cell(result["grid"], lr, f, "max_distance", lambda v: f"{v:.1e}")
+            + " ("
+            + _cell(result["grid"], lr, f, "peak_max_distance", lambda v: f"{v:.0e}")
+            + ")"
+            for f in fbs
+        ]
         lines.append(f"| {lr:g} | " + " | ".join(cells).replace("stopped¹ (stopped¹)", "stopped¹") + " |")
     failed = [g for g in result["grid"] if "failed" in g]
     if failed:

@@ -8,6 +8,7 @@ the slow cases of the last workloads rather than whole workloads.
 Each case records, in ``benchmark.extra_info``: stability after the gradient stream, peak
 extra memory, the cost model and the floor (see :mod:`measure`, :mod:`costmodel`).
 """
+
 from __future__ import annotations
 
 import pytest

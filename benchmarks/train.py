@@ -32,6 +32,7 @@ Writes ``OUT/train.json`` (``{"optimizers": {NAME: {"test_accuracy", "max_distan
 "config", "device", "versions", "commit"}``) and ``OUT/train.png`` (loss, accuracy and
 distance against step; time per step), and prints a summary table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,30 +70,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=DATASETS, default="digits")
     ap.add_argument("--data-dir", help="cifar10: the folder holding cifar-10-batches-py/")
-    ap.add_argument("--model", choices=("auto", "cnn", "wrn", "resnet"), default="auto",
-                    help="auto: cnn for digits, wrn otherwise")
+    ap.add_argument(
+        "--model", choices=("auto", "cnn", "wrn", "resnet"), default="auto", help="auto: cnn for digits, wrn otherwise"
+    )
     ap.add_argument("--depth", type=int, help="wrn: 28 (default); resnet: 18 (default) or 34")
     ap.add_argument("--width", type=float, help="width multiplier (wrn: k; default 10 on a GPU, 1 on a CPU)")
     ap.add_argument("--rule", default="paper", help="which weights are constrained: paper, official or all")
-    ap.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
-                    help=f"comma-separated from {', '.join(FAMILIES)}, fgd-<backend>; 'all' adds every "
-                    "backend the device runs")
-    ap.add_argument("--set", action="append", default=[], metavar="OPT.KEY=VALUE",
-                    help="override a setting, e.g. fgd.lr=0.1, fgd.feedback=0.2, sgd.lr=0.05 (repeatable)")
+    ap.add_argument(
+        "--optimizers",
+        default=DEFAULT_OPTIMIZERS,
+        help=f"comma-separated from {', '.join(FAMILIES)}, fgd-<backend>; 'all' adds every backend the device runs",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPT.KEY=VALUE",
+        help="override a setting, e.g. fgd.lr=0.1, fgd.feedback=0.2, sgd.lr=0.05 (repeatable)",
+    )
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--steps-per-epoch", type=int, help="cap (or, for synthetic data, set) the steps of an epoch")
     ap.add_argument("--batch-size", type=int, help="default 128 (the authors'); 32 for digits (1,437 images)")
     ap.add_argument("--gamma", type=float, default=0.2, help="lr factor at 30 %%, 60 %% and 80 %% of the steps")
-    ap.add_argument("--evals-per-epoch", type=int,
-                    help="test accuracy and distance points per epoch (digits: 4, else 1)")
+    ap.add_argument(
+        "--evals-per-epoch", type=int, help="test accuracy and distance points per epoch (digits: 4, else 1)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto",
-                    help="autocast (auto: bf16 on a GPU; fp16 adds a GradScaler)")
+    ap.add_argument(
+        "--amp",
+        choices=("auto", "bf16", "fp16", "off"),
+        default="auto",
+        help="autocast (auto: bf16 on a GPU; fp16 adds a GradScaler)",
+    )
     ap.add_argument("--channels-last", choices=("auto", "on", "off"), default="auto", help="auto: on on a GPU")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (the optimizers are unchanged)")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
-                    help="torch CPU threads (default: FGD_BENCH_THREADS, else 1 for digits on a CPU — its "
-                    "layers are too small to share — and torch's default otherwise)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
+        help="torch CPU threads (default: FGD_BENCH_THREADS, else 1 for digits on a CPU — its "
+        "layers are too small to share — and torch's default otherwise)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/train", help="folder for train.json and train.png")
     ap.add_argument("--no-plot", action="store_true")
@@ -194,8 +212,7 @@ class Run:
     """One optimizer's training: its copy of the model, optimizer, schedule, step timer and
     history. :func:`train` steps all runs on the same batch, one after the other."""
 
-    def __init__(self, name: str, base: nn.Module, data: Dataset, cfg: dict, settings: dict,
-                 bar_position: int | None):
+    def __init__(self, name: str, base: nn.Module, data: Dataset, cfg: dict, settings: dict, bar_position: int | None):
         self.name, self.data, self.cfg, self.settings = name, data, cfg, settings
         self.device = torch.device(cfg["device"])
         self.memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
@@ -261,13 +278,20 @@ class Run:
             raise FloatingPointError(f"the training loss is not finite at step {step}")
         if self.bar is not None:
             self.bar.set_postfix_str(
-                f"loss {values[-1]:.3f}  acc {100 * point['test_accuracy']:.1f} %  dist {point['max_distance']:.1e}")
+                f"loss {values[-1]:.3f}  acc {100 * point['test_accuracy']:.1f} %  dist {point['max_distance']:.1e}"
+            )
         self.busy += time.perf_counter() - w0
 
     def end_epoch(self, epoch: int, step: int) -> None:
         last = self.hist["eval"][-1]
-        self.epochs.append({"epoch": epoch, "step": step, "train_loss": _mean(self.epoch_losses),
-                            **{k: last[k] for k in ("test_accuracy", "max_distance", "mean_distance")}})
+        self.epochs.append(
+            {
+                "epoch": epoch,
+                "step": step,
+                "train_loss": _mean(self.epoch_losses),
+                **{k: last[k] for k in ("test_accuracy", "max_distance", "mean_distance")},
+            }
+        )
         self.epoch_losses = []
 
     def fail(self, exc: Exception) -> None:
@@ -304,8 +328,9 @@ class Run:
         }
 
 
-def train(names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings: dict[str, dict],
-          progress: bool = True) -> dict[str, dict]:
+def train(
+    names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings: dict[str, dict], progress: bool = True
+) -> dict[str, dict]:
     """Train every optimizer in ``names`` from ``base`` on the same batches, interleaved: each
     batch goes through every run in turn (the order rotating from step to step), so a machine
     whose load changes during the comparison slows every optimizer alike. A run that raises
@@ -331,9 +356,16 @@ def train(names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings:
                     run.fail(exc)
             live = [r for r in live if r.error is None]
             if progress and not bars and ((i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]):
-                print(f"step {step}/{total}: " + " | ".join(
-                    f"{r.name} acc {100 * r.hist['eval'][-1]['test_accuracy']:.1f} % "
-                    f"dist {r.hist['eval'][-1]['max_distance']:.1e}" for r in live), file=sys.stderr, flush=True)
+                print(
+                    f"step {step}/{total}: "
+                    + " | ".join(
+                        f"{r.name} acc {100 * r.hist['eval'][-1]['test_accuracy']:.1f} % "
+                        f"dist {r.hist['eval'][-1]['max_distance']:.1e}"
+                        for r in live
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
         for run in live:
             run.end_epoch(epoch, step)
     return {r.name: r.record() for r in runs}
@@ -372,8 +404,13 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
         settings = {n: settings_for(n, overrides) for n in names}
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    data = load_dataset(args.dataset, device, data_dir=args.data_dir, seed=args.seed,
-                        synthetic_size=(args.steps_per_epoch or 32) * (args.batch_size or 128))
+    data = load_dataset(
+        args.dataset,
+        device,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        synthetic_size=(args.steps_per_epoch or 32) * (args.batch_size or 128),
+    )
     base, model_desc = make_model(args, data, device)
     groups = fgd_fast.stiefel_param_groups(base, rule=args.rule)  # orthonormalises the chosen weights once
     if not groups[0]["params"]:
@@ -382,16 +419,25 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
     steps = min(data.steps_per_epoch(batch), args.steps_per_epoch or 10**9)
     gpu = device.type == "cuda"
     cfg = {
-        "dataset": data.name, "dataset_description": data.description, "model": model_desc,
-        "parameters": sum(p.numel() for p in base.parameters()), "rule": args.rule,
+        "dataset": data.name,
+        "dataset_description": data.description,
+        "model": model_desc,
+        "parameters": sum(p.numel() for p in base.parameters()),
+        "rule": args.rule,
         "constrained": groups[0]["names"],
         "constrained_shapes": [list(fgd_fast.stiefel_shape(p.shape)[:2]) for p in groups[0]["params"]],
-        "epochs": args.epochs, "steps_per_epoch": steps, "batch_size": batch, "gamma": args.gamma,
+        "epochs": args.epochs,
+        "steps_per_epoch": steps,
+        "batch_size": batch,
+        "gamma": args.gamma,
         "milestones": [max(1, round(f * args.epochs * steps)) for f in MILESTONES],
         "evals_per_epoch": min(steps, args.evals_per_epoch or (4 if data.name == "digits" else 1)),
-        "device": str(device), "amp": {"auto": "bf16" if gpu else "off"}.get(args.amp, args.amp),
+        "device": str(device),
+        "amp": {"auto": "bf16" if gpu else "off"}.get(args.amp, args.amp),
         "channels_last": {"auto": gpu, "on": True, "off": False}[args.channels_last],
-        "torch_threads": torch.get_num_threads(), "seed": args.seed, "compile": args.compile,
+        "torch_threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "compile": args.compile,
         "command": "python benchmarks/train.py " + " ".join(sys.argv[1:]),
     }
     return names, settings, data, base, cfg
@@ -412,9 +458,12 @@ def machine_record(device: torch.device) -> dict:
 def run(args: argparse.Namespace) -> dict:
     names, settings, data, base, cfg = prepare(args)
     record = machine_record(torch.device(args.device))  # load average at the start ...
-    print(f"{cfg['model']} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
-          f"{cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; device {cfg['device']}, "
-          f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}", flush=True)
+    print(
+        f"{cfg['model']} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
+        f"{cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; device {cfg['device']}, "
+        f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}",
+        flush=True,
+    )
     results = train(names, base, data, cfg, settings, progress=not args.no_progress)
     sgd = results.get("sgd", {}).get("train_step_seconds")
     for r in results.values():

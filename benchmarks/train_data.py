@@ -12,6 +12,7 @@
 Every set lives on the training device as whole tensors; batches are drawn with a
 ``torch.Generator`` so each optimizer of a comparison sees the same batches in the same order.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,14 +56,18 @@ class Dataset:
         return x.contiguous(memory_format=memory_format)
 
     def train_batches(
-        self, batch_size: int, steps: int, generator: torch.Generator, memory_format=torch.contiguous_format,
+        self,
+        batch_size: int,
+        steps: int,
+        generator: torch.Generator,
+        memory_format=torch.contiguous_format,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``steps`` batches: shuffled passes over the training set (a new permutation each pass)."""
         n, order, at = len(self.train_y), torch.empty(0, dtype=torch.long), 0
         for _ in range(steps):
             if at >= len(order):
                 order, at = torch.randperm(n, generator=generator), 0
-            idx = order[at:at + batch_size].to(self.train_x.device)
+            idx = order[at : at + batch_size].to(self.train_x.device)
             at += batch_size
             x, y = self.train_x[idx], self.train_y[idx]
             if self.augment:
@@ -71,7 +76,7 @@ class Dataset:
 
     def test_batches(self, batch_size: int, memory_format=torch.contiguous_format):
         for i in range(0, len(self.test_y), batch_size):
-            yield self._prepare(self.test_x[i:i + batch_size], memory_format), self.test_y[i:i + batch_size]
+            yield self._prepare(self.test_x[i : i + batch_size], memory_format), self.test_y[i : i + batch_size]
 
 
 def _crop_and_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -106,8 +111,13 @@ def _digits(device: torch.device, seed: int) -> Dataset:
     mean, std = x[tr].mean(), x[tr].std()
     x = (x - mean) / std
     return Dataset(
-        "digits", f"scikit-learn digits, 8×8 grey, {len(tr)} train / {len(te)} test images",
-        x[tr].to(device), y[tr].to(device), x[te].to(device), y[te].to(device), num_classes=10,
+        "digits",
+        f"scikit-learn digits, 8×8 grey, {len(tr)} train / {len(te)} test images",
+        x[tr].to(device),
+        y[tr].to(device),
+        x[te].to(device),
+        y[te].to(device),
+        num_classes=10,
     )
 
 
@@ -138,8 +148,14 @@ def _cifar10(data_dir: str | None, device: torch.device) -> Dataset:
     (trx, tr_y), (tex, te_y) = stack(batches[:5]), stack(batches[5:])
     shape = (1, 3, 1, 1)
     return Dataset(
-        "cifar10", f"CIFAR-10 from {root}, {len(tr_y)} train / {len(te_y)} test images, crop + flip",
-        trx, tr_y, tex, te_y, num_classes=10, augment=True,
+        "cifar10",
+        f"CIFAR-10 from {root}, {len(tr_y)} train / {len(te_y)} test images, crop + flip",
+        trx,
+        tr_y,
+        tex,
+        te_y,
+        num_classes=10,
+        augment=True,
         mean=torch.tensor(CIFAR_MEAN, device=device).view(shape),
         std=torch.tensor(CIFAR_STD, device=device).view(shape),
     )
@@ -156,13 +172,19 @@ def _synthetic(device: torch.device, seed: int, train_size: int, test_size: int 
 
     (trx, tr_y), (tex, te_y) = make(train_size), make(test_size)
     return Dataset(
-        "synthetic", f"random CIFAR-shaped images (3×32×32) with teacher labels, {train_size} train / {test_size} test",
-        trx, tr_y, tex, te_y, num_classes=10,
+        "synthetic",
+        f"random CIFAR-shaped images (3×32×32) with teacher labels, {train_size} train / {test_size} test",
+        trx,
+        tr_y,
+        tex,
+        te_y,
+        num_classes=10,
     )
 
 
-def load_dataset(name: str, device: torch.device, *, data_dir: str | None = None, seed: int = 0,
-                 synthetic_size: int = 4096) -> Dataset:
+def load_dataset(
+    name: str, device: torch.device, *, data_dir: str | None = None, seed: int = 0, synthetic_size: int = 4096
+) -> Dataset:
     if name == "digits":
         return _digits(device, seed)
     if name == "cifar10":

@@ -18,6 +18,7 @@ Each optimizer constrains the same weights (``stiefel_param_groups`` with the ch
 ``sgd`` leaves them free, and its distance from the manifold shows how far they drift.
 Every setting can be overridden (``train.py --set fgd.lr=0.1``).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 ``python benchmarks/train_report.py OUT/train.json [--png FILE] [--markdown]`` prints the
 table again (``--markdown`` as a Markdown table, as in the README) and redraws the figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,24 +31,42 @@ def _rows(result: dict) -> list[list[str]]:
         if "error" in r:
             rows.append([label, "stopped¹"] + ["—"] * (len(HEAD) - 2))
             continue
-        rows.append([
-            label, f"{100 * r['test_accuracy']:.1f} %", f"{r['train_loss']:.3f}",
-            f"{r['max_distance']:.1e}", f"{r['mean_distance']:.1e}", _ms(r["fwd_bwd_seconds"]),
-            _ms(r["step_seconds"]), _ms(r["train_step_seconds"]), _ratio(r.get("train_step_ratio_to_sgd")),
-        ])
+        rows.append(
+            [
+                label,
+                f"{100 * r['test_accuracy']:.1f} %",
+                f"{r['train_loss']:.3f}",
+                f"{r['max_distance']:.1e}",
+                f"{r['mean_distance']:.1e}",
+                _ms(r["fwd_bwd_seconds"]),
+                _ms(r["step_seconds"]),
+                _ms(r["train_step_seconds"]),
+                _ratio(r.get("train_step_ratio_to_sgd")),
+            ]
+        )
     return rows
 
 
 HEAD = [
-    "optimizer", "test acc", "train loss", "max ‖θᵀθ−I‖", "mean ‖θᵀθ−I‖", "fwd+bwd", "opt step", "train step", "× sgd",
+    "optimizer",
+    "test acc",
+    "train loss",
+    "max ‖θᵀθ−I‖",
+    "mean ‖θᵀθ−I‖",
+    "fwd+bwd",
+    "opt step",
+    "train step",
+    "× sgd",
 ]
 
 
 def _title(result: dict) -> str:
     c, d = result["config"], result["device"]
     where = d.get("gpu") or d.get("cpu", "?")
-    return (f"{c['model']} on {c['dataset']}, {c['epochs']} epochs × {c['steps_per_epoch']} steps of "
-            f"{c['batch_size']}, {where}, autocast {c['amp']}, channels_last {c['channels_last']}")
+    return (
+        f"{c['model']} on {c['dataset']}, {c['epochs']} epochs × {c['steps_per_epoch']} steps of "
+        f"{c['batch_size']}, {where}, autocast {c['amp']}, channels_last {c['channels_last']}"
+    )
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -77,6 +96,7 @@ def plot(result: dict, path: Path) -> Path | None:
     line saying why) without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
@@ -88,7 +108,7 @@ def plot(result: dict, path: Path) -> Path | None:
     for name, r in opts.items():
         h = r["history"]
         k = max(1, len(h["loss"]) // 60)  # moving average over ~1/60 of the run
-        window = [h["loss"][max(0, i - k + 1):i + 1] for i in range(len(h["loss"]))]
+        window = [h["loss"][max(0, i - k + 1) : i + 1] for i in range(len(h["loss"]))]
         smooth = [sum(w) / len(w) for w in window]
         a_loss.plot(h["step"], smooth, label=name)
         steps = [e["step"] for e in h["eval"]]

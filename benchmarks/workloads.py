@@ -26,6 +26,7 @@ Model weights come from a fixed seed and the constrained ones are orthonormalise
 device (:func:`fgd_fast.orthogonalize_`), so every contender starts from the same point and
 is built with ``orthogonalize=False``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -110,7 +111,9 @@ def workloads(scale: str) -> list[Workload]:
         Workload("resnet-50", "paper", f"ResNet-50 ×{s['resnet']:g}", lambda: resnet50(s["resnet"])),
         Workload("vgg-16", "paper", f"VGG-16 ×{s['vgg']:g}", lambda: vgg16(s["vgg"])),
         Workload(
-            "transformer", "all", f"{blocks} block{'s' * (blocks > 1)} × d={d}",
+            "transformer",
+            "all",
+            f"{blocks} block{'s' * (blocks > 1)} × d={d}",
             lambda: transformer(blocks, d, heads=max(1, d // 64)),
         ),
     ]

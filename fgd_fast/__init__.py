@@ -8,6 +8,7 @@ inverse or retraction. Quick start::
     groups = fgd_fast.stiefel_param_groups(model, rule="paper")  # selects + orthonormalises
     opt = fgd_fast.FGD(groups, lr=0.2, momentum=0.9, feedback=0.4, weight_decay=5e-4)
 """
+
 from ._matrix import as_stiefel, stiefel_shape
 from ._version import __version__
 from .backends import BACKENDS

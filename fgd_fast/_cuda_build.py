@@ -11,6 +11,7 @@ process.
 Environment: ``FGD_FAST_JIT=0`` disables the just-in-time build; ``FGD_FAST_BUILD_DIR``
 overrides the build directory; ``FGD_FAST_BUILD_VERBOSE=1`` shows the compiler's output.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ algorithm sees is always ``θ`` of shape ``n × p`` with ``n >= p`` and target `
 * ``c_o <= m``: ``θ = W2ᵀ`` (``n = m``, ``p = c_o``; the rows of ``W2`` are orthonormal);
 * ``c_o >  m``: ``θ = W2``  (``n = c_o``, ``p = m``; the columns of ``W2`` are orthonormal).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -12,6 +12,7 @@ torch's ``foreach``/``maximize`` — and so, merged, in every group and in ``sta
 write as attributes (``opt.max_distance = 0.3`` validates and sets them everywhere); a group
 may not give one a different value.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
@@ -131,13 +132,26 @@ class StiefelOptimizer(Optimizer):
                 self._check_sgd_state(p, f"parameter {text}")
             yield group, p, text
 
-    def _sgd(self, params: list[torch.Tensor], group: dict[str, Any], *, momentum: float,
-             dampening: float = 0.0, nesterov: bool = False) -> None:
+    def _sgd(
+        self,
+        params: list[torch.Tensor],
+        group: dict[str, Any],
+        *,
+        momentum: float,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         """``torch.optim.SGD`` on Euclidean ``params`` of ``group``, Φ in ``momentum_buffer``."""
         bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params]
         sgd(
-            params, [p.grad for p in params], bufs, lr=group["lr"], momentum=momentum,
-            dampening=dampening, weight_decay=group["weight_decay"], nesterov=nesterov,
+            params,
+            [p.grad for p in params],
+            bufs,
+            lr=group["lr"],
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=group["weight_decay"],
+            nesterov=nesterov,
         )
         if momentum != 0.0:
             for p, buf in zip(params, bufs):

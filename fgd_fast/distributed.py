@@ -24,6 +24,7 @@ matrix, and the step is the one a single process would take on the full matrices
 
 Nothing here imports ``torch.distributed`` until a DTensor is seen.
 """
+
 from __future__ import annotations
 
 import sys
@@ -145,7 +146,7 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
                 dist.all_reduce(flat, group=group)  # Σ over ranks; bitwise the same result on every rank
                 offset = 0
                 for t in chunk:
-                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
                 start = stop
 
@@ -165,8 +166,22 @@ def gram64(t: torch.Tensor) -> torch.Tensor:
     return theta.t() @ theta
 
 
-def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision,
-                     trust_radius=None, max_distance=None):
+def prepare_dtensors(
+    resolve,
+    idx,
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision,
+    trust_radius=None,
+    max_distance=None,
+):
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
     ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
@@ -180,8 +195,12 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
     for i in idx:
         p, g, b = params[i], grads[i], bufs[i]
         prepare = resolve(p.device.type)
-        if (getattr(prepare, "row_shards", False) and row_mesh_dim(p) is not None and _same_layout(p, g)
-                and (b is None or _same_layout(p, b))):
+        if (
+            getattr(prepare, "row_shards", False)
+            and row_mesh_dim(p) is not None
+            and _same_layout(p, g)
+            and (b is None or _same_layout(p, b))
+        ):
             rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
         else:
             whole.setdefault(p.device, []).append(i)
@@ -190,9 +209,12 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
     with torch.no_grad():
         for (mesh, mesh_dim, device), layers in rows.items():
             plan = resolve(device.type)(
-                [params[i].to_local() for i in layers], [grads[i].to_local() for i in layers],
-                [bufs[i].to_local() if bufs[i] is not None else None for i in layers], [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
+                [params[i].to_local() for i in layers],
+                [grads[i].to_local() for i in layers],
+                [bufs[i].to_local() if bufs[i] is not None else None for i in layers],
+                [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
+                check_finite=check_finite,
                 precision=precision,
                 reduce=summing_over(mesh.get_group(mesh_dim)),
                 shapes=[params[i].shape for i in layers],
@@ -204,12 +226,19 @@ def prepare_dtensors(resolve, idx, params, grads, bufs, fresh, *, lr, momentum, 
             full_p = [full_value(params[i]) for i in layers]  # every rank gets the same whole matrices
             full_b = [full_value(bufs[i]) if bufs[i] is not None else None for i in layers]
             plan = resolve(device.type)(
-                full_p, [full_value(grads[i]) for i in layers], full_b, [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()}, check_finite=check_finite,
-                precision=precision, trust_radius=trust_radius, max_distance=max_distance,
+                full_p,
+                [full_value(grads[i]) for i in layers],
+                full_b,
+                [fresh[i] for i in layers],
+                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
+                check_finite=check_finite,
+                precision=precision,
+                trust_radius=trust_radius,
+                max_distance=max_distance,
             )
-            out.append((layers, _writing_back(plan, [params[i] for i in layers], full_p,
-                                               [bufs[i] for i in layers], full_b)))
+            out.append(
+                (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
+            )
     return out
 
 
@@ -224,5 +253,11 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
                 if b is not None:
                     write_shard(b, fb)
 
-    return StepPlan(dist=plan.dist, finite=plan.finite, apply=apply, dist_next=plan.dist_next,
-                    finite_next=plan.finite_next, guarded=plan.guarded)
+    return StepPlan(
+        dist=plan.dist,
+        finite=plan.finite,
+        apply=apply,
+        dist_next=plan.dist_next,
+        finite_next=plan.finite_next,
+        guarded=plan.guarded,
+    )

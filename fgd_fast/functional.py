@@ -6,6 +6,7 @@ functions do the arithmetic. :func:`fgd` dispatches to one backend implementatio
 (docs/algorithm.md §2), guard it (:mod:`fgd_fast.backends.algebra`) and check the step before
 writing (:mod:`fgd_fast.guards`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -134,24 +135,46 @@ def fgd(
         pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
         plans.append(
             prepare(
-                pick(params), pick(grads), pick(bufs), pick(fresh),
-                lr=pick(lrs), momentum=pick(betas), feedback=pick(alphas), check_finite=check_finite,
-                precision=precision, **steering,
+                pick(params),
+                pick(grads),
+                pick(bufs),
+                pick(fresh),
+                lr=pick(lrs),
+                momentum=pick(betas),
+                feedback=pick(alphas),
+                check_finite=check_finite,
+                precision=precision,
+                **steering,
             )
         )
         index.append(idx)
     if sharded:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         for idx, plan in prepare_dtensors(
-            lambda device_type: _cached_backend(backend, device_type, precision)[1], sharded,
-            params, grads, bufs, fresh, lr=lrs, momentum=betas, feedback=alphas, check_finite=check_finite,
-            precision=precision, **steering,
+            lambda device_type: _cached_backend(backend, device_type, precision)[1],
+            sharded,
+            params,
+            grads,
+            bufs,
+            fresh,
+            lr=lrs,
+            momentum=betas,
+            feedback=alphas,
+            check_finite=check_finite,
+            precision=precision,
+            **steering,
         ):
             plans.append(plan)
             index.append(idx)
     read = raise_if_invalid(
-        [pl.dist for pl in plans], [pl.finite for pl in plans], index, labels,
-        check_finite=check_finite, check_manifold=check_manifold, max_distance=max_distance,
-        dist_next=[pl.dist_next for pl in plans], finite_next=[pl.finite_next for pl in plans],
+        [pl.dist for pl in plans],
+        [pl.finite for pl in plans],
+        index,
+        labels,
+        check_finite=check_finite,
+        check_manifold=check_manifold,
+        max_distance=max_distance,
+        dist_next=[pl.dist_next for pl in plans],
+        finite_next=[pl.finite_next for pl in plans],
         guarded=[pl.guarded for pl in plans],
     )
     for pl in plans:
@@ -180,8 +203,8 @@ def sgd(
 ) -> None:
     """``torch.optim.SGD``'s update, for the parameters without a Stiefel constraint.
 
-        d ← g + λθ;  b ← μb + (1 − τ)d (b = d on the first step);  d ← d + μb (Nesterov) or b;
-        θ ← θ − η d
+    d ← g + λθ;  b ← μb + (1 − τ)d (b = d on the first step);  d ← d + μb (Nesterov) or b;
+    θ ← θ − η d
     """
     if not params:
         return

@@ -17,6 +17,7 @@ returns, per orthogonal layer, device tensors (no host synchronisation):
 synchronisation of a step, and only when a check is on) and raises before any backend
 writes, so a failing step changes nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,8 +74,10 @@ def raise_if_invalid(
     finite_next = list(finite_next) if finite_next is not None else [None] * count
     guarded = list(guarded) if guarded is not None else [None] * count
     # layers in no batch (zero-size) are trivially on the manifold, finite and untouched
-    values = {name: [fill] * len(labels) for name, fill in
-              (("dist", 0.0), ("finite", 1.0), ("dist_next", 0.0), ("finite_next", 1.0), ("guarded", 0.0))}
+    values = {
+        name: [fill] * len(labels)
+        for name, fill in (("dist", 0.0), ("finite", 1.0), ("dist_next", 0.0), ("finite_next", 1.0), ("guarded", 0.0))
+    }
     by_device: dict[torch.device, list[int]] = {}
     for k, d in enumerate(dist):
         by_device.setdefault(d.device, []).append(k)
@@ -83,15 +86,20 @@ def raise_if_invalid(
         for k in ks:
             d = dist[k].reshape(-1)
             ones, zeros = torch.ones_like(d, dtype=torch.float64), torch.zeros_like(d, dtype=torch.float64)
-            for t, fill in ((dist[k], zeros), (finite[k], ones), (dist_next[k], zeros), (finite_next[k], ones),
-                            (guarded[k], zeros)):
+            for t, fill in (
+                (dist[k], zeros),
+                (finite[k], ones),
+                (dist_next[k], zeros),
+                (finite_next[k], ones),
+                (guarded[k], zeros),
+            ):
                 parts.append(fill if t is None else t.reshape(-1).to(torch.float64))
         read = torch.cat(parts).tolist()  # the one host synchronisation of a step
         at = 0
         for k in ks:
             n = len(index[k])
             for name in ("dist", "finite", "dist_next", "finite_next", "guarded"):
-                for i, v in zip(index[k], read[at:at + n]):
+                for i, v in zip(index[k], read[at : at + n]):
                     values[name][i] = v
                 at += n
     dist_all, dist_next_all = values["dist"], values["dist_next"]
@@ -129,7 +137,11 @@ def raise_if_invalid(
 
 
 def _raise_if_off_manifold(
-    dist_all: list[float], labels: Sequence[str], max_distance: float, *, only_non_finite: bool = False,
+    dist_all: list[float],
+    labels: Sequence[str],
+    max_distance: float,
+    *,
+    only_non_finite: bool = False,
 ) -> None:
     for i, dv in enumerate(dist_all):
         if only_non_finite and dv == dv:

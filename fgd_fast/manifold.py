@@ -1,4 +1,5 @@
 """Projection onto, and distance from, the Stiefel manifold St(n, p) = {θ : θᵀθ = I_p}."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """``FGD``: the ``torch.optim.Optimizer`` front end (collects state, validates, dispatches)."""
+
 from __future__ import annotations
 
 import warnings
@@ -118,18 +119,33 @@ class FGD(StiefelOptimizer):
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
         defaults = dict(
-            lr=lr, momentum=momentum, feedback=feedback, weight_decay=weight_decay,
-            dampening=dampening, nesterov=nesterov, orthogonal=False,
-            backend=backend, precision=precision, check_finite=check_finite, check_manifold=check_manifold,
-            max_distance=max_distance, guard=guard, trust_radius=trust_radius,
+            lr=lr,
+            momentum=momentum,
+            feedback=feedback,
+            weight_decay=weight_decay,
+            dampening=dampening,
+            nesterov=nesterov,
+            orthogonal=False,
+            backend=backend,
+            precision=precision,
+            check_finite=check_finite,
+            check_manifold=check_manifold,
+            max_distance=max_distance,
+            guard=guard,
+            trust_radius=trust_radius,
         )
         self._validate_options(defaults)
         _check_group(defaults)
         super().__init__(params, defaults)
 
     _OPTIONS = dict(
-        backend="auto", precision="ieee", check_finite=True, check_manifold=True, max_distance=MAX_DISTANCE,
-        guard=True, trust_radius=TRUST_RADIUS,
+        backend="auto",
+        precision="ieee",
+        check_finite=True,
+        check_manifold=True,
+        max_distance=MAX_DISTANCE,
+        guard=True,
+        trust_radius=TRUST_RADIUS,
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
@@ -186,11 +202,19 @@ class FGD(StiefelOptimizer):
         if orth["params"]:
             opts = self.defaults
             report = fgd(
-                orth["params"], orth["grads"], orth["bufs"],
-                lr=orth["lr"], momentum=orth["momentum"], feedback=orth["feedback"],
-                backend=opts["backend"], check_finite=opts["check_finite"],
-                check_manifold=opts["check_manifold"], max_distance=float(opts["max_distance"]),
-                precision=opts["precision"], labels=orth["labels"], guard=opts["guard"],
+                orth["params"],
+                orth["grads"],
+                orth["bufs"],
+                lr=orth["lr"],
+                momentum=orth["momentum"],
+                feedback=orth["feedback"],
+                backend=opts["backend"],
+                check_finite=opts["check_finite"],
+                check_manifold=opts["check_manifold"],
+                max_distance=float(opts["max_distance"]),
+                precision=opts["precision"],
+                labels=orth["labels"],
+                guard=opts["guard"],
                 trust_radius=float(opts["trust_radius"]),
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
@@ -199,7 +223,10 @@ class FGD(StiefelOptimizer):
             self._count_guarded(orth["params"], report)
         for group, ps in eucl.values():
             self._sgd(
-                ps, group, momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                ps,
+                group,
+                momentum=float(group["momentum"]),
+                dampening=float(group["dampening"]),
                 nesterov=group["nesterov"],
             )
         return loss
@@ -228,7 +255,8 @@ class FGD(StiefelOptimizer):
                 "the FGD step guard bound: a step's velocity was scaled into the trust region (or the step was "
                 "reset to the feedback pull-back) to keep the weights near the manifold, likely after a gradient "
                 "or learning-rate spike; opt.guard_stats() counts such steps per parameter",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
 
     def guard_stats(self) -> dict[str | int, dict[str, int]]:
@@ -291,7 +319,8 @@ def _warn_feedback_once(alpha: float) -> None:
             f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} per step, "
             f"so θ settles about 1/(2·min(α, 1 − α)) = {1 / (2 * max(min(alpha, 1 - alpha), 1e-12)):.3g}× the per-step "
             f"drift away; use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
 
 

@@ -1,4 +1,5 @@
 """Which weights of a model are Stiefel-constrained, and the param groups for them."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

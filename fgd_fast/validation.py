@@ -6,6 +6,7 @@ options, parameters, gradients, state tensors), shared by every optimizer of the
 They only read their arguments, so an optimizer can validate everything before it changes
 anything.
 """
+
 from __future__ import annotations
 
 import math

@@ -8,6 +8,7 @@ or ``FFMA``/``DFMA``. It exits non-zero if anything fails to compile, spills, or
 configuration has no tensor-core instruction. ``configurations()`` is the dispatch space of
 ``fgd_fast.backends.triton``; a test checks that every launch made by the backend is one of them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,15 @@ def configurations():
 def _signature(kernel, acc):
     ptr = _PTR[acc]
     types = dict(
-        meta_ptr="*i64", work_ptr="*i32", out_ptr=ptr, split_stride="i64",
-        hyper_ptr=ptr, n_items="i32", m_ptr=ptr, scratch_ptr=ptr, P_MAX="i32",
+        meta_ptr="*i64",
+        work_ptr="*i32",
+        out_ptr=ptr,
+        split_stride="i64",
+        hyper_ptr=ptr,
+        n_items="i32",
+        m_ptr=ptr,
+        scratch_ptr=ptr,
+        P_MAX="i32",
     )
     return {name: types.get(name, "constexpr") for name in kernel.arg_names}
 
@@ -96,8 +104,12 @@ def compile_one(name, consts, config, arch):
     usage = _resource_usage(compiled.asm["cubin"])
     usage["sass"] = _sass_ops(compiled.asm["cubin"])
     return dict(
-        kernel=name, arch=arch, config={k: str(v) for k, v in consts.items()},
-        shared=compiled.metadata.shared, mma="mma" in compiled.asm["ptx"], **usage,
+        kernel=name,
+        arch=arch,
+        config={k: str(v) for k, v in consts.items()},
+        shared=compiled.metadata.shared,
+        mma="mma" in compiled.asm["ptx"],
+        **usage,
     )
 
 
@@ -129,7 +141,10 @@ def _sass_ops(cubin: bytes) -> dict:
     sass = _cuobjdump(cubin, "-sass")
     count = lambda pattern: len(re.findall(pattern, sass))  # noqa: E731
     return dict(
-        hgmma=count(r"\bHGMMA\."), hmma=count(r"\bHMMA\."), ffma=count(r"\bFFMA\b"), dfma=count(r"\bDFMA\b"),
+        hgmma=count(r"\bHGMMA\."),
+        hmma=count(r"\bHMMA\."),
+        ffma=count(r"\bFFMA\b"),
+        dfma=count(r"\bDFMA\b"),
         loads_128=count(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b"),
     )
 

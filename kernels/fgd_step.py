@@ -40,6 +40,7 @@ private slab (``BR × P_MAX`` of ``ACC``) and reads θ only from there: the in-p
 never feed another output. Per layer, the M matrices sit at the M offset: ``[M | M_Φ]``
 (slots ``M_THETA``, ``M_PHI``).
 """
+
 from __future__ import annotations
 
 import triton
@@ -66,9 +67,17 @@ def _offsets_t(ci, rk, n, p, ROWS: tl.constexpr):
 
 @triton.jit
 def gram_kernel(
-    meta_ptr, work_ptr, out_ptr, split_stride,
-    BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
-    BP: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    meta_ptr,
+    work_ptr,
+    out_ptr,
+    split_stride,
+    BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BP: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     w = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,9 +123,22 @@ def gram_kernel(
 
 @triton.jit
 def update_kernel(
-    meta_ptr, hyper_ptr, work_ptr, n_items, m_ptr, scratch_ptr, P_MAX,
-    MODE: tl.constexpr, HAS_PHI: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
-    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    meta_ptr,
+    hyper_ptr,
+    work_ptr,
+    n_items,
+    m_ptr,
+    scratch_ptr,
+    P_MAX,
+    MODE: tl.constexpr,
+    HAS_PHI: tl.constexpr,
+    DTYPE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slab = scratch_ptr + pid.to(tl.int64) * BR * P_MAX  # this program's BR × P_MAX snapshot

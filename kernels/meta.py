@@ -15,6 +15,7 @@ the n dimension padded to ``ld`` rows with zeros); the FMA kernels leave them 0.
 ``[A | E | B | C]`` (+ ``L`` for the split products), each ``p × p`` in the accumulation type,
 and the update matrices ``[M_θ | M_Φ]``.
 """
+
 from __future__ import annotations
 
 # metadata fields (columns of the int64 table)

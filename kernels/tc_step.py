@@ -37,6 +37,7 @@ right operand is K-contiguous.
 Layouts (``ROWS``): ``True``: θ = W2ᵀ, memory holds θᵀ row-major, θ[k, i] at ``i·n + k``
 (hi/lo at ``i·ld + k``); ``False``: θ = W2, θ[k, i] at ``k·p + i`` (hi/lo likewise, ld rows).
 """
+
 from __future__ import annotations
 
 import triton
@@ -109,8 +110,14 @@ def _load(ptr, rk, cj, ld, p, r1, ROWS: tl.constexpr, K_MASK: tl.constexpr):
 
 @triton.jit
 def tc_split_kernel(
-    meta_ptr, work_ptr, n_items,
-    ROWS: tl.constexpr, ALIGNED: tl.constexpr, LO: tl.constexpr, BS: tl.constexpr, BL: tl.constexpr,
+    meta_ptr,
+    work_ptr,
+    n_items,
+    ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    LO: tl.constexpr,
+    BS: tl.constexpr,
+    BL: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         w = work_ptr + item * meta.SPLIT_WORK
@@ -137,8 +144,16 @@ def tc_split_kernel(
 
 @triton.jit
 def tc_gram_kernel(
-    meta_ptr, work_ptr, n_items, out_ptr, split_stride,
-    ROWS: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    meta_ptr,
+    work_ptr,
+    n_items,
+    out_ptr,
+    split_stride,
+    ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -185,9 +200,17 @@ def tc_gram_kernel(
 
 @triton.jit
 def tc_update_kernel(
-    meta_ptr, hyper_ptr, work_ptr, n_items, m_ptr,
-    HAS_PHI: tl.constexpr, ROWS: tl.constexpr, ALIGNED: tl.constexpr,
-    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    meta_ptr,
+    hyper_ptr,
+    work_ptr,
+    n_items,
+    m_ptr,
+    HAS_PHI: tl.constexpr,
+    ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):

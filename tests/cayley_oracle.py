@@ -5,6 +5,7 @@ with the dense n×n skew matrix; nothing here reads the package.
 The ``public_*`` functions transcribe what the public code computes (its rows convention
 ``X = W2ᵀ``, renormalised rows, s = 5, the 1-norm, the un-projected start, SGD momentum lost).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,8 +43,9 @@ def qr_sign(x):
     return q * np.where(d == 0, 1, d)
 
 
-def sgd_step(w, grad, mom, *, lr, momentum, q=0.5, s=2, eps=1e-8, norm="fro", renormalize=False,
-             qr=False, dtype=np.float64):
+def sgd_step(
+    w, grad, mom, *, lr, momentum, q=0.5, s=2, eps=1e-8, norm="fro", renormalize=False, qr=False, dtype=np.float64
+):
     """One Cayley SGD step on parameter ``w``; ``mom`` is M in θ form or None.
 
     Returns (w_new, M_new in θ form, t) — M_new is None when momentum == 0.
@@ -63,8 +65,9 @@ def sgd_step(w, grad, mom, *, lr, momentum, q=0.5, s=2, eps=1e-8, norm="fro", re
     return from_theta(y, np.shape(w)), (m if momentum > 0 else None), t
 
 
-def adam_step(w, grad, m, v, k, *, lr, betas, q=0.5, s=2, eps=1e-8, norm="fro", renormalize=False,
-              qr=False, dtype=np.float64):
+def adam_step(
+    w, grad, m, v, k, *, lr, betas, q=0.5, s=2, eps=1e-8, norm="fro", renormalize=False, qr=False, dtype=np.float64
+):
     """Step ``k`` (1-based) of Cayley ADAM; ``m`` in θ form (None: zero), ``v`` a scalar.
 
     Returns (w_new, m_new, v_new, t).

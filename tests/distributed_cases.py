@@ -4,6 +4,7 @@ A case is ``CASES[name](rank, world, out_dir, **kwargs) -> result`` run in a chi
 with a gloo process group; the parent compares the results with one process that runs the
 mean gradient on the whole model (``reference``).
 """
+
 from __future__ import annotations
 
 import os
@@ -123,8 +124,9 @@ def _set_grads(model, step, *, poison=None):
             part = part.clone()
             if part.numel():
                 part.view(-1)[0] = float("nan")
-        p.grad = DTensor.from_local(part, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                    stride=g.stride())
+        p.grad = DTensor.from_local(
+            part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+        )
 
 
 def _shard_of(p, full):
@@ -143,9 +145,10 @@ def _full_state(model, opt):
 
 
 def _local_state(model, opt):
-    return ({n: p.to_local().clone() for n, p in model.named_parameters()},
-            {n: opt.state[p]["momentum_buffer"].to_local().clone()
-             for n, p in model.named_parameters() if p in opt.state})
+    return (
+        {n: p.to_local().clone() for n, p in model.named_parameters()},
+        {n: opt.state[p]["momentum_buffer"].to_local().clone() for n, p in model.named_parameters() if p in opt.state},
+    )
 
 
 class _CountAllReduce:
@@ -178,9 +181,15 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
             opt.step()
         reduces.append(counter.count)
     params, bufs = _full_state(model, opt)
-    return dict(params=params, bufs=bufs, placements=placements, start_orth=start_orth, orth=opt.orthogonality(),
-                dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
-                reduces=reduces)
+    return dict(
+        params=params,
+        bufs=bufs,
+        placements=placements,
+        start_orth=start_orth,
+        orth=opt.orthogonality(),
+        dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
+        reduces=reduces,
+    )
 
 
 def fsdp_train(rank, world, out, *, steps=5):
@@ -293,8 +302,9 @@ def zero_steps(rank, world, out, *, steps=5):
     orth = opt.optim.orthogonality()
     opt.consolidate_state_dict(to=0)
     state = opt.state_dict() if rank == 0 else None
-    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, orth=orth, owned=owned,
-                state=state)
+    return dict(
+        params={n: p.detach().clone() for n, p in model.named_parameters()}, orth=orth, owned=owned, state=state
+    )
 
 
 CASES = {f.__name__: f for f in (fsdp_steps, fsdp_train, fsdp_refusals, fsdp_checkpoint, ddp_train, zero_steps)}

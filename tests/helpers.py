@@ -1,4 +1,5 @@
 """Shared test helpers: which backends can run here, and parametrisation over them."""
+
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,7 @@
 Written from the math (docs/algorithm.md §1–§3) without reading the package: the matrix
 convention, the authors' term-by-term FGD sequence, and SGD.
 """
+
 from __future__ import annotations
 
 import numpy as np

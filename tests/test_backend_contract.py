@@ -3,6 +3,7 @@ the reason, where this machine cannot run it): which backend ``"auto"`` and expl
 resolve to, which precisions each accepts, no host synchronisation with the checks off, and
 CUDA graph capture. (Numerics against the oracle: ``test_fgd_oracle.py``; a failed step
 changes nothing: ``test_failed_step_contract.py``.)"""
+
 from __future__ import annotations
 
 import pytest

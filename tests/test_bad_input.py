@@ -1,5 +1,6 @@
 """Bad input to FGD: a clear error, and nothing modified by a step that fails. (The contract
 every optimizer shares, non-finite gradients and the like: ``test_failed_step_contract.py``.)"""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Cayley SGD / ADAM baselines: oracle agreement, forms, drift, memory, public-code compatibility,
 state, bad input, and the geoopt / torch-parametrization adapters."""
+
 from __future__ import annotations
 
 import copy

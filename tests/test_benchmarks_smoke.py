@@ -3,6 +3,7 @@ the report renders from both of its input formats, ``benchmarks/gpu/gpu_check.py
 measured when a phase fails or runs out of time, and the accuracy run reports against the
 reference form. The benchmarks themselves are not part of
 the test run (``testpaths = tests``); this only checks that they work."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,7 @@
 """torch.optim citizenship: options survive copies, every real number type is a
 hyper-parameter, settings are validated whenever they change, foreign state is refused at
 load, and ``torch.compile`` traces the step."""
+
 from __future__ import annotations
 
 import copy
@@ -93,8 +94,13 @@ def test_state_dict_carries_the_options():
 def test_every_real_number_type_is_a_hyper_parameter(value):
     """Why 5: numpy scalars were refused as "not a real number"."""
     net = _net()
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=value, momentum=np.float32(0.9),
-                       feedback=np.float64(0.4), max_distance=np.float32(0.5))
+    opt = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(net),
+        lr=value,
+        momentum=np.float32(0.9),
+        feedback=np.float64(0.4),
+        max_distance=np.float32(0.5),
+    )
     _loss(net, 0).backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in net.parameters())
@@ -199,8 +205,13 @@ def _compiled_setup(checks: bool):
     torch.manual_seed(0)
     w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4, 3, 3)))
     b = nn.Parameter(torch.randn(8))
-    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[b])], lr=0.01, backend="torch",
-                       check_finite=checks, check_manifold=checks)
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True), dict(params=[b])],
+        lr=0.01,
+        backend="torch",
+        check_finite=checks,
+        check_manifold=checks,
+    )
     w.grad, b.grad = torch.randn_like(w) * 0.01, torch.randn_like(b)
     opt.step()  # state exists: the traced step is the steady one
     return w, opt

@@ -2,6 +2,7 @@
 ``backend="cuda"`` where it cannot run, and (on a GPU with the extension) kernel-specific
 checks the shared backend tests do not reach: several tiles per p, split-n reduction,
 both layouts, ragged layers in one launch, determinism and the launch count."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,16 @@ def test_cu_file_compiles_without_spills(source, arch, tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     cmd = [
-        nvcc, "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--resource-usage",
-        f"-I{CSRC}", str(source), "-o", str(tmp_path / "k.o"),
+        nvcc,
+        "-c",
+        "-O3",
+        "-std=c++17",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "--resource-usage",
+        f"-I{CSRC}",
+        str(source),
+        "-o",
+        str(tmp_path / "k.o"),
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -60,7 +69,10 @@ def test_cu_file_compiles_without_spills(source, arch, tmp_path):
 def test_import_never_needs_the_extension():
     out = subprocess.run(
         [sys.executable, "-c", "import fgd_fast, sys; print('fgd_fast._C' in sys.modules)"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"  # nothing loads or builds the extension at import
@@ -137,8 +149,14 @@ def _steps(backend, params, grads, beta, steps=3):
     count = len(params)
     for step in range(steps):
         plan = prepare(
-            params, grads, bufs, [step == 0] * count, lr=[0.1] * count, momentum=[beta] * count,
-            feedback=[0.4] * count, check_finite=True,
+            params,
+            grads,
+            bufs,
+            [step == 0] * count,
+            lr=[0.1] * count,
+            momentum=[beta] * count,
+            feedback=[0.4] * count,
+            check_finite=True,
         )
         assert bool(plan.finite.all())
         plan.apply()
@@ -214,7 +232,13 @@ def test_non_finite_gradient_is_flagged_and_nothing_written():
     grads[1][3, 2] = float("nan")
     before = [p.clone() for p in params]
     plan = C.prepare_cuda(
-        params, grads, [None, None], [True, True], lr=[0.1] * 2, momentum=[0.0] * 2, feedback=[0.4] * 2,
+        params,
+        grads,
+        [None, None],
+        [True, True],
+        lr=[0.1] * 2,
+        momentum=[0.0] * 2,
+        feedback=[0.4] * 2,
         check_finite=True,
     )
     assert plan.finite.tolist() == [True, False]

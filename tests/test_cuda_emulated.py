@@ -5,6 +5,7 @@ swapped. Checked against the float64 NumPy oracle (float64 tightly, float32 with
 multiple of what plain float32 arithmetic loses), the reference backend (float16/bfloat16
 within one ulp), and for determinism, schedule independence, that ``prepare`` writes nothing
 and that writes stay inside their tensors. Needs g++ only (no GPU, no nvcc)."""
+
 from __future__ import annotations
 
 import functools
@@ -70,15 +71,23 @@ CASES = {
     # every kind of layer in one launch (reads Φ or not, both layouts, p = 1, square, conv);
     # 7 splits: the small layers' later splits are empty
     "ragged": dict(
-        layers=[((130, 150), 0.9), ((8, 4, 3, 3), 0.5), ((150, 65), 0.0), ((1, 9), 0.9), ((9, 1), 0.8),
-                ((65, 65), 0.9), ((20, 3, 3, 3), 0.0)],
+        layers=[
+            ((130, 150), 0.9),
+            ((8, 4, 3, 3), 0.5),
+            ((150, 65), 0.0),
+            ((1, 9), 0.9),
+            ((9, 1), 0.8),
+            ((65, 65), 0.9),
+            ((20, 3, 3, 3), 0.0),
+        ],
         splits=7,
     ),
     # the backend's own split choice for a 16-SM GPU (3 splits here)
     "auto-splits": dict(layers=[((65, 2, 5, 9), 0.9)], sm_count=16),
     # channels_last parameters and gradients (staged through contiguous copies), contiguous Φ
-    "channels-last": dict(layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2,
-                          channels_last=True),
+    "channels-last": dict(
+        layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2, channels_last=True
+    ),
     # momentum 0: no Φ at all
     "stateless": dict(layers=[((130, 150), 0.0), ((150, 65), 0.0), ((5, 11), 0.0)], splits=2),
 }
@@ -292,7 +301,7 @@ def test_prepare_writes_nothing_and_apply_writes_only_its_tensors(cuda, monkeypa
             assert not torch.equal(_storage(p), b)  # apply wrote θ₊ …
         for t in tensors:
             assert guards_intact(t)  # … and nothing next to any tensor
-        for t, b in zip(g, before[len(params):]):
+        for t, b in zip(g, before[len(params) :]):
             assert torch.equal(_storage(t), b)  # nor into the gradients
 
 

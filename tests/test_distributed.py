@@ -6,6 +6,7 @@ mean gradient on the whole model (tests/distributed_cases.py). Processes come fr
 second after the first; every join has a deadline, and the process group meets through a
 file in a fresh temporary directory (no port to pick).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -34,8 +35,14 @@ def _ctx():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(
-            ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "fgd_fast",
-             "distributed_cases"]
+            [
+                "torch",
+                "torch.distributed.fsdp",
+                "torch.distributed.checkpoint",
+                "torch._dynamo",
+                "fgd_fast",
+                "distributed_cases",
+            ]
         )
     return _context
 
@@ -45,8 +52,9 @@ def run(world: int, case: str, **kwargs) -> list:
     ctx = _ctx()
     with tempfile.TemporaryDirectory() as out:
         init = "file://" + os.path.join(out, "rendezvous")
-        procs = [ctx.Process(target=cases.entry, args=(r, world, init, out, case, kwargs), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=cases.entry, args=(r, world, init, out, case, kwargs), daemon=True) for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S
@@ -161,8 +169,9 @@ def test_fsdp_checkpoint_round_trip():
     results = run(2, "fsdp_checkpoint")
     for res in results:
         assert res["identical"]
-        assert res["names"] == sorted(cases.ORTHOGONAL + ("fc2.weight",) + tuple(
-            f"{m}.bias" for m in ("stem", "conv", "expand", "fc1", "fc2")))
+        assert res["names"] == sorted(
+            cases.ORTHOGONAL + ("fc2.weight",) + tuple(f"{m}.bias" for m in ("stem", "conv", "expand", "fc1", "fc2"))
+        )
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -1,6 +1,7 @@
 """A step that fails raises a clear error and changes nothing (no parameter, no state), for
 every optimizer we ship: FGD on each backend this machine has (skipped per parameter, with
 the reason), CayleySGD and CayleyADAM in both forms."""
+
 from __future__ import annotations
 
 import pytest

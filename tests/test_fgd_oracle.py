@@ -1,4 +1,5 @@
 """Every backend against the independent float64 NumPy oracle of the authors' sequence."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,11 @@ PROBLEMS = {
     "stateless": ([(6, 3, 3, 3), (21, 4)], [dict(lr=0.1, momentum=0.0, feedback=0.4)]),
     "mixed-groups": (
         [((8, 4, 3, 3), 0), ((8, 4, 3, 3), 1), ((30, 6), 1), ((5, 11), 2)],
-        [dict(lr=0.1, momentum=0.9, feedback=0.4), dict(lr=0.03, momentum=0.5, feedback=0.2),
-         dict(lr=0.08, momentum=0.0, feedback=0.1)],
+        [
+            dict(lr=0.1, momentum=0.9, feedback=0.4),
+            dict(lr=0.03, momentum=0.5, feedback=0.2),
+            dict(lr=0.08, momentum=0.0, feedback=0.1),
+        ],
     ),
 }
 

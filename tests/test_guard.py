@@ -1,6 +1,7 @@
 """The step guard: spikes survive, nothing non-finite or off the manifold is ever written,
 ``guard=False`` raises before writing with advice that works, and the guard is invisible in
 ordinary steps."""
+
 from __future__ import annotations
 
 import warnings
@@ -20,8 +21,9 @@ def _spike_run(backend="torch", *, spike=300.0, lr_spike=1.0, guard=True, steps=
     20 (or lr ×``lr_spike`` for steps 20–22). Returns (final distance, raises, the optimizer)."""
     torch.manual_seed(seed)
     w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3)))
-    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, momentum=0.9, feedback=0.4,
-                       backend=backend, guard=guard)
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True)], lr=0.01, momentum=0.9, feedback=0.4, backend=backend, guard=guard
+    )
     raises = []
     for k in range(steps):
         g = torch.randn_like(w)

@@ -1,6 +1,7 @@
 """Fuzz and soak of the step guard (hypothesis): over shapes, lr, momentum, feedback, gradient
 spikes and lr spikes, no step ever writes a non-finite value or a θ beyond ``max_distance``,
 and every step that raises leaves parameters and state bit-identical."""
+
 from __future__ import annotations
 
 import warnings
@@ -39,14 +40,21 @@ def _state_copy(opt, w):
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(run=runs())
 def test_no_step_writes_garbage_and_every_raise_changes_nothing(backend, run):
     gen = torch.Generator().manual_seed(run["seed"])
     w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(run["shape"], generator=gen)))
-    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=run["lr"], momentum=run["beta"],
-                       feedback=run["alpha"], backend=backend, guard=run["guard"])
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True)],
+        lr=run["lr"],
+        momentum=run["beta"],
+        feedback=run["alpha"],
+        backend=backend,
+        guard=run["guard"],
+    )
     for spike, lr_spike in zip(run["spikes"], run["lr_spikes"]):
         g = torch.randn(run["shape"], generator=gen)
         w.grad = (g / g.norm().clamp_min(1e-30)).mul_(min(spike, 3e38))

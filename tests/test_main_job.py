@@ -1,6 +1,7 @@
 """The main job (``bash benchmarks/run.sh``) end to end on tiny shapes and a few cases: one
 progress line per benchmark case, the training comparison, a short summary, the full report
 (with the training table) in the output folder, and nothing written into benchmarks/results/."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_main_job_tiny(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(FGD_BENCH_NO_SETUP="1", FGD_BENCH_OUT=str(tmp_path), MPLBACKEND="Agg",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    env.update(
+        FGD_BENCH_NO_SETUP="1",
+        FGD_BENCH_OUT=str(tmp_path),
+        MPLBACKEND="Agg",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+    )
     status = ["git", "status", "--porcelain", "--untracked-files=all", "--", "benchmarks/results"]
     before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
     cmd = ["bash", "benchmarks/run.sh", "--tiny", "-k", "transformer and (fgd-auto or fgd-triton or sgd)"]

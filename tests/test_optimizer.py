@@ -1,4 +1,5 @@
 """The torch.optim behaviour of FGD: SGD parity, state_dict, closures, selection, training."""
+
 from __future__ import annotations
 
 import io
@@ -16,8 +17,13 @@ from oracle import sgd_step
 def _net(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     net = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
         nn.Linear(64, 10),
     )
     return net.to(device=device_for_tests(), dtype=dtype)

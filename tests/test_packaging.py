@@ -2,6 +2,7 @@
 sources), the licence and one version. Both are built offline, without build isolation and
 without the CUDA extension (FGD_FAST_BUILD_CUDA=0); the wheel is built from the unpacked sdist,
 which shows the sdist is complete and leaves no build/ folder in the checkout."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,21 @@ def dists(tmp_path_factory):
     with tarfile.open(sdist) as tar:
         tar.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     (unpacked,) = src.iterdir()
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(out), str(unpacked)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(unpacked),
+        ]
+    )
     (wheel,) = out.glob("*.whl")
     return sdist, wheel
 
@@ -61,9 +75,20 @@ def test_csrc_has_the_sources_the_build_compiles():
 def test_sdist_carries_the_cuda_sources_kernels_tests_licence_and_docs(dists):
     names = _sdist_names(dists[0])
     expected = {f"csrc/{f}" for f in CSRC_FILES} | {
-        "setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "CHANGELOG.md", "README.md",
-        "docs/algorithm.md", "fgd_fast/_version.py", "fgd_fast/_cuda_build.py", "kernels/fgd_step.py",
-        "pytest.ini", "tests/helpers.py", "tests/oracle.py", "tests/cuda_emulation/emu.h",
+        "setup.py",
+        "pyproject.toml",
+        "MANIFEST.in",
+        "LICENSE",
+        "CHANGELOG.md",
+        "README.md",
+        "docs/algorithm.md",
+        "fgd_fast/_version.py",
+        "fgd_fast/_cuda_build.py",
+        "kernels/fgd_step.py",
+        "pytest.ini",
+        "tests/helpers.py",
+        "tests/oracle.py",
+        "tests/cuda_emulation/emu.h",
     }
     assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
@@ -73,8 +98,11 @@ def test_wheel_installs_the_cuda_sources_as_package_data(dists):
     names = _wheel_names(dists[1])
     version = fgd_fast.__version__
     expected = {f"fgd_fast/csrc/{f}" for f in CSRC_FILES} | {
-        "fgd_fast/_version.py", "fgd_fast/_cuda_build.py", "fgd_fast/kernels/fgd_step.py",
-        "fgd_fast/backends/cuda.py", f"fgd_fast-{version}.dist-info/licenses/LICENSE",
+        "fgd_fast/_version.py",
+        "fgd_fast/_cuda_build.py",
+        "fgd_fast/kernels/fgd_step.py",
+        "fgd_fast/backends/cuda.py",
+        f"fgd_fast-{version}.dist-info/licenses/LICENSE",
     }
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
     assert not {n.split("/")[0] for n in names} - {"fgd_fast", f"fgd_fast-{version}.dist-info"}  # no top-level strays
@@ -103,8 +131,14 @@ def test_unpacked_wheel_finds_its_cuda_sources(dists, tmp_path):
         "print(fgd_fast.__file__); print(cb.CSRC); print(all((cb.CSRC / s).is_file() for s in cb.SOURCES))"
     )
     env_path = os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", probe], env=dict(ENV, PYTHONPATH=env_path), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=dict(ENV, PYTHONPATH=env_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     package_file, csrc, complete = out.stdout.split("\n")[:3]
     assert Path(package_file).is_relative_to(site), "the probe imported another fgd_fast"

@@ -7,6 +7,7 @@ the whole matrices. This reaches what the multi-process tests do not: p ≥ 64 (
 backend's block-half Grams), float32, several layers per bucket, shards with no rows, and the
 GPU's stacked operands when a GPU is present.
 """
+
 from __future__ import annotations
 
 import threading
@@ -31,8 +32,10 @@ def _split(t: torch.Tensor, ranks: int) -> list[torch.Tensor]:
     """Uneven slabs (the last ones possibly empty), as FSDP2 chunks a dimension."""
     dim = _row_dim(t.shape)
     size = -(-t.shape[dim] // ranks)
-    return [t.narrow(dim, min(r * size, t.shape[dim]), max(0, min(size, t.shape[dim] - r * size))).clone()
-            for r in range(ranks)]
+    return [
+        t.narrow(dim, min(r * size, t.shape[dim]), max(0, min(size, t.shape[dim] - r * size))).clone()
+        for r in range(ranks)
+    ]
 
 
 def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
@@ -54,6 +57,7 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
             for t, s in zip(tensors, lists["sum"]):
                 t.copy_(s)
             barrier.wait()
+
         return reduce
 
     def rank_main(rank):

@@ -1,4 +1,5 @@
 """The device-table cache of the fused backends: bounded, and safe under CUDA graph capture."""
+
 from __future__ import annotations
 
 import torch

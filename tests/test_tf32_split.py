@@ -5,6 +5,7 @@ TF32 (round to nearest, ties to even) against an independent float64 model, the 
 the stacked-sum identity of the lean Gram, and the torch backend's ``"tf32x3"`` path (on a
 CPU it computes the same sums in fp32) against the float64 oracle.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -3,6 +3,7 @@ place, staged stacks, symmetric Grams as block halves) matches the float64 oracl
 allocates nothing (all scratch is made in ``prepare``, so running out of memory happens before
 any write); and a step's extra memory stays within 3× the constrained parameters' bytes
 (deterministic byte accounting of the aten ops, not timing)."""
+
 from __future__ import annotations
 
 import sys
@@ -79,8 +80,15 @@ def test_apply_allocates_nothing(mode, precision, first):
     count = len(params)
     with torch.no_grad():
         plan = prepare_torch(
-            params, grads, bufs, fresh, lr=[0.1] * count, momentum=[0.9] * 4 + [0.0], feedback=[0.4] * count,
-            check_finite=True, precision=precision,
+            params,
+            grads,
+            bufs,
+            fresh,
+            lr=[0.1] * count,
+            momentum=[0.9] * 4 + [0.0],
+            feedback=[0.4] * count,
+            check_finite=True,
+            precision=precision,
         )
         with _NewStorages() as watch:
             plan.apply()
@@ -149,5 +157,6 @@ def test_extra_memory_of_a_step_is_at_most_three_times_the_parameters(mode, work
 def test_unknown_precision_is_refused_by_the_backend():
     params, grads = stiefel_problem([(8, 4, 3, 3)])
     with pytest.raises(ValueError, match="precision"):
-        prepare_torch(params, grads, [None], [True], lr=[0.1], momentum=[0.0], feedback=[0.4], check_finite=False,
-                      precision="fp8")
+        prepare_torch(
+            params, grads, [None], [True], lr=[0.1], momentum=[0.0], feedback=[0.4], check_finite=False, precision="fp8"
+        )

@@ -2,6 +2,7 @@
 ``train.json`` with every documented field and ``train.png``; the GPU configuration (synthetic
 CIFAR-shaped data, WRN, bf16 autocast, channels_last) runs end to end on a narrow network;
 CIFAR-10 is read from the python-pickle batches; bad options fail with the reason."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "benchmarks" / "train.py"
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # geoopt's import
-FIELDS = ("test_accuracy", "max_distance", "mean_distance", "step_seconds", "fwd_bwd_seconds", "train_step_seconds",
-          "train_step_ratio_to_sgd", "train_loss", "settings", "epochs", "history")
+FIELDS = (
+    "test_accuracy",
+    "max_distance",
+    "mean_distance",
+    "step_seconds",
+    "fwd_bwd_seconds",
+    "train_step_seconds",
+    "train_step_ratio_to_sgd",
+    "train_loss",
+    "settings",
+    "epochs",
+    "history",
+)
 
 
 def train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -46,8 +58,15 @@ def train_main():
 
 def test_digits_run_writes_json_table_and_plot(tmp_path):
     proc = train_cli(
-        tmp_path, "--dataset", "digits", "--epochs", "2", "--steps-per-epoch", "6",
-        "--optimizers", "sgd,fgd,cayley-sgd",
+        tmp_path,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "6",
+        "--optimizers",
+        "sgd,fgd,cayley-sgd",
     )
     result = json.loads((tmp_path / "train.json").read_text())
     assert list(result["optimizers"]) == ["sgd", "fgd", "cayley-sgd"]
@@ -74,9 +93,28 @@ def test_gpu_configuration_rehearsed_on_a_narrow_wrn(tmp_path, train_main):
     """What the GPU session runs (WRN on synthetic CIFAR-shaped data, bf16 autocast,
     channels_last, sgd/fgd/cayley-sgd), with a network narrow enough for a CPU."""
     train_main(
-        tmp_path, "--dataset", "synthetic", "--model", "wrn", "--depth", "10", "--width", "0.5", "--batch-size", "8",
-        "--epochs", "1", "--steps-per-epoch", "3", "--optimizers", "sgd,fgd,cayley-sgd", "--amp", "bf16",
-        "--channels-last", "on", "--no-plot",
+        tmp_path,
+        "--dataset",
+        "synthetic",
+        "--model",
+        "wrn",
+        "--depth",
+        "10",
+        "--width",
+        "0.5",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "3",
+        "--optimizers",
+        "sgd,fgd,cayley-sgd",
+        "--amp",
+        "bf16",
+        "--channels-last",
+        "on",
+        "--no-plot",
     )
     result = json.loads((tmp_path / "train.json").read_text())
     cfg = result["config"]
@@ -92,12 +130,30 @@ def test_cifar10_read_from_the_pickle_batches(tmp_path, train_main):
     root.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for name, count in [(f"data_batch_{i}", 4) for i in range(1, 6)] + [("test_batch", 6)]:
-        batch = {"data": rng.integers(0, 256, (count, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, count).tolist()}
+        batch = {
+            "data": rng.integers(0, 256, (count, 3072), dtype=np.uint8),
+            "labels": rng.integers(0, 10, count).tolist(),
+        }
         with open(root / name, "wb") as fh:
             pickle.dump(batch, fh)
-    train_main(tmp_path / "out", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--model", "resnet",
-          "--width", "0.125", "--batch-size", "10", "--epochs", "1", "--optimizers", "sgd,fgd", "--no-plot")
+    train_main(
+        tmp_path / "out",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        "resnet",
+        "--width",
+        "0.125",
+        "--batch-size",
+        "10",
+        "--epochs",
+        "1",
+        "--optimizers",
+        "sgd,fgd",
+        "--no-plot",
+    )
     result = json.loads((tmp_path / "out" / "train.json").read_text())
     assert result["config"]["steps_per_epoch"] == 2 and "20 train / 6 test" in result["config"]["dataset_description"]
 
@@ -106,8 +162,22 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
     """An lr far too large would take FGD off the manifold: without the step guard its step is
     refused (max_distance), the run records the error, sgd trains on, and the command exits
     with 1. (With the guard, the default, FGD scales such steps and trains on.)"""
-    rc = train_main(tmp_path, "--dataset", "digits", "--epochs", "1", "--steps-per-epoch", "6",
-                    "--optimizers", "sgd,fgd", "--set", "fgd.lr=50", "--set", "fgd.guard=false", "--no-plot")
+    rc = train_main(
+        tmp_path,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "6",
+        "--optimizers",
+        "sgd,fgd",
+        "--set",
+        "fgd.lr=50",
+        "--set",
+        "fgd.guard=false",
+        "--no-plot",
+    )
     result = json.loads((tmp_path / "train.json").read_text())
     assert rc == 1 and "max_distance" in result["optimizers"]["fgd"]["error"]
     assert len(result["optimizers"]["sgd"]["history"]["loss"]) == 6 and "error" not in result["optimizers"]["sgd"]
@@ -115,13 +185,16 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
     assert "fgd: stopped: ValueError" in captured.err and "stopped¹" in captured.out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--optimizers", "adamw"], "unknown 'adamw'"),
-    (["--optimizers", "fgd-cuda"], "needs CUDA tensors"),
-    (["--set", "fgd.lr"], "expected OPT.KEY=VALUE"),
-    (["--set", "fgd.betas=1"], "fgd has no setting 'betas'"),
-    (["--dataset", "cifar10"], "needs --data-dir"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--optimizers", "adamw"], "unknown 'adamw'"),
+        (["--optimizers", "fgd-cuda"], "needs CUDA tensors"),
+        (["--set", "fgd.lr"], "expected OPT.KEY=VALUE"),
+        (["--set", "fgd.betas=1"], "fgd has no setting 'betas'"),
+        (["--dataset", "cifar10"], "needs --data-dir"),
+    ],
+)
 def test_bad_options_fail_with_the_reason(tmp_path, train_main, capsys, args, message):
     if "fgd-cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine runs fgd-cuda")

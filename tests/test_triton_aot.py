@@ -1,6 +1,7 @@
 """Every Triton kernel configuration the backend can select compiles ahead of time for real
 GPUs (sm_80, sm_90) without spilling, with the Triton of this environment (3.8) and with the
 GPU machine's Triton 3.6; and the backend never launches a configuration outside that set."""
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,10 @@ def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
     out = tmp_path / "aot.json"
     run = subprocess.run(
         [python, str(AOT), "--arch", "80", "90", "--json", str(out), *extra],
-        capture_output=True, text=True, timeout=3000, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        cwd=ROOT,
         env=_clean_env(),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

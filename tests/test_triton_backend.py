@@ -1,5 +1,6 @@
 """Triton-specific behaviour: launch counts, split-K, determinism, precision tilings.
 (Numerics against the oracle, capture and no-sync live in the backend-parametrised tests.)"""
+
 from __future__ import annotations
 
 import pytest

@@ -11,6 +11,7 @@ inside the tensor cores. The "lean" emulation below does exactly that arithmetic
 so the kernels are checked against it to fp32 accumulation accuracy, and against the exact
 float64 oracle (tests/oracle.py) to the accuracy TF32 operands allow.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -66,8 +67,12 @@ def _run(shapes, precision, momentum, steps, seed, lr=0.1, feedback=0.4):
     dev = device_for_tests()
     params = [torch.nn.Parameter(torch.tensor(w, device=dev)) for w in ws]
     opt = fgd_fast.FGD(
-        [dict(params=params, orthogonal=True)], lr=lr, momentum=momentum, feedback=feedback,
-        backend="triton", precision=precision,
+        [dict(params=params, orthogonal=True)],
+        lr=lr,
+        momentum=momentum,
+        feedback=feedback,
+        backend="triton",
+        precision=precision,
     )
     lean, exact = [w.astype(np.float64) for w in ws], [w.astype(np.float64) for w in ws]
     lean_phi, exact_phi = [None] * len(shapes), [None] * len(shapes)
@@ -104,8 +109,16 @@ def test_split_pass_writes_exact_tf32_halves(rows):
     params = [torch.tensor(v, device=dev) for v in values]
     grads = [torch.zeros_like(p) for p in params]
     cls = tb._TensorCoreClass(
-        list(range(len(params))), params, grads, [None] * len(params), [0.1] * 2, [0.0] * 2, [0.4] * 2,
-        False, rows, "tf32x3",
+        list(range(len(params))),
+        params,
+        grads,
+        [None] * len(params),
+        [0.1] * 2,
+        [0.0] * 2,
+        [0.4] * 2,
+        False,
+        rows,
+        "tf32x3",
     )
     table = cls.meta.cpu().numpy()
     split = cls.split.cpu().numpy()
@@ -115,8 +128,8 @@ def test_split_pass_writes_exact_tf32_halves(rows):
         n, p, ld = (int(table[k, f]) for f in (meta.F_N, meta.F_P, meta.F_LD))
         assert ld >= n and ld % 128 == 0
         at = lambda field, k=k: (int(table[k, field]) - base) // 4  # noqa: E731
-        hi = split[at(meta.F_HI):at(meta.F_HI) + p * ld]
-        lo = split[at(meta.F_LO):at(meta.F_LO) + p * ld]
+        hi = split[at(meta.F_HI) : at(meta.F_HI) + p * ld]
+        lo = split[at(meta.F_LO) : at(meta.F_LO) + p * ld]
         hi, lo = (x.reshape(p, ld).T if rows else x.reshape(ld, p) for x in (hi, lo))
         np.testing.assert_array_equal(hi[:n], tf32(th32))
         np.testing.assert_array_equal(lo[:n], tf32(th32 - tf32(th32)))

@@ -16,6 +16,7 @@ priority order (every workload's reference and ``fgd-auto`` first) until ``--bud
 are spent: a case running at the deadline stops at its next checkpoint (``steps`` says how
 many ran), the rest are recorded as skipped. Results are written to OUT.json after every case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ sys.path.insert(0, str(BENCH))
 
 #: the reference form first (the yardstick), then the fast paths, the candidate default first
 CASES = (
-    "fgd-reference", "fgd-auto", "fgd-torch-tf32x3", "fgd-triton-tf32x3", "fgd-torch", "fgd-triton",
-    "fgd-torch-tf32", "fgd-triton-tf32", "fgd-cuda",
+    "fgd-reference",
+    "fgd-auto",
+    "fgd-torch-tf32x3",
+    "fgd-triton-tf32x3",
+    "fgd-torch",
+    "fgd-triton",
+    "fgd-torch-tf32",
+    "fgd-triton-tf32",
+    "fgd-cuda",
 )
 
 
@@ -86,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="+", help="default: every workload")
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument(
-        "--cpu-dry-run", action="store_true", help="rehearse on a CPU: tiny shapes, 4 steps, Triton interpreted",
+        "--cpu-dry-run",
+        action="store_true",
+        help="rehearse on a CPU: tiny shapes, 4 steps, Triton interpreted",
     )
     args = ap.parse_args(argv)
     deadline = time.monotonic() + args.budget
@@ -104,8 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     scale = "tiny" if args.cpu_dry_run else "full"
     chosen = [w for w in workloads(scale) if not args.workloads or w.name in args.workloads]
     out: dict = {
-        "environment": environment(device), "steps": steps, "every": every, "lr": LR, "grad_sets": POOL,
-        "scale": scale, "results": [],
+        "environment": environment(device),
+        "steps": steps,
+        "every": every,
+        "lr": LR,
+        "grad_sets": POOL,
+        "scale": scale,
+        "results": [],
     }
     path = Path(args.out)
 

@@ -34,6 +34,7 @@ device call of ~8 minutes).
 Without git on the device, pass ``--commit`` (or set ``FGD_BENCH_COMMIT``); the source
 digest (``--digest`` prints this checkout's) identifies the tree either way.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -20,6 +20,7 @@ On the full-size workload (default WRN-28-10, rule "official"), with ``triton.te
 
 Results go to OUT.json as they come (a run cut off keeps what it measured).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@
 first time they are asked for, so the package imports with no Triton, no GPU and no compiler.
 ``resolve_backend`` is called once per (requested name, device type) and cached by the caller.
 """
+
 from __future__ import annotations
 
 import os

@@ -27,6 +27,7 @@ per-layer checks. Without Φ (first step, ``momentum == 0``) pass ``b = c = None
 
 ``lr``, ``beta``, ``alpha`` are floats or ``(L, 1, 1)`` tensors (per-layer values).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -61,7 +62,10 @@ def _per_layer(x: Scalar) -> Scalar:
 
 
 def trust_scale(
-    phi_norm: torch.Tensor, g_norm: torch.Tensor, lr: Scalar, radius: float,
+    phi_norm: torch.Tensor,
+    g_norm: torch.Tensor,
+    lr: Scalar,
+    radius: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, r)``: ``r = ‖Φ‖ + η‖g‖`` and ``s = min(1, ρ/r)`` per layer (float64), with ``s = 0``
     where ``r`` is not finite (an overflowing or non-finite input: the step is reset)."""
@@ -80,8 +84,17 @@ def fallback_distance(a_minus_i: torch.Tensor, alpha: Scalar) -> torch.Tensor:
 
 
 def middle(
-    a, b, c, e, *, lr: Scalar, beta: Scalar, alpha: Scalar,
-    g_sq: torch.Tensor | None = None, radius: float | None = None, limit: float | None = None,
+    a,
+    b,
+    c,
+    e,
+    *,
+    lr: Scalar,
+    beta: Scalar,
+    alpha: Scalar,
+    g_sq: torch.Tensor | None = None,
+    radius: float | None = None,
+    limit: float | None = None,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -174,8 +187,9 @@ def join_checks(mids: list[Middle]) -> Checks:
         parts = [getattr(m, name) for m in mids]
         return torch.cat(parts) if parts and all(t is not None for t in parts) else None
 
-    return Checks(cat("dist").to(torch.float64), cat("finite"), cat("scale"), cat("dist_next"), cat("finite_next"),
-                  cat("guarded"))
+    return Checks(
+        cat("dist").to(torch.float64), cat("finite"), cat("scale"), cat("dist_next"), cat("finite_next"), cat("guarded")
+    )
 
 
 def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -38,6 +38,7 @@ guard or prediction the predicted distance and finiteness after the step and the
 decision, as device tensors; ``plan.apply()`` then writes θ₊ into ``params`` and Φ₊ into
 ``bufs``.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -252,8 +253,19 @@ def runs_of(shapes: list[tuple[int, bool]], slots: list[int]) -> list[Run]:
     return runs
 
 
-def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=False, transposed=False,
-                   g_sq=None, trust_radius=None, max_distance=None) -> Checks:
+def middle_of_runs(
+    gram,
+    mats,
+    hyper,
+    runs,
+    *,
+    assemble=None,
+    feedback_with_phi=False,
+    transposed=False,
+    g_sq=None,
+    trust_radius=None,
+    max_distance=None,
+) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
 
     ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
@@ -271,18 +283,26 @@ def middle_of_runs(gram, mats, hyper, runs, *, assemble=None, feedback_with_phi=
     with full_precision():
         for r in runs:
             cnt, p = r.end - r.first, r.p
-            blocks = gram[r.gram_at:r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+            blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
             a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
             b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
             if assemble is not None:
                 a, c = assemble(blocks, a, c)
-            h = hyper[r.first:r.end].view(cnt, 3, 1, 1)
+            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
             mid = middle(
-                a, b, c, e, lr=h[:, 0], beta=h[:, 1], alpha=h[:, 2],
-                g_sq=g_sq[r.first:r.end] if g_sq is not None else None, radius=trust_radius, limit=max_distance,
+                a,
+                b,
+                c,
+                e,
+                lr=h[:, 0],
+                beta=h[:, 1],
+                alpha=h[:, 2],
+                g_sq=g_sq[r.first : r.end] if g_sq is not None else None,
+                radius=trust_radius,
+                limit=max_distance,
             )
             m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
-            out = mats[r.m_at:r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+            out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
             out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
             out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + …]
             mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks

@@ -58,6 +58,7 @@ Errors: every launch's ``cudaGetLastError`` is raised as ``RuntimeError`` by the
 ``FGD_FAST_CUDA_DEBUG=1`` also synchronises after each launch so an asynchronous fault is
 reported at the kernel that caused it.
 """
+
 from __future__ import annotations
 
 import os
@@ -193,9 +194,7 @@ class _Class:
             lambda: device_table(rows, torch.int64, device),
         )
         hyper = tuple((lr[i], beta[i], alpha[i]) for i in order)
-        self.hyper = _tables.get_or(
-            ("hyper", device, self.acc, hyper), lambda: device_table(hyper, self.acc, device)
-        )
+        self.hyper = _tables.get_or(("hyper", device, self.acc, hyper), lambda: device_table(hyper, self.acc, device))
 
         # pass 1: Gram blocks of every layer, then the fixed-order sum of the splits
         partial = torch.empty(splits * gram_off, dtype=self.acc, device=device)
@@ -211,7 +210,13 @@ class _Class:
         predict = trust_radius is not None or max_distance is not None
         g_sq = grad_sq([grads[i] for i in order]) if predict else None
         checks = middle_of_runs(
-            gram, self.mats, self.hyper, runs, g_sq=g_sq, trust_radius=trust_radius, max_distance=max_distance,
+            gram,
+            self.mats,
+            self.hyper,
+            runs,
+            g_sq=g_sq,
+            trust_radius=trust_radius,
+            max_distance=max_distance,
         )
         self.dist, self.finite = checks.dist, checks.finite
         self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
@@ -225,8 +230,16 @@ class _Class:
 
     def apply(self) -> None:
         _launch(
-            "update", _ext.update,
-            self.meta, self.hyper_step, self.mats, self.scratch, self.total_blocks, self.grid, self.p_max, self.code,
+            "update",
+            _ext.update,
+            self.meta,
+            self.hyper_step,
+            self.mats,
+            self.scratch,
+            self.total_blocks,
+            self.grid,
+            self.p_max,
+            self.code,
         )
         for dst, src in self.copy_back:
             dst.copy_(src.view(dst.shape))  # staged copies are contiguous (c_o, m)
@@ -238,8 +251,20 @@ def _check_devices(params) -> None:
         raise RuntimeError(f"backend='cuda' needs CUDA tensors, got tensors on {', '.join(sorted(bad))}")
 
 
-def prepare_cuda(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
-                 trust_radius=None, max_distance=None):
+def prepare_cuda(
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision="ieee",
+    trust_radius=None,
+    max_distance=None,
+):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     _check_devices(params)

@@ -9,6 +9,7 @@ sequence runs on ``sΦ, sg``; the distance after the step is then computed exact
 candidate θ₊ (the batched backends bound it from ``p × p`` blocks), and a candidate beyond
 ``max_distance`` or non-finite is replaced by ``θ₊ = θ − αθ(A − I)``, ``Φ₊ = 0``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,20 @@ def _norm64(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float64)
 
 
-def prepare_reference(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
-                      trust_radius=None, max_distance=None):
+def prepare_reference(
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision="ieee",
+    trust_radius=None,
+    max_distance=None,
+):
     """Compute every θ₊, Φ₊ now (nothing is written); ``apply`` only copies them into place."""
     dists, finite, results, dist_next, finite_next, guarded = [], [], [], [], [], []
     predict = trust_radius is not None or max_distance is not None

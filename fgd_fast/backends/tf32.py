@@ -26,6 +26,7 @@ extra product instead of two. ``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg`` a
 ``θ M`` stay single TF32: their errors enter the step scaled by ‖Φ‖, ‖Φ‖² and η‖g‖, not the
 distance to the manifold.
 """
+
 from __future__ import annotations
 
 import torch

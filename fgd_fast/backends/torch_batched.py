@@ -47,6 +47,7 @@ the middle on the summed blocks; ``apply`` updates the local rows as above (the 
 row of θ needs only that row of θ, Φ and g). Middle chunks then follow the full parameters'
 sizes, so that every rank packs the same list.
 """
+
 from __future__ import annotations
 
 import math
@@ -136,7 +137,7 @@ class _Bucket:
     def _stack(self, slot: torch.Tensor, tensors: list[torch.Tensor], ch: _Chunk) -> torch.Tensor:
         """``tensors[s:e]`` copied into ``slot`` as a (c, c_o, m) stack (W2 layout)."""
         stack = self._slot(slot, ch)
-        torch._foreach_copy_(self._shaped(stack, tensors[ch.s:ch.e]), tensors[ch.s:ch.e])
+        torch._foreach_copy_(self._shaped(stack, tensors[ch.s : ch.e]), tensors[ch.s : ch.e])
         return stack
 
     def _operand(self, slot, tensors, ch: _Chunk) -> torch.Tensor:
@@ -160,8 +161,15 @@ class _Bucket:
         torch.bmm(xt[:, h:], xt[:, h:].transpose(1, 2), out=out[:, h:, h:])  # x₂ᵀx₂
         out[:, h:, :h] = out[:, :h, h:].transpose(1, 2)  # x₂ᵀx₁ = (x₁ᵀx₂)ᵀ
 
-    def _add_theta_times(self, y: torch.Tensor, theta: torch.Tensor, m: torch.Tensor, *, beta: float = 1.0,
-                         out: torch.Tensor | None = None) -> None:
+    def _add_theta_times(
+        self,
+        y: torch.Tensor,
+        theta: torch.Tensor,
+        m: torch.Tensor,
+        *,
+        beta: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> None:
         """``β·y + θM`` in W2 layout (rows: ``βyᵀ + MᵀR``), into ``out`` or in place into ``y``."""
         a, b = (m.transpose(1, 2), theta) if self.rows else (theta, m)
         if out is None:
@@ -170,8 +178,14 @@ class _Bucket:
             torch.baddbmm(y, a, b, beta=beta, out=out)
 
     # -- prepare: Gram pass and middle ----------------------------------------------------
-    def prepare(self, scratch: list[torch.Tensor], check_finite: bool, middle_numel: int,
-                trust_radius: float | None = None, max_distance: float | None = None) -> None:
+    def prepare(
+        self,
+        scratch: list[torch.Tensor],
+        check_finite: bool,
+        middle_numel: int,
+        trust_radius: float | None = None,
+        max_distance: float | None = None,
+    ) -> None:
         """Gram pass and middle, chunk by chunk (the Grams of one middle chunk alive at once)."""
         self.start(middle_numel, trust_radius, max_distance)
         for gemm_chunks in self.plan:
@@ -191,8 +205,10 @@ class _Bucket:
         """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
         the guard also the per-column sums of g² (float64, ``(L, p)``) last."""
         s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
-        blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device)
-                  for _ in range(4 if self.reads_phi else 2)]
+        blocks = [
+            torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device)
+            for _ in range(4 if self.reads_phi else 2)
+        ]
         a, g_blk = blocks[:2]
         g_sq = torch.empty((e - s, p), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
         for ch in gemm_chunks:
@@ -227,28 +243,39 @@ class _Bucket:
     def finite_flags(self) -> torch.Tensor:
         """(L,) bool: g is finite iff its min and max are (both propagate NaN); an empty
         row shard is finite."""
-        flags = [torch.isfinite(torch.stack(torch.aminmax(g))).all() if g.numel() else torch.ones((), dtype=torch.bool,
-                 device=g.device) for g in self.grads]
+        flags = [
+            torch.isfinite(torch.stack(torch.aminmax(g))).all()
+            if g.numel()
+            else torch.ones((), dtype=torch.bool, device=g.device)
+            for g in self.grads
+        ]
         return torch.stack(flags)
 
     def finish(self, finite: torch.Tensor | None) -> None:
         checks = join_checks(self.mids)
         self.dist, self.dist_next, self.finite_next, self.guarded = (
-            checks.dist, checks.dist_next, checks.finite_next, checks.guarded,
+            checks.dist,
+            checks.dist_next,
+            checks.finite_next,
+            checks.guarded,
         )
         self.finite = checks.finite if finite is not None and self.predict else finite  # with the guard: g and Φ
         # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard)
         count = len(self.layers)
-        scale = checks.scale if checks.scale is not None else torch.ones(count, dtype=torch.float64,
-                                                                          device=self.m_phi.device)
+        scale = (
+            checks.scale
+            if checks.scale is not None
+            else torch.ones(count, dtype=torch.float64, device=self.m_phi.device)
+        )
         self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
 
     def _split_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A ≈ H + L + Lᵀ``: hi = tf32(θ), lo = tf32(θ − hi) side by side (``[hi | lo]`` in
         column view), ``[H | L] = hiᵀ[hi | lo]`` in one product."""
         c, p = theta.shape[0], self.p
-        parts = torch.empty((c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt,
-                            device=theta.device)
+        parts = torch.empty(
+            (c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt, device=theta.device
+        )
         hi, lo = (
             (parts[:, : self.c_o], parts[:, self.c_o :]) if self.rows else (parts[..., : self.m], parts[..., self.m :])
         )
@@ -325,8 +352,20 @@ class _Step:
 
 @torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
 def prepare_torch(
-    params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee", reduce=None, shapes=None,
-    trust_radius=None, max_distance=None,
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision="ieee",
+    reduce=None,
+    shapes=None,
+    trust_radius=None,
+    max_distance=None,
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
@@ -352,8 +391,13 @@ def prepare_torch(
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for b in buckets:
-                b.prepare(scratch[b.cdt], check_finite, middle_numel=middle_numel, trust_radius=trust_radius,
-                          max_distance=max_distance)
+                b.prepare(
+                    scratch[b.cdt],
+                    check_finite,
+                    middle_numel=middle_numel,
+                    trust_radius=trust_radius,
+                    max_distance=max_distance,
+                )
         else:  # two phases around one reduce: every bucket's partial Grams, Σ over ranks, every middle
             held = []
             for b in buckets:

@@ -44,6 +44,7 @@ Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (tensor
 ~1e-3 relative error in A, so θ settles ~1e-3 off the manifold). float64 layers always compute
 in float64 ("ieee"); 16-bit parameters use the CUDA-core kernels with tensor-core products.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,7 +82,12 @@ __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 SCRATCH_BYTES = 64 << 20
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
 assert (SLOT_A, SLOT_E, SLOT_B, SLOT_C, M_THETA, M_PHI) == (
-    meta.SLOT_A, meta.SLOT_E, meta.SLOT_B, meta.SLOT_C, meta.M_THETA, meta.M_PHI
+    meta.SLOT_A,
+    meta.SLOT_E,
+    meta.SLOT_B,
+    meta.SLOT_C,
+    meta.M_THETA,
+    meta.M_PHI,
 ), "the kernels and the backends share one block order"
 
 #: kernel name -> number of launches since import (tests assert the launch count per step)
@@ -202,16 +208,37 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
     as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return _Shapes(
-        as_table(gram_sym, 3), as_table(gram_full, 3), as_table(update_work, 2),
-        gram_off, m_off, chunk, splits, g_total, m_total,
+        as_table(gram_sym, 3),
+        as_table(gram_full, 3),
+        as_table(update_work, 2),
+        gram_off,
+        m_off,
+        chunk,
+        splits,
+        g_total,
+        m_total,
     )
 
 
 class _Class(_Checked):
     """A launch class on CUDA cores: tables, Gram pass and middle (prepare), update (apply)."""
 
-    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, dtype, has_phi, rows, precision,
-                 trust_radius=None, max_distance=None):
+    def __init__(
+        self,
+        layers,
+        params,
+        grads,
+        bufs,
+        lr,
+        beta,
+        alpha,
+        dtype,
+        has_phi,
+        rows,
+        precision,
+        trust_radius=None,
+        max_distance=None,
+    ):
         device = params[layers[0]].device
         self.acc = compute_dtype(dtype)
         self.has_phi = has_phi
@@ -229,15 +256,19 @@ class _Class(_Checked):
         )
         sh = self.shapes
         self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, self.acc)
-        self.meta = _tables.get_or(("meta", device, ops.ptrs, tuple(np_list), sh.splits), lambda: device_table(
-            [
-                meta.meta_row(
-                    THETA=th, PHI=ph, GRAD=g, N=n, P=p, GRAM=sh.gram_off[k], M=sh.m_off[k], CHUNK=sh.chunk[k]
-                )
-                for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
-            ],
-            torch.int64, device,
-        ))
+        self.meta = _tables.get_or(
+            ("meta", device, ops.ptrs, tuple(np_list), sh.splits),
+            lambda: device_table(
+                [
+                    meta.meta_row(
+                        THETA=th, PHI=ph, GRAD=g, N=n, P=p, GRAM=sh.gram_off[k], M=sh.m_off[k], CHUNK=sh.chunk[k]
+                    )
+                    for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
+                ],
+                torch.int64,
+                device,
+            ),
+        )
 
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
         partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
@@ -245,17 +276,31 @@ class _Class(_Checked):
         for block in blocks:
             work = sh.gram_sym if block in (SLOT_A, SLOT_C) else sh.gram_full
             _launch(
-                K.gram_kernel, (work.shape[0], sh.splits),
-                self.meta, work, partial, sh.gram_total, BLOCK=block, **self.consts, **self.gram_config,
+                K.gram_kernel,
+                (work.shape[0], sh.splits),
+                self.meta,
+                work,
+                partial,
+                sh.gram_total,
+                BLOCK=block,
+                **self.consts,
+                **self.gram_config,
             )
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
-        self.checks(middle_of_runs(
-            gram, self.mats, ops.hyper, runs, feedback_with_phi=True, **_guard(ops, trust_radius, max_distance),
-        ))
+        self.checks(
+            middle_of_runs(
+                gram,
+                self.mats,
+                ops.hyper,
+                runs,
+                feedback_with_phi=True,
+                **_guard(ops, trust_radius, max_distance),
+            )
+        )
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
@@ -272,13 +317,24 @@ class _Class(_Checked):
     def apply(self) -> None:
         sh = self.shapes
         args = (
-            self.meta, self.hyper_step, sh.update_work, sh.update_work.shape[0], self.mats, self.scratch, self.p_max,
+            self.meta,
+            self.hyper_step,
+            sh.update_work,
+            sh.update_work.shape[0],
+            self.mats,
+            self.scratch,
+            self.p_max,
         )
         modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
             _launch(
-                K.update_kernel, (self.programs,), *args,
-                MODE=mode, HAS_PHI=self.has_phi, **self.consts, **self.update_config,
+                K.update_kernel,
+                (self.programs,),
+                *args,
+                MODE=mode,
+                HAS_PHI=self.has_phi,
+                **self.consts,
+                **self.update_config,
             )
         self.ops.write_back()
 
@@ -347,9 +403,19 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShap
         upper[p] = t[:, None] <= t[None, :]
     as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return _TCShapes(
-        as_table(split_work, meta.SPLIT_WORK), as_table(gram_work, meta.GRAM_WORK),
-        as_table(update_work, meta.UPDATE_WORK), ld, split_off, s_total, gram_off, m_off, chunk, splits,
-        g_total, m_total, upper,
+        as_table(split_work, meta.SPLIT_WORK),
+        as_table(gram_work, meta.GRAM_WORK),
+        as_table(update_work, meta.UPDATE_WORK),
+        ld,
+        split_off,
+        s_total,
+        gram_off,
+        m_off,
+        chunk,
+        splits,
+        g_total,
+        m_total,
+        upper,
     )
 
 
@@ -361,8 +427,21 @@ def _aligned(tensors, np_list, rows) -> bool:
 class _TensorCoreClass(_Checked):
     """A float32 launch class on tensor cores: split, Gram pass and middle (prepare), update (apply)."""
 
-    def __init__(self, layers, params, grads, bufs, lr, beta, alpha, has_phi, rows, precision,
-                 trust_radius=None, max_distance=None):
+    def __init__(
+        self,
+        layers,
+        params,
+        grads,
+        bufs,
+        lr,
+        beta,
+        alpha,
+        has_phi,
+        rows,
+        precision,
+        trust_radius=None,
+        max_distance=None,
+    ):
         device = params[layers[0]].device
         self.has_phi, self.rows = has_phi, rows
         self.lo = precision == "tf32x3"
@@ -378,35 +457,70 @@ class _TensorCoreClass(_Checked):
         self.update_config = TC.UPDATE_CONFIG[precision, aligned]
         tiling = (tuple(self.gram_config.items()), tuple(self.update_config.items()), tuple(TC.SPLIT_CONFIG.items()))
         key = ("tc", device, tuple(np_list), _programs_wanted(device), has_phi, precision, tiling, force_splits)
-        self.shapes = sh = _tables.get_or(key, lambda: _tc_shapes(
-            np_list, device, _programs_wanted(device), has_phi, self.lo, self.gram_config, self.update_config,
-            TC.SPLIT_CONFIG,
-        ))
+        self.shapes = sh = _tables.get_or(
+            key,
+            lambda: _tc_shapes(
+                np_list,
+                device,
+                _programs_wanted(device),
+                has_phi,
+                self.lo,
+                self.gram_config,
+                self.update_config,
+                TC.SPLIT_CONFIG,
+            ),
+        )
         base = self.split.data_ptr()
-        self.meta = _tables.get_or(("tc-meta", device, ops.ptrs, base, key), lambda: device_table(
-            [
-                meta.meta_row(
-                    THETA=th, PHI=ph, GRAD=g, N=n, P=p, LD=sh.ld[k], GRAM=sh.gram_off[k], M=sh.m_off[k],
-                    CHUNK=sh.chunk[k], HI=base + 4 * sh.split_off[k],
-                    LO=base + 4 * (sh.split_total + sh.split_off[k]) if self.lo else 0,
-                )
-                for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
-            ],
-            torch.int64, device,
-        ))
+        self.meta = _tables.get_or(
+            ("tc-meta", device, ops.ptrs, base, key),
+            lambda: device_table(
+                [
+                    meta.meta_row(
+                        THETA=th,
+                        PHI=ph,
+                        GRAD=g,
+                        N=n,
+                        P=p,
+                        LD=sh.ld[k],
+                        GRAM=sh.gram_off[k],
+                        M=sh.m_off[k],
+                        CHUNK=sh.chunk[k],
+                        HI=base + 4 * sh.split_off[k],
+                        LO=base + 4 * (sh.split_total + sh.split_off[k]) if self.lo else 0,
+                    )
+                    for k, ((th, ph, g), (n, p)) in enumerate(zip(ops.ptrs, np_list))
+                ],
+                torch.int64,
+                device,
+            ),
+        )
 
         # the split pass: hi = tf32(θ), lo = tf32(θ − hi)
         items = sh.split_work.shape[0]
         _launch(
-            TC.tc_split_kernel, (_persistent(items, device),), self.meta, sh.split_work, items,
-            LO=self.lo, **self.consts, **TC.SPLIT_CONFIG,
+            TC.tc_split_kernel,
+            (_persistent(items, device),),
+            self.meta,
+            sh.split_work,
+            items,
+            LO=self.lo,
+            **self.consts,
+            **TC.SPLIT_CONFIG,
         )
         # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ
         partial = torch.empty(sh.splits * sh.gram_total, dtype=torch.float32, device=device)
         items = sh.gram_work.shape[0]
         _launch(
-            TC.tc_gram_kernel, (_persistent(items, device),), self.meta, sh.gram_work, items, partial, sh.gram_total,
-            PRECISION="tf32", **self.consts, **self.gram_config,
+            TC.tc_gram_kernel,
+            (_persistent(items, device),),
+            self.meta,
+            sh.gram_work,
+            items,
+            partial,
+            sh.gram_total,
+            PRECISION="tf32",
+            **self.consts,
+            **self.gram_config,
         )
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
@@ -420,24 +534,52 @@ class _TensorCoreClass(_Checked):
 
         self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        self.checks(middle_of_runs(
-            gram, self.mats, ops.hyper, runs, assemble=assemble, transposed=True,
-            **_guard(ops, trust_radius, max_distance),
-        ))
+        self.checks(
+            middle_of_runs(
+                gram,
+                self.mats,
+                ops.hyper,
+                runs,
+                assemble=assemble,
+                transposed=True,
+                **_guard(ops, trust_radius, max_distance),
+            )
+        )
         self.programs = _persistent(sh.update_work.shape[0], device)
 
     def apply(self) -> None:
         sh = self.shapes
         items = sh.update_work.shape[0]
         _launch(
-            TC.tc_update_kernel, (self.programs,), self.meta, self.hyper_step, sh.update_work, items, self.mats,
-            HAS_PHI=self.has_phi, PRECISION="tf32", **self.consts, **self.update_config,
+            TC.tc_update_kernel,
+            (self.programs,),
+            self.meta,
+            self.hyper_step,
+            sh.update_work,
+            items,
+            self.mats,
+            HAS_PHI=self.has_phi,
+            PRECISION="tf32",
+            **self.consts,
+            **self.update_config,
         )
         self.ops.write_back()
 
 
-def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision="ieee",
-                   trust_radius=None, max_distance=None):
+def prepare_triton(
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lr,
+    momentum,
+    feedback,
+    check_finite,
+    precision="ieee",
+    trust_radius=None,
+    max_distance=None,
+):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
@@ -448,12 +590,38 @@ def prepare_triton(params, grads, bufs, fresh, *, lr, momentum, feedback, check_
     built = []
     for (dtype, has_phi, rows), idx in classes.items():
         if dtype == torch.float32 and precision in TC.PRECISIONS:
-            built.append(_TensorCoreClass(
-                idx, params, grads, bufs, lr, momentum, feedback, has_phi, rows, precision, trust_radius, max_distance,
-            ))
+            built.append(
+                _TensorCoreClass(
+                    idx,
+                    params,
+                    grads,
+                    bufs,
+                    lr,
+                    momentum,
+                    feedback,
+                    has_phi,
+                    rows,
+                    precision,
+                    trust_radius,
+                    max_distance,
+                )
+            )
         else:
-            built.append(_Class(
-                idx, params, grads, bufs, lr, momentum, feedback, dtype, has_phi, rows, precision, trust_radius,
-                max_distance,
-            ))
+            built.append(
+                _Class(
+                    idx,
+                    params,
+                    grads,
+                    bufs,
+                    lr,
+                    momentum,
+                    feedback,
+                    dtype,
+                    has_phi,
+                    rows,
+                    precision,
+                    trust_radius,
+                    max_distance,
+                )
+            )
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

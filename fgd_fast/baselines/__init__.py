@@ -8,6 +8,7 @@
   ``torch.nn.utils.parametrizations.orthogonal`` + SGD). geoopt is imported only when an
   adapter that needs it is called, so this package imports without it.
 """
+
 from .adapters import StiefelView, geoopt_stiefel_sgd, torch_orthogonal_sgd
 from .cayley import CayleyADAM, CayleySGD
 

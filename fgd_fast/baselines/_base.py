@@ -6,6 +6,7 @@ layout (as FGD's torch backend does), lets the subclass turn ``G`` into the mome
 checks finiteness with one host synchronisation, and only then runs the retraction
 (:mod:`.retraction`) and writes parameters and state. A step that raises changes nothing.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -96,8 +97,15 @@ class CayleyBase(StiefelOptimizer):
             public_code_compat, s=s, form=form, norm=norm, renormalize=renormalize, qr_period=qr_period
         )
         defaults = dict(
-            defaults, s=d["s"], renormalize=d["renormalize"], orthogonal=False, form=d["form"], norm=d["norm"],
-            public_code_compat=public_code_compat, qr_period=d["qr_period"], check_finite=check_finite,
+            defaults,
+            s=d["s"],
+            renormalize=d["renormalize"],
+            orthogonal=False,
+            form=d["form"],
+            norm=d["norm"],
+            public_code_compat=public_code_compat,
+            qr_period=d["qr_period"],
+            check_finite=check_finite,
         )
         self._validate_options(defaults)
         self._validate_group(defaults)
@@ -106,8 +114,8 @@ class CayleyBase(StiefelOptimizer):
     #: optimizer-wide options, kept in ``defaults`` (so copies and state_dicts keep them)
     _OPTIONS = dict(form="lowrank", norm="fro", public_code_compat=False, qr_period=0, check_finite=True)
     _STATE_DICT_KEYS = ("orthogonal", "q", "s")
-    form = option("form", "``\"lowrank\"`` or ``\"dense\"`` (optimizer-wide, kept in ``defaults``).")
-    norm = option("norm", "``\"fro\"`` or ``\"one\"`` (optimizer-wide).")
+    form = option("form", '``"lowrank"`` or ``"dense"`` (optimizer-wide, kept in ``defaults``).')
+    norm = option("norm", '``"fro"`` or ``"one"`` (optimizer-wide).')
     public_code_compat = option("public_code_compat", "Reproduce the public code (optimizer-wide).")
     qr_period = option("qr_period", "QR re-orthonormalisation period, 0 for never (optimizer-wide).")
     check_finite = option("check_finite", "Raise on a non-finite gradient (optimizer-wide).")
@@ -194,8 +202,11 @@ class CayleyBase(StiefelOptimizer):
             buckets.append(b)
         raise_if_invalid(  # the one host synchronisation; raises before any write
             [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
-            [b.finite for b in buckets], [b.idx for b in buckets], labels,
-            check_finite=self.check_finite, check_manifold=False,
+            [b.finite for b in buckets],
+            [b.idx for b in buckets],
+            labels,
+            check_finite=self.check_finite,
+            check_manifold=False,
         )
         for b in buckets:
             self._retract(b)
@@ -228,6 +239,7 @@ class CayleyBase(StiefelOptimizer):
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
         torch._foreach_copy_(b.params, [t.reshape(q.shape) for t, q in zip(y.unbind(0), b.params)])
         self._commit(b, list(wx.unbind(0)))
+
 
 def store_state(state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
     """``state[name] ← value`` reshaped to ``shape``: in place when it exists, else a new tensor."""

@@ -18,6 +18,7 @@ access; the trainable tensor is ``module.parametrizations.<name>.original``. Wei
 applies to the unconstrained parameters only, as in FGD. geoopt is imported when
 :func:`geoopt_stiefel_sgd` is called, so this module imports without it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -25,6 +25,7 @@ tall weights (``c_o > m``)    plain SGD                       constrained, ``X =
 Euclidean weight decay        silently none (SGDG)            the group's ``weight_decay``
 ============================  ==============================  ==============================
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -113,8 +114,15 @@ class CayleySGD(CayleyBase):
             lr=lr, momentum=momentum, q=q, eps=eps, weight_decay=weight_decay, dampening=dampening, nesterov=nesterov
         )
         super().__init__(
-            params, hyper, s=s, form=form, norm=norm, renormalize=renormalize,
-            public_code_compat=public_code_compat, qr_period=qr_period, check_finite=check_finite,
+            params,
+            hyper,
+            s=s,
+            form=form,
+            norm=norm,
+            renormalize=renormalize,
+            public_code_compat=public_code_compat,
+            qr_period=qr_period,
+            check_finite=check_finite,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -201,8 +209,15 @@ class CayleyADAM(CayleyBase):
     ) -> None:
         hyper = dict(lr=lr, betas=betas, q=q, eps=eps, weight_decay=weight_decay)
         super().__init__(
-            params, hyper, s=s, form=form, norm=norm, renormalize=renormalize,
-            public_code_compat=public_code_compat, qr_period=qr_period, check_finite=check_finite,
+            params,
+            hyper,
+            s=s,
+            form=form,
+            norm=norm,
+            renormalize=renormalize,
+            public_code_compat=public_code_compat,
+            qr_period=qr_period,
+            check_finite=check_finite,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:

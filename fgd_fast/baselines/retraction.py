@@ -36,6 +36,7 @@ Two forms compute the same iterates:
   independent of ``s``. Keeping the increment ``d`` rather than ``Y``'s coefficient
   ``e₁ + d`` avoids rounding the small ``d`` against 1 in float32.
 """
+
 from __future__ import annotations
 
 import torch

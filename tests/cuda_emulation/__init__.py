@@ -59,6 +59,7 @@ What it cannot show:
 * the real binding (``fgd_binding.cpp``: streams, device guards, error translation) and
   the CUDA runtime: the stand-in reimplements the binding's checks in Python.
 """
+
 from .build import build_library, compiler, rewrite_launches
 from .stand_in import EmulatedExtension, guards_intact, load_backend
 

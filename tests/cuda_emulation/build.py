@@ -7,6 +7,7 @@ keeping the line count, under a ``#line`` directive so compiler messages point a
 file. Nothing else is changed. The copies are compiled with ``-include emu.h`` and this
 folder's stand-in CUDA headers (``include/``) into one shared library.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,9 +20,14 @@ __all__ = ["HERE", "CSRC", "CXXFLAGS", "compiler", "rewrite_launches", "build_li
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent.parent / "csrc"
 CXXFLAGS = [
-    "-std=c++20", "-O2", "-fPIC", "-pthread",
+    "-std=c++20",
+    "-O2",
+    "-fPIC",
+    "-pthread",
     "-ffp-contract=off",  # no FMA contraction on any host: reproducible, and each product rounded as written
-    "-Wall", "-Wno-unused-variable", "-Wno-unused-function",
+    "-Wall",
+    "-Wno-unused-variable",
+    "-Wno-unused-function",
 ]
 
 
@@ -108,7 +114,7 @@ def rewrite_launches(src: str, name: str = "<source>") -> tuple[str, int]:
             if not _CALLEE.fullmatch(callee):
                 raise ValueError(f"callee {callee!r}")
             cfg_end = src.index(">>>", at + 3)
-            config = src[at + 3:cfg_end].strip()
+            config = src[at + 3 : cfg_end].strip()
             k = cfg_end + 3
             while src[k].isspace():
                 k += 1
@@ -117,8 +123,8 @@ def rewrite_launches(src: str, name: str = "<source>") -> tuple[str, int]:
             close = _match_forward(src, k, "(", ")")
         except (ValueError, IndexError) as exc:
             raise ValueError(f"{name}:{line}: cannot rewrite this kernel launch ({exc})") from None
-        original = src[start:close + 1]
-        new = f'emu_launch("{" ".join(callee.split())}", [&] {{ {callee}({src[k + 1:close]}); }}, {config})'
+        original = src[start : close + 1]
+        new = f'emu_launch("{" ".join(callee.split())}", [&] {{ {callee}({src[k + 1 : close]}); }}, {config})'
         new += "\n" * (original.count("\n") - new.count("\n"))  # keep the line numbers
         out += [src[pos:start], new]
         pos = close + 1

@@ -1,5 +1,6 @@
 """A ctypes stand-in for ``fgd_fast._C`` over the emulated kernels, and a private instance of
 ``fgd_fast/backends/cuda.py`` that uses it on CPU tensors (tests only)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +27,7 @@ def guards_intact(t: torch.Tensor) -> bool:
     holds its pattern. (Past the end there is no band but an inaccessible page.)"""
     size = t.element_size()
     flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()).view(_INT[size])
-    return bool((flat[:t.storage_offset()] == _PATTERN[size]).all())
+    return bool((flat[: t.storage_offset()] == _PATTERN[size]).all())
 
 
 class EmulatedExtension(ModuleType):
@@ -65,8 +66,12 @@ class EmulatedExtension(ModuleType):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         self._k = k = json.loads(lib.fgd_emu_constants_json().decode())
-        self._acc = {k["F32"]: torch.float32, k["F16"]: torch.float32, k["BF16"]: torch.float32,
-                     k["F64"]: torch.float64}
+        self._acc = {
+            k["F32"]: torch.float32,
+            k["F16"]: torch.float32,
+            k["BF16"]: torch.float32,
+            k["F64"]: torch.float64,
+        }
 
     # ---- the binding's API
 
@@ -80,19 +85,48 @@ class EmulatedExtension(ModuleType):
         self._check_meta(meta)
         self._check_acc(partial, dtype, splits * gram_total, "partial")
         m, out = self.fenced(meta), self.fenced(partial, nan=True)
-        self._launch("Gram kernel launch", self.lib.fgd_gram_launch, [m, out], [(m, meta)],
-                     dtype, m.data_ptr(), meta.shape[0], out.data_ptr(), gram_total, total_tiles, splits, None)
+        self._launch(
+            "Gram kernel launch",
+            self.lib.fgd_gram_launch,
+            [m, out],
+            [(m, meta)],
+            dtype,
+            m.data_ptr(),
+            meta.shape[0],
+            out.data_ptr(),
+            gram_total,
+            total_tiles,
+            splits,
+            None,
+        )
         partial.copy_(out)
 
     def sum_splits(self, partial, out, total, splits):
-        if not (partial.device.type == out.device.type == "cpu" and partial.dtype == out.dtype
-                and out.dtype in (torch.float32, torch.float64) and partial.is_contiguous() and out.is_contiguous()
-                and out.numel() >= total and partial.numel() >= splits * total):
-            raise RuntimeError(f"sum_splits needs contiguous float32/float64 CPU tensors of {splits} × {total} "
-                               f"and {total} elements")
+        if not (
+            partial.device.type == out.device.type == "cpu"
+            and partial.dtype == out.dtype
+            and out.dtype in (torch.float32, torch.float64)
+            and partial.is_contiguous()
+            and out.is_contiguous()
+            and out.numel() >= total
+            and partial.numel() >= splits * total
+        ):
+            raise RuntimeError(
+                f"sum_splits needs contiguous float32/float64 CPU tensors of {splits} × {total} and {total} elements"
+            )
         src, dst = self.fenced(partial), self.fenced(out, nan=True)
-        self._launch("split reduction launch", self.lib.fgd_sum_splits_launch, [src, dst], [(src, partial)],
-                     int(out.dtype == torch.float64), src.data_ptr(), dst.data_ptr(), total, splits, None)
+        self._launch(
+            "split reduction launch",
+            self.lib.fgd_sum_splits_launch,
+            [src, dst],
+            [(src, partial)],
+            int(out.dtype == torch.float64),
+            src.data_ptr(),
+            dst.data_ptr(),
+            total,
+            splits,
+            None,
+        )
         out.copy_(dst)
 
     def update(self, meta, hyper, mats, scratch, total_blocks, grid, p_max, dtype):
@@ -103,10 +137,22 @@ class EmulatedExtension(ModuleType):
         if not 1 <= grid <= 2**31 - 1:
             raise RuntimeError(f"bad update grid {grid}")
         m, h, mm, snap = self.fenced(meta), self.fenced(hyper), self.fenced(mats), self.fenced(scratch, nan=True)
-        self._launch("update kernel launch", self.lib.fgd_update_launch, [m, h, mm, snap],
-                     [(m, meta), (h, hyper), (mm, mats)],
-                     dtype, m.data_ptr(), h.data_ptr(), meta.shape[0], mm.data_ptr(), snap.data_ptr(), total_blocks,
-                     grid, p_max, None)
+        self._launch(
+            "update kernel launch",
+            self.lib.fgd_update_launch,
+            [m, h, mm, snap],
+            [(m, meta), (h, hyper), (mm, mats)],
+            dtype,
+            m.data_ptr(),
+            h.data_ptr(),
+            meta.shape[0],
+            mm.data_ptr(),
+            snap.data_ptr(),
+            total_blocks,
+            grid,
+            p_max,
+            None,
+        )
 
     # ---- fenced memory
 
@@ -161,8 +207,14 @@ class EmulatedExtension(ModuleType):
     def selftest(self, which: str, blocks: int, threads: int) -> tuple[int, str, torch.Tensor]:
         """Run one of glue.cpp's self-test kernels on fenced buffers of blocks × threads
         floats (input 0, 1, 2, …): ``(error code, message, output)``."""
-        code = {"exchange": 0, "exchange-without-barrier": 1, "divergent-barrier": 2, "read-past-end": 3,
-                "write-past-end": 4, "endless-loop": 5}[which]
+        code = {
+            "exchange": 0,
+            "exchange-without-barrier": 1,
+            "divergent-barrier": 2,
+            "read-past-end": 3,
+            "write-past-end": 4,
+            "endless-loop": 5,
+        }[which]
         src = self.fenced(torch.arange(blocks * threads, dtype=torch.float32))
         out = self.fenced(torch.zeros(blocks * threads, dtype=torch.float32))
         rc = self.lib.fgd_emu_selftest(code, src.data_ptr(), out.data_ptr(), blocks, threads)
@@ -186,8 +238,10 @@ class EmulatedExtension(ModuleType):
         self.lib.fgd_emu_clear_error()
         rc = fn(*args)
         if rc != 0:
-            raise RuntimeError(f"fgd_fast CUDA extension (emulated): {what} failed: error {rc} "
-                               f"({self.lib.fgd_emu_last_message().decode()})")
+            raise RuntimeError(
+                f"fgd_fast CUDA extension (emulated): {what} failed: error {rc} "
+                f"({self.lib.fgd_emu_last_message().decode()})"
+            )
         if not all(guards_intact(b) for b in buffers):
             raise RuntimeError(f"emulator: the {what} wrote before the start of a buffer")
         for copy, original in read_only:
@@ -195,11 +249,18 @@ class EmulatedExtension(ModuleType):
                 raise RuntimeError(f"emulator: the {what} wrote into a read-only table")
 
     def _check_meta(self, meta) -> None:
-        if not (meta.device.type == "cpu" and meta.dtype == torch.int64 and meta.dim() == 2
-                and meta.shape[1] == self._k["META_FIELDS"] and meta.is_contiguous()):
-            raise RuntimeError(f"meta must be a contiguous CPU int64 tensor of shape "
-                               f"(layers, {self._k['META_FIELDS']}), "
-                               f"got {tuple(meta.shape)} {meta.dtype} on {meta.device}")
+        if not (
+            meta.device.type == "cpu"
+            and meta.dtype == torch.int64
+            and meta.dim() == 2
+            and meta.shape[1] == self._k["META_FIELDS"]
+            and meta.is_contiguous()
+        ):
+            raise RuntimeError(
+                f"meta must be a contiguous CPU int64 tensor of shape "
+                f"(layers, {self._k['META_FIELDS']}), "
+                f"got {tuple(meta.shape)} {meta.dtype} on {meta.device}"
+            )
 
     def _check_acc(self, t, dtype, numel, name) -> None:
         if dtype not in self._acc:
