@@ -56,6 +56,18 @@ def fgd_steps(params, grads, backend, steps=2, **kw):
     return opt
 
 
+def step_then_fresh_grad(net, opt, loss, steps=2):
+    """Take ``steps`` optimizer steps on ``loss(net)`` (so momentum state exists), then leave a
+    fresh gradient in place for the step under test; returns ``(net, opt)``."""
+    for _ in range(steps):
+        opt.zero_grad()
+        loss(net).backward()
+        opt.step()
+    opt.zero_grad()
+    loss(net).backward()
+    return net, opt
+
+
 def snapshot(net, opt):
     """Parameters and optimizer state, to check later that a failed step changed nothing."""
     return [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())

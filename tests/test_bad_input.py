@@ -9,7 +9,7 @@ from torch import nn
 
 import fgd_fast
 from fgd_fast.backends import BackendUnavailable, resolve_backend
-from helpers import assert_unchanged, backend_params, device_for_tests, snapshot
+from helpers import assert_unchanged, backend_params, device_for_tests, snapshot, step_then_fresh_grad
 
 
 def _model():
@@ -27,13 +27,7 @@ def _loss(net):
 def _trained(backend="auto", steps=2):
     net = _model()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.01, backend=backend)
-    for _ in range(steps):
-        opt.zero_grad()
-        _loss(net).backward()
-        opt.step()
-    opt.zero_grad()
-    _loss(net).backward()
-    return net, opt
+    return step_then_fresh_grad(net, opt, _loss, steps)
 
 
 @pytest.mark.parametrize(

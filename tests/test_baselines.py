@@ -19,7 +19,7 @@ import cayley_oracle as co
 import fgd_fast
 from fgd_fast.baselines import CayleyADAM, CayleySGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
 from fgd_fast.baselines.retraction import skew_fro_norm
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot, step_then_fresh_grad
 from oracle import random_stiefel
 
 # conv-shaped, wide and tall Linear, p = 1 both ways, square, odd sizes, equal shapes in one group
@@ -548,13 +548,7 @@ def test_one_dim_orthogonal_parameter_and_bad_group(cls):
 def _trained(cls, steps=2, **kwargs):
     net = _small()
     opt = cls(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.05, **kwargs)
-    for _ in range(steps):
-        opt.zero_grad()
-        _loss(net).backward()
-        opt.step()
-    opt.zero_grad()
-    _loss(net).backward()
-    return net, opt
+    return step_then_fresh_grad(net, opt, _loss, steps)
 
 
 @pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])

@@ -10,7 +10,7 @@ from torch import nn
 
 import fgd_fast
 from fgd_fast.baselines import CayleyADAM, CayleySGD
-from helpers import assert_unchanged, backend_params, device_for_tests, snapshot
+from helpers import assert_unchanged, backend_params, device_for_tests, snapshot, step_then_fresh_grad
 
 
 def _optimizers():
@@ -44,13 +44,7 @@ def _trained(optimizer, steps=2, **extra):
     cls, kwargs = optimizer
     net = _model()
     opt = cls(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.01, **kwargs, **extra)
-    for _ in range(steps):
-        opt.zero_grad()
-        _loss(net).backward()
-        opt.step()
-    opt.zero_grad()
-    _loss(net).backward()
-    return net, opt
+    return step_then_fresh_grad(net, opt, _loss, steps)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy sees the Inf
