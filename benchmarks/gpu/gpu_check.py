@@ -1,38 +1,38 @@
-"""Everything a rare GPU session should do, in one call: build, test, benchmark, report.
+"""Everything a rare GPU session should do, in one call, most valuable numbers first.
 
 Usage (from the repository root, on the GPU machine)::
 
-    python benchmarks/gpu/gpu_check.py OUTDIR [--budget 450] [--commit SHA]
+    python benchmarks/gpu/gpu_check.py OUTDIR [--budget 460] [--commit SHA]
     python benchmarks/gpu/gpu_check.py OUTDIR --cpu-dry-run [--no-install]   # rehearsal on a CPU
 
-Phases, each in a subprocess with its own timeout (its output in ``OUTDIR/<phase>.log``):
+``OUTDIR`` is the folder that comes back from the device (``$OUT``): it never holds more than
+eight files, and every one of them is rewritten as soon as the phase behind it has something, so
+a call killed at any moment returns everything finished before. The logs live in a work folder
+(``--work``, default ``/tmp/gpu_check``) and are packed into ``OUTDIR/logs.tgz`` after every
+phase, with ``report.md`` and ``gpu_check.json``. Phases, each in subprocesses with their own
+timeouts, in the order of what decides the product's defaults:
 
-1. **build**: ``FGD_FAST_BUILD_CUDA=1 pip install --no-deps --no-build-isolation -e .``
-   (builds ``fgd_fast._C``); if that fails, a pure-Python editable install
-   (``FGD_FAST_BUILD_CUDA=0``) and the just-in-time build of ``fgd_fast/_cuda_build.py``;
-   then which FGD backends resolve on the device. When no build worked, later phases run
-   with ``FGD_FAST_JIT=0`` so no test waits for another compiler run.
-2. **tests**: ``python -m pytest tests`` (less the CPU-only AOT and emulation checks) with a
-   JUnit XML (``tests-junit.xml``).
-3. **bench**: ``python -m pytest benchmarks`` on the full workloads (``bench.json``, and
-   ``bench-cases.jsonl`` written case by case, which survives a timeout).
-4. **accuracy**: ``benchmarks/gpu/accuracy.py``, max ‖θᵀθ − I‖_F over 2,000 steps per workload
-   and precision against the reference form (``accuracy.json``; the reference and default
-   cases of every workload first, then the others while ``ACCURACY_S`` lasts).
-5. **triton-probe** (``--no-probe`` skips it; a CPU dry run interprets it on tiny shapes):
-   ``benchmarks/gpu/triton_probe.py``, the phases of the Triton step and a tile sweep of the
-   tensor-core kernels on WRN-28-10 (``triton_probe.json``), in the last ~``PROBE_S`` s.
-6. **report**: ``bench-report.md`` from ``benchmarks/report.py``, and ``report.md`` with the
-   machine (device, driver, torch, triton, commit, source digest), every phase's outcome, the
-   test summary and the benchmark report.
+1. **install**: a pure-Python editable install (``FGD_FAST_BUILD_CUDA=0``; seconds, no nvcc).
+2. **first** (``FIRST_S``): ``benchmarks/gpu/first_phase.py`` into ``first.jsonl``: one-step
+   agreement, step times (eager, CUDA graph), a breakdown of one step, peak memory and the
+   1,000-step distance on WRN-28-10, each backend × precision in its own subprocess.
+3. **tests**: the GPU-relevant tests (tensor cores, the Triton and torch backends, the backend
+   contract, CUDA-graph capture; ``--tests`` replaces the selection), JUnit XML in the logs.
+4. **bench**: the pytest-benchmark suite on WRN-28-10, ResNet-50 and the Transformer set, one
+   process per group of contenders (each Triton contender alone: a sticky CUDA error takes
+   only its own cases down), all appending to ``bench-cases.jsonl``.
+5. **accuracy**: ``benchmarks/gpu/accuracy.py``, max ‖θᵀθ − I‖_F over 2,000 steps per
+   workload and precision against the reference form (``accuracy.json``).
+6. **triton-probe** (``--no-probe`` skips it): the phases of the Triton step and a tile sweep
+   of the tensor-core kernels (``triton_probe.json``).
+7. **train**: the WRN-28-10 training comparison (``benchmarks/train.py``, synthetic data,
+   ``train-wrn.json``).
+8. **build** last: the nvcc build of ``fgd_fast._C`` (``FGD_FAST_BUILD_CUDA=1``), then, if it
+   built, the CUDA tests and the ``fgd-cuda`` case of the first phase.
 
-``OUTDIR/gpu_check.json`` holds the raw outcome and is rewritten after every phase, so a
-phase that fails or times out never loses what came before. A phase past its time gets
-SIGINT (pytest then still writes its JUnit / JSON), then SIGKILL 20 s later. The whole run
-stays under ``--budget`` seconds (default 450: with the session script's training run, one
-device call of ~8 minutes).
-Without git on the device, pass ``--commit`` (or set ``FGD_BENCH_COMMIT``); the source
-digest (``--digest`` prints this checkout's) identifies the tree either way.
+``--budget`` (default 460 s) bounds the whole run; each phase gets at most its cap and what is
+left after the reserves of the phases still to come. Without git on the device, pass
+``--commit`` (or set ``FGD_BENCH_COMMIT``); the source digest identifies the tree either way.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -52,23 +54,47 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from sources import source_digest  # noqa: E402
 
-REPORT_RESERVE_S = 25
-BUILD_MAX_S = 200
-TESTS_MAX_S = 180
-BENCH_MIN_S = 150
-ACCURACY_S = 100  # kept for the 2,000-step accuracy run after the benchmarks
-PROBE_S = 60  # kept for the Triton probe after the accuracy run (GPU runs)
+REPORT_RESERVE_S = 15
+#: per phase: (cap in seconds, seconds kept for the phases after it) on a GPU
+PLAN = {
+    "install": (60, 400),
+    "first": (170, 230),
+    "tests": (75, 175),
+    "bench": (100, 80),
+    "accuracy": (45, 40),
+    "triton-probe": (30, 30),
+    "train": (45, 0),
+    "build": (200, 0),
+}
+#: the benchmark's workloads and its contenders, one process per group
+BENCH_WORKLOADS = ("wrn-28-10", "resnet-50", "transformer")
+BENCH_GROUPS = (
+    ("fgd-auto", "fgd-torch", "fgd-torch-tf32x3", "fgd-torch-tf32", "sgd", "cayley-sgd-lowrank"),
+    ("fgd-triton-tf32x3",),
+    ("fgd-triton-tf32",),
+    ("fgd-triton",),
+    ("fgd-reference", "cayley-adam-lowrank", "geoopt-qr"),
+)
+GPU_TESTS = (
+    "tests/test_triton_tensor_cores.py",
+    "tests/test_triton_backend.py",
+    "tests/test_backend_contract.py",
+    "tests/test_torch_backend.py",
+    "tests/test_tf32_split.py",
+)
 
 
 class Check:
-    """The run: options, the deadline, the environment of the phases, and the outcome file."""
+    """The run: options, the deadline, the environment of the phases, and the outcome files."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.out = Path(args.outdir).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + args.budget
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "FGD_FAST_JIT": "0"}
         if args.commit:
             self.env["FGD_BENCH_COMMIT"] = args.commit
         if args.cpu_dry_run:
@@ -83,14 +109,39 @@ class Check:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    def allowance(self, phase: str) -> float:
+        """Seconds ``phase`` may take: its cap, less what the later phases keep."""
+        cap, later = PLAN[phase]
+        if self.args.cpu_dry_run:
+            cap, later = cap * 3, later / 4  # interpreted kernels on 2 cores: slower, fewer
+        return min(cap, self.left() - REPORT_RESERVE_S - later)
+
     def save(self) -> None:
         tmp = self.out / "gpu_check.json.tmp"
         tmp.write_text(json.dumps(self.result, indent=2, default=str), encoding="utf-8")
         tmp.replace(self.out / "gpu_check.json")
 
+    def publish(self) -> None:
+        """``gpu_check.json``, ``report.md`` and ``logs.tgz`` in OUTDIR, as they are now."""
+        self.save()
+        try:
+            (self.out / "report.md.tmp").write_text(render(self), encoding="utf-8")
+            (self.out / "report.md.tmp").replace(self.out / "report.md")
+        except Exception as exc:  # a report bug must not cost the results
+            self.result["report_error"] = repr(exc)
+            self.save()
+        tmp = self.out / "logs.tgz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.work, arcname="gpu_check")
+        tmp.replace(self.out / "logs.tgz")
+
+    def skip(self, name: str, why: str) -> None:
+        self.result["phases"][name] = {"ok": False, "skipped": why}
+        self.publish()
+
     def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
-        """Run ``cmd`` in its own process group, output to ``OUTDIR/name.log``; never raises."""
-        log = self.out / f"{name}.log"
+        """Run ``cmd`` in its own process group, output to ``WORK/name.log``; never raises."""
+        log = self.work / f"{name}.log"
         timeout = max(1.0, min(timeout, self.left() - REPORT_RESERVE_S))
         t0 = time.monotonic()
         outcome = {"cmd": " ".join(cmd), "log": log.name, "timeout_s": round(timeout)}
@@ -105,7 +156,7 @@ class Check:
                     outcome["timed_out"] = True
                     os.killpg(proc.pid, signal.SIGINT)  # pytest writes its reports on SIGINT
                     try:
-                        outcome["rc"] = proc.wait(timeout=20)
+                        outcome["rc"] = proc.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGKILL)
                         outcome["rc"] = proc.wait()
@@ -115,7 +166,7 @@ class Check:
         outcome["ok"] = outcome.get("rc") == 0 and not outcome.get("timed_out")
         outcome["tail"] = _tail(log)
         self.result["phases"][name] = outcome
-        self.save()
+        self.publish()
         return outcome
 
 
@@ -142,60 +193,75 @@ print("PROBE " + json.dumps(out, default=str))
 """
 
 
-def build(check: Check) -> None:
-    py, pip = sys.executable, [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
-    limit = min(BUILD_MAX_S, check.left() - BENCH_MIN_S - REPORT_RESERVE_S)
-    t0 = time.monotonic()
-    built = False
+def _pip(check: Check) -> list[str]:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
+    return cmd + (["--break-system-packages"] if check.result.get("pip_needs_break") else [])
+
+
+def install(check: Check) -> None:
+    """A pure-Python editable install (no nvcc: seconds), then which backends resolve."""
     if check.args.no_install:
-        check.result["phases"]["build-pip"] = {"ok": False, "skipped": "--no-install"}
+        check.skip("install", "--no-install")
     else:
-        r = check.run("build-pip", pip, limit, env={**check.env, "FGD_FAST_BUILD_CUDA": "1"})
-        if not r["ok"] and "externally-managed" in (check.out / "build-pip.log").read_text(errors="replace"):
-            pip.append("--break-system-packages")
-            r = check.run(
-                "build-pip", pip, limit - (time.monotonic() - t0), env={**check.env, "FGD_FAST_BUILD_CUDA": "1"}
-            )
-        built = r["ok"]
-        if not built:  # the package must import either way (fgd_fast.kernels comes from the install)
-            r = check.run(
-                "install-python",
-                pip,
-                max(30.0, limit - (time.monotonic() - t0)),
-                env={**check.env, "FGD_FAST_BUILD_CUDA": "0"},
-            )
-            if not r["ok"]:  # last resort: the source tree (no fgd_fast.kernels, so no Triton backend)
-                check.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), check.env.get("PYTHONPATH")]))
-    if not built:
-        jit = "from fgd_fast import _cuda_build as b; m = b.load(); print('loaded', m.__file__)"
-        r = check.run("build-jit", [py, "-c", jit], max(30.0, limit - (time.monotonic() - t0)))
-        built = r["ok"]
-    if not built:
-        check.env["FGD_FAST_JIT"] = "0"
-    check.result["cuda_extension"] = "built" if built else "not built (later phases run with FGD_FAST_JIT=0)"
-    r = check.run("probe", [py, "-c", PROBE.format(cpu=check.args.cpu_dry_run)], 120)
-    for line in (check.out / "probe.log").read_text(errors="replace").splitlines():
+        env = {**check.env, "FGD_FAST_BUILD_CUDA": "0"}
+        r = check.run("install", _pip(check), check.allowance("install"), env=env)
+        if not r["ok"] and "externally-managed" in (check.work / "install.log").read_text(errors="replace"):
+            check.result["pip_needs_break"] = True
+            r = check.run("install", _pip(check), check.allowance("install"), env=env)
+        if not r["ok"]:  # last resort: the source tree (no fgd_fast.kernels, so no Triton backend)
+            check.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), check.env.get("PYTHONPATH")]))
+    _probe_backends(check)
+
+
+def _probe_backends(check: Check) -> None:
+    check.run("probe", [sys.executable, "-c", PROBE.format(cpu=check.args.cpu_dry_run)], 60)
+    for line in (check.work / "probe.log").read_text(errors="replace").splitlines():
         if line.startswith("PROBE "):
             check.result.update(json.loads(line[6:]))
-    check.save()
+    check.publish()
 
 
-def tests(check: Check) -> None:
-    # the CPU-only checks (ahead-of-time compilation, CUDA emulation) ran in CI already
-    full = ["tests", "--ignore=tests/test_triton_aot.py", "--ignore=tests/test_cuda_emulated.py"]
-    selection = (
-        check.args.tests.split()
-        if check.args.tests
-        else (["tests/test_bad_input.py", "-k", "construction"] if check.args.cpu_dry_run else full)
-    )
-    junit = check.out / "tests-junit.xml"
+def first(check: Check, cases: list[str] | None = None, name: str = "first") -> None:
+    """``first_phase.py``: each result a line of ``OUTDIR/first.jsonl`` the moment it exists."""
+    budget = check.allowance("first") if name == "first" else min(60.0, check.left() - REPORT_RESERVE_S)
+    if budget < 20:
+        return check.skip(name, f"{budget:.0f} s left")
+    cmd = [sys.executable, "benchmarks/gpu/first_phase.py", str(check.out / "first.jsonl")]
+    cmd += ["--budget", str(round(budget - 10))]
+    if cases:
+        cmd += ["--cases", *cases]
+    elif not check.result.get("cuda_extension", "").startswith("built"):
+        cmd += ["--cases", *[c for c in _first_cases() if c != "fgd-cuda"]]
+    if check.args.cpu_dry_run:
+        cmd += ["--cpu-dry-run", "--min-case-s", "5"]
+    check.run(name, cmd, budget)
+
+
+def _first_cases() -> list[str]:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from first_phase import CASES
+
+    return [c for c, _ in CASES]
+
+
+def tests(check: Check, selection: list[str] | None = None, name: str = "tests") -> None:
+    if selection is None:
+        selection = (
+            check.args.tests.split()
+            if check.args.tests
+            else (["tests/test_bad_input.py", "-k", "construction"] if check.args.cpu_dry_run else list(GPU_TESTS))
+        )
+    budget = check.allowance("tests") if name == "tests" else min(60.0, check.left() - REPORT_RESERVE_S)
+    if budget < 15:
+        return check.skip(name, f"{budget:.0f} s left")
+    junit = check.work / f"{name}-junit.xml"
     cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rfE", f"--junitxml={junit}", "-p", "no:cacheprovider"]
     if check.args.workers and not check.args.cpu_dry_run and _has_xdist():
         # Triton compiles on the host CPUs: a few workers share one GPU and cut the wall time
         cmd += ["-n", str(check.args.workers)]
-    check.run("tests", cmd, min(TESTS_MAX_S, check.left() - BENCH_MIN_S - REPORT_RESERVE_S))
-    check.result["test_summary"] = junit_summary(junit)
-    check.save()
+    check.run(name, cmd, budget)
+    check.result.setdefault("test_summary", {})[name] = junit_summary(junit)
+    check.publish()
 
 
 def _has_xdist() -> bool:
@@ -225,35 +291,38 @@ def junit_summary(path: Path) -> dict:
 
 
 def bench(check: Check) -> None:
-    for stale in ("bench.json", "bench-cases.jsonl"):
-        (check.out / stale).unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "benchmarks",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--benchmark-json={check.out / 'bench.json'}",
-        f"--bench-record={check.out / 'bench-cases.jsonl'}",
-        "--benchmark-columns=min,median,max,rounds",
-        "--benchmark-sort=name",
-    ]
-    reserved = ACCURACY_S + (PROBE_S if _probing(check) else 0)
-    check.run("bench", cmd, check.left() - REPORT_RESERVE_S - reserved)
+    """The benchmark suite, one process per group of contenders, into ``bench-cases.jsonl``."""
+    record = check.out / "bench-cases.jsonl"
+    record.unlink(missing_ok=True)
+    end = time.monotonic() + check.allowance("bench")
+    workloads = ("wrn-28-10",) if check.args.cpu_dry_run else BENCH_WORKLOADS
+    groups = BENCH_GROUPS[:2] if check.args.cpu_dry_run else BENCH_GROUPS
+    for i, group in enumerate(groups):
+        left = end - time.monotonic()
+        name = f"bench-{i}"
+        if left < 10:
+            check.skip(name, f"{left:.0f} s left for {', '.join(group)}")
+            continue
+        ids = [f"benchmarks/test_optimizer_step.py::test_step[{w}/{c}]" for w in workloads for c in group]
+        cmd = [sys.executable, "-m", "pytest", *ids, "-q", "-p", "no:cacheprovider", f"--bench-record={record}"]
+        cmd += ["--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name"]
+        if check.args.cpu_dry_run and "triton" in " ".join(group):
+            cmd.append("--bench-allow-interpreter")
+        env = {**check.env, "TRITON_INTERPRET": "1"} if check.args.cpu_dry_run else check.env
+        check.run(name, cmd, min(left, max(20.0, left / (len(groups) - i) * 1.5)), env=env)
 
 
 def accuracy(check: Check) -> None:
     """``benchmarks/gpu/accuracy.py``: max ‖θᵀθ − I‖_F over 2,000 steps vs the reference form."""
-    budget = check.left() - REPORT_RESERVE_S - (PROBE_S if _probing(check) else 0)
+    budget = check.allowance("accuracy")
     if budget < 20:
-        check.result["phases"]["accuracy"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
-        return
-    out = str(check.out / "accuracy.json")
-    cmd = [sys.executable, "benchmarks/gpu/accuracy.py", out, "--budget", str(round(budget - 15))]
+        return check.skip("accuracy", f"{budget:.0f} s left")
+    cmd = [sys.executable, "benchmarks/gpu/accuracy.py", str(check.out / "accuracy.json")]
+    cmd += ["--budget", str(round(budget - 10))]
     if check.args.cpu_dry_run:
-        cmd.append("--cpu-dry-run")
+        cmd += ["--cpu-dry-run", "--workloads", "wrn-28-10", "--cases", "fgd-reference", "fgd-torch-tf32x3"]
+    else:
+        cmd += ["--workloads", *BENCH_WORKLOADS]
     check.run("accuracy", cmd, budget)
 
 
@@ -274,26 +343,65 @@ def _probing(check: Check) -> bool:
 
 
 def probe(check: Check) -> None:
-    """``benchmarks/gpu/triton_probe.py``: phases of the Triton step and a tile sweep (GPU only)."""
+    """``benchmarks/gpu/triton_probe.py``: phases of the Triton step and a tile sweep."""
     if not _probing(check):
-        check.result["phases"]["triton-probe"] = {"ok": True, "skipped": "--no-probe"}
-        return
-    budget = check.left() - REPORT_RESERVE_S - 15
-    if budget < 30:
-        check.result["phases"]["triton-probe"] = {"ok": False, "skipped": f"{budget:.0f} s left"}
-        return
-    cmd = [
-        sys.executable,
-        "benchmarks/gpu/triton_probe.py",
-        str(check.out / "triton_probe.json"),
-        "--budget",
-        str(round(budget - 20)),
-    ]
+        return check.skip("triton-probe", "--no-probe")
+    budget = check.allowance("triton-probe")
+    if budget < 20:
+        return check.skip("triton-probe", f"{budget:.0f} s left")
+    cmd = [sys.executable, "benchmarks/gpu/triton_probe.py", str(check.out / "triton_probe.json")]
+    cmd += ["--budget", str(round(budget - 10))]
     env = check.env
     if check.args.cpu_dry_run:  # rehearsal: the interpreter on tiny shapes
         cmd.append("--cpu-dry-run")
         env = {**check.env, "TRITON_INTERPRET": "1"}
     check.run("triton-probe", cmd, budget, env=env)
+
+
+def train(check: Check) -> None:
+    """The WRN-28-10 training comparison (synthetic data): sgd, fgd, cayley-sgd side by side."""
+    budget = check.allowance("train")
+    if budget < 20:
+        return check.skip("train", f"{budget:.0f} s left")
+    folder = check.work / "train-wrn"
+    size = ["--depth", "28", "--width", "10", "--epochs", "2", "--steps-per-epoch", "30"]
+    if check.args.cpu_dry_run:
+        size = ["--depth", "10", "--width", "0.5", "--batch-size", "16", "--epochs", "1", "--steps-per-epoch", "2"]
+    cmd = [sys.executable, "benchmarks/train.py", "--dataset", "synthetic", "--model", "wrn"]
+    cmd += ["--optimizers", "sgd,fgd,cayley-sgd", "--no-progress", "--no-plot", "--out", str(folder), *size]
+    if not check.args.cpu_dry_run:
+        cmd += ["--amp", "bf16", "--channels-last", "on"]
+    check.run("train", cmd, budget)
+    if (folder / "train.json").exists():
+        shutil.copy(folder / "train.json", check.out / "train-wrn.json")
+        check.publish()
+
+
+def build(check: Check) -> None:
+    """Last: the nvcc build of ``fgd_fast._C``; if it built, the CUDA tests and first-phase case."""
+    budget = check.allowance("build")
+    if check.args.no_install or check.args.cpu_dry_run:
+        check.result["cuda_extension"] = "not built (dry run or --no-install)"
+        return check.skip("build", "dry run or --no-install")
+    if budget < 40:
+        check.result["cuda_extension"] = f"not built ({budget:.0f} s left)"
+        return check.skip("build", f"{budget:.0f} s left")
+    r = check.run("build", _pip(check), budget, env={**check.env, "FGD_FAST_BUILD_CUDA": "1"})
+    check.result["cuda_extension"] = "built" if r["ok"] else "not built (see build.log)"
+    check.publish()
+    if r["ok"]:
+        first(check, ["fgd-cuda"], name="first-cuda")
+        tests(check, ["tests/test_cuda_build.py", "tests/test_backend_contract.py", "-k", "cuda"], name="tests-cuda")
+
+
+def _first_lines(check: Check) -> list[str]:
+    path = check.out / "first.jsonl"
+    if not path.exists():
+        return []
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from first_phase import load, report as first_report
+
+    return ["", *("#" + ln if ln.startswith("#") else ln for ln in first_report(load(path)).splitlines())]
 
 
 def _probe_lines(check: Check) -> list[str]:
@@ -314,17 +422,11 @@ def _probe_lines(check: Check) -> list[str]:
     return lines
 
 
-def report(check: Check) -> None:
-    source = check.out / "bench.json"
-    if not (source.exists() and source.stat().st_size):
-        source = check.out / "bench-cases.jsonl"
+def bench_report(check: Check) -> None:
+    source = check.out / "bench-cases.jsonl"
     if source.exists() and source.stat().st_size:
-        check.run(
-            "report",
-            [sys.executable, "benchmarks/report.py", str(source), "-o", str(check.out / "bench-report.md")],
-            60,
-        )
-    (check.out / "report.md").write_text(render(check), encoding="utf-8")
+        cmd = [sys.executable, "benchmarks/report.py", str(source), "-o", str(check.work / "bench-report.md")]
+        check.run("report", cmd, 60)
 
 
 def render(check: Check) -> str:
@@ -339,43 +441,47 @@ def render(check: Check) -> str:
         f"Python {env.get('python', '?')}",
         f"- commit: `{commit.get('id', '?')}` ({commit.get('source', '?')}); source digest `{r['source_digest']}`",
         f"- date (UTC): {env.get('date_utc', '?')}; budget {check.args.budget} s",
-        f"- CUDA extension: {r.get('cuda_extension', '?')}",
+        f"- CUDA extension: {r.get('cuda_extension', 'not built yet (the build runs last)')}",
         "- backends on the device: " + ", ".join(f"`{k}` {v}" for k, v in r.get("backends", {}).items()),
         "",
         "| phase | ok | seconds | note |",
         "|---|---|---|---|",
     ]
     for name, p in r["phases"].items():
-        note = p.get("skipped") or ("timed out" if p.get("timed_out") else f"exit {p.get('rc')}") + (
-            f", log `{p['log']}`" if p.get("log") else ""
-        )
+        note = p.get("skipped") or p.get("error") or ("timed out" if p.get("timed_out") else f"exit {p.get('rc')}")
+        note += f", log `{p['log']}`" if p.get("log") else ""
         lines.append(f"| {name} | {'yes' if p.get('ok') else 'no'} | {p.get('seconds', '—')} | {note} |")
-    ts = r.get("test_summary", {})
+    lines += _first_lines(check)
     lines += ["", "## Tests", ""]
-    if "missing" in ts:
-        lines.append(f"No JUnit result ({ts['missing']}); see `tests.log`.")
-    elif ts:
+    for name, ts in r.get("test_summary", {}).items():
+        if "missing" in ts:
+            lines.append(f"- {name}: no JUnit result ({ts['missing']}); see `{name}.log`.")
+            continue
         lines.append(
-            f"{ts['passed']} passed, {ts['failures']} failed, {ts['errors']} errors, "
+            f"- {name}: {ts['passed']} passed, {ts['failures']} failed, {ts['errors']} errors, "
             f"{ts['skipped']} skipped (of {ts['tests']})."
         )
-        lines += [f"- {f}" for f in ts.get("failed", [])]
-    bench_md = check.out / "bench-report.md"
+        lines += [f"  - {f}" for f in ts.get("failed", [])]
+    bench_md = check.work / "bench-report.md"
     lines += ["", "## Benchmarks", ""]
     if bench_md.exists():
         text = bench_md.read_text(encoding="utf-8").splitlines()
         lines += ["#" + ln if ln.startswith("#") else ln for ln in text]  # one heading level down
     else:
-        lines.append("No benchmark result; see `bench.log`.")
+        lines.append("No benchmark report (yet); see `bench-cases.jsonl` and the `bench-*.log` files.")
     lines += _accuracy_lines(check)
     lines += _probe_lines(check)
     return "\n".join(lines) + "\n"
 
 
+PHASES = (install, first, tests, bench, accuracy, probe, train, build)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("outdir", nargs="?", help="folder for report.md, gpu_check.json, logs and raw results")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    ap.add_argument("outdir", nargs="?", help="the folder that comes back ($OUT): at most eight files")
+    ap.add_argument("--work", default="/tmp/gpu_check", help="folder for the logs (packed into OUTDIR/logs.tgz)")
+    ap.add_argument("--budget", type=float, default=460.0, help="seconds for the whole check (default 460)")
     ap.add_argument(
         "--commit", default=os.environ.get("FGD_BENCH_COMMIT"), help="the commit under test, when the device has no git"
     )
@@ -383,8 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-install", action="store_true", help="skip the pip installs (the package is installed already)"
     )
-    ap.add_argument("--tests", help="pytest selection for the tests phase (default: tests; dry run: a few fast ones)")
-    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe after the benchmarks")
+    ap.add_argument("--tests", help="pytest selection for the tests phase (default: the GPU-relevant test files)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe")
+    ap.add_argument(
+        "--phases", nargs="+", choices=[p.__name__ for p in PHASES], help="run only these phases (default: all)"
+    )
     ap.add_argument(
         "--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)"
     )
@@ -396,15 +505,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.outdir:
         ap.error("OUTDIR is required")
     check = Check(args)
-    for phase in (build, tests, bench, accuracy, probe):
+    for phase in PHASES:
+        if args.phases and phase.__name__ not in args.phases:
+            continue
         try:
             phase(check)
+            if phase is bench:
+                bench_report(check)
         except Exception as exc:  # an orchestration bug must not lose the other phases
             check.result["phases"][phase.__name__] = {"ok": False, "error": repr(exc)}
-            check.save()
-    report(check)
+        check.publish()
     print((check.out / "report.md").read_text(encoding="utf-8"))
-    return 0 if all(check.result["phases"].get(p, {}).get("ok") for p in ("tests", "bench")) else 1
+    summaries = check.result.get("test_summary", {}).values()
+    return 0 if all(not s.get("failures") and not s.get("errors") and "missing" not in s for s in summaries) else 1
 
 
 if __name__ == "__main__":
