@@ -194,6 +194,7 @@ def _state_of(case):
 def _agreement(name: str, workload, pool, device) -> dict:
     """One step of ``name`` and of fgd-torch (IEEE fp32) from the same state; both against float64."""
     import torch
+
     from contenders import contender
     from measure import LR
     from workloads import _template
@@ -256,6 +257,7 @@ def _distance(case, pool, device, steps: int, deadline: float) -> dict:
 
 def run_one(args) -> int:
     import torch
+
     from contenders import contender, unavailable
     from measure import LR, gradient_pool
     from memtrack import peak_extra_bytes

@@ -399,7 +399,8 @@ def _first_lines(check: Check) -> list[str]:
     if not path.exists():
         return []
     sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-    from first_phase import load, report as first_report
+    from first_phase import load
+    from first_phase import report as first_report
 
     return ["", *("#" + ln if ln.startswith("#") else ln for ln in first_report(load(path)).splitlines())]
 
