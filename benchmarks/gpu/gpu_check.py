@@ -228,6 +228,7 @@ def first(check: Check, cases: list[str] | None = None, name: str = "first") -> 
         return check.skip(name, f"{budget:.0f} s left")
     cmd = [sys.executable, "benchmarks/gpu/first_phase.py", str(check.out / "first.jsonl")]
     cmd += ["--budget", str(round(budget - 10))]
+    cases = cases or check.args.first_cases
     if cases:
         cmd += ["--cases", *cases]
     elif not check.result.get("cuda_extension", "").startswith("built"):
@@ -323,6 +324,8 @@ def accuracy(check: Check) -> None:
         cmd += ["--cpu-dry-run", "--workloads", "wrn-28-10", "--cases", "fgd-reference", "fgd-torch-tf32x3"]
     else:
         cmd += ["--workloads", *BENCH_WORKLOADS]
+    if check.args.accuracy_cases:
+        cmd += ["--cases", *check.args.accuracy_cases]
     check.run("accuracy", cmd, budget)
 
 
@@ -491,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-install", action="store_true", help="skip the pip installs (the package is installed already)"
     )
     ap.add_argument("--tests", help="pytest selection for the tests phase (default: the GPU-relevant test files)")
+    ap.add_argument("--first-cases", nargs="+", help="cases of the first phase (default: all that can run)")
+    ap.add_argument("--accuracy-cases", nargs="+", help="cases of the accuracy run (default: accuracy.py's)")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe")
     ap.add_argument(
         "--phases", nargs="+", choices=[p.__name__ for p in PHASES], help="run only these phases (default: all)"

@@ -82,15 +82,13 @@ def _load_cuda(device: torch.device) -> Backend:
 def resolve_backend(name: str, device: torch.device, precision: str = "ieee") -> tuple[str, Backend]:
     """``(resolved name, prepare function)`` for ``name`` on ``device``.
 
-    ``"auto"`` picks the fastest backend that loads and never raises. Measured on an H200
-    (``benchmarks/results/gpu-h200-2026-11-26.md``), the ``torch`` backend's cuBLAS products
-    beat both fused backends in full fp32 precision (WRN-28-10: torch 7.9 ms, cuda 15.4 ms,
-    triton 25.7 ms), so ``"auto"`` is ``torch`` on every device, except that for
-    ``precision="tf32"`` it picks ``triton`` on CUDA devices when it loads (5.6 ms against
-    the torch backend's 7.0 ms in IEEE fp32, the only torch figure measured then). For
-    ``"tf32x3"`` Triton measured 19 ms, slower than the torch backend in IEEE fp32, so
-    ``"auto"`` runs the torch backend's own ``"tf32x3"`` path (TF32 cuBLAS products on the
-    split operands; not yet timed on a GPU: re-measure before changing this rule).
+    ``"auto"`` picks the fastest backend that loads and never raises, by the GPU report
+    ``benchmarks/results/gpu-h200-2026-11-26-first.md`` (H200, WRN-28-10, one step, checks
+    off): in IEEE fp32 the ``torch`` backend's cuBLAS products (14.3 ms eager) beat Triton's
+    CUDA-core kernels (18.0 ms); in ``"tf32x3"`` and ``"tf32"`` Triton's tensor-core step
+    (7.1 and 7.0 ms) beats the torch backend's (14.8 and 13.0 ms). So ``"auto"`` is
+    ``torch`` for ``"ieee"`` and on CPUs, and ``triton`` for the TF32 precisions on CUDA
+    devices when it loads (else ``torch``).
     An explicit name that cannot run raises :class:`BackendUnavailable` with the reason.
     """
     loaders: dict[str, Callable[[], Backend]] = {
@@ -103,7 +101,7 @@ def resolve_backend(name: str, device: torch.device, precision: str = "ieee") ->
         if name not in loaders:
             raise ValueError(f"unknown backend={name!r}: choose one of {', '.join(map(repr, BACKENDS))}")
         return name, loaders[name]()
-    if device.type == "cuda" and precision == "tf32":
+    if device.type == "cuda" and precision in ("tf32", "tf32x3"):
         try:
             return "triton", loaders["triton"]()
         except BackendUnavailable:

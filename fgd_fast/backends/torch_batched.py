@@ -5,8 +5,9 @@ Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, wri
 ``prepare`` (writes nothing) runs, per bucket, in chunks of layers:
 
 1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
-   C only when Φ is read). ``precision="tf32x3"`` computes A from the TF32 split of θ
-   (:mod:`.tf32`): ``A ≈ H + L + Lᵀ``, ``[H | L] = hiᵀ[hi | lo]`` in one product.
+   C only when Φ is read). ``precision="tf32x3"`` computes A in IEEE fp32 and the others in
+   TF32 (cuBLAS's tensor cores truncate their adds: a TF32 split of A would be exact in its
+   inputs and still biased; see ``_ieee_gram``).
 2. O(p³) middle (:mod:`.algebra`; the math: docs/algorithm.md §3): ``M_Φ``,
    ``F = −α(A − I)`` and ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
    guard also its per-layer scale ``s`` (inputs from ``‖g‖²``, the per-column sums of g² in
@@ -57,8 +58,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import join_checks, middle
-from .base import PRECISIONS, compute_dtype, fp32_matmuls, plan_of
-from .tf32 import round_tf32
+from .base import PRECISIONS, compute_dtype, fp32_matmuls, full_precision, plan_of
 
 __all__ = ["prepare_torch"]
 
@@ -219,8 +219,8 @@ class _Bucket:
             if g_sq is not None:  # Σ_rows g² per column, accumulated in float64 (no overflow for a finite g)
                 torch.linalg.vector_norm(self._col(grad), dim=1, dtype=torch.float64, out=g_sq[r])
                 g_sq[r].square_()
-            if self.split:
-                self._split_gram(theta, a[r])  # A ≈ H + L + Lᵀ
+            if self.split:  # A in IEEE fp32 (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
+                self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
             if self.reads_phi:
@@ -269,21 +269,17 @@ class _Bucket:
         )
         self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
 
-    def _split_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
-        """``A ≈ H + L + Lᵀ``: hi = tf32(θ), lo = tf32(θ − hi) side by side (``[hi | lo]`` in
-        column view), ``[H | L] = hiᵀ[hi | lo]`` in one product."""
-        c, p = theta.shape[0], self.p
-        parts = torch.empty(
-            (c, 2 * self.c_o, self.m) if self.rows else (c, self.c_o, 2 * self.m), dtype=self.cdt, device=theta.device
-        )
-        hi, lo = (
-            (parts[:, : self.c_o], parts[:, self.c_o :]) if self.rows else (parts[..., : self.m], parts[..., self.m :])
-        )
-        round_tf32(theta, out=hi)  # hi = tf32(θ): a TF32 number, unchanged by the product's own rounding
-        round_tf32(torch.sub(theta, hi, out=lo), out=lo)  # lo = tf32(θ − hi); θ − hi is exact
-        both = torch.bmm(self._col(hi).transpose(1, 2), self._col(parts))  # hiᵀ[hi | lo] = [H | L]
-        low = both[:, :, p:]
-        torch.add(both[:, :, :p], low + low.transpose(1, 2), out=out)  # A ≈ H + (L + Lᵀ)
+    def _ieee_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
+        """``A = θᵀθ`` in IEEE fp32 while the other products of ``"tf32x3"`` run in TF32.
+
+        A sets the distance the feedback settles at, so it needs fp32 accuracy. A TF32 split
+        (``A ≈ hiᵀhi + hiᵀlo + loᵀhi``) is exact in its inputs, but cuBLAS's tensor cores add
+        into the running sum with truncation: a bias of ~½ ulp(sum) per instruction, ~1e-5 on
+        A's diagonal at n = 5,760, which the feedback writes into θ (measured on an H200: 74×
+        the IEEE distance after 1,000 steps). cuBLAS offers no way to round those adds, so A is
+        one IEEE product (the Triton backend flushes every K-step instead)."""
+        with full_precision():
+            self._gram(theta, theta, out)  # A = θᵀθ
 
     # -- apply: every write of the step ---------------------------------------------------
     def apply(self, scratch: list[torch.Tensor]) -> None:
