@@ -103,6 +103,8 @@ class Check:
             )
         else:
             self.env.setdefault("FGD_BENCH_SCALE", "full")
+        chosen = args.phases or [p.__name__ for p in PHASES]
+        self.selected = [{"probe": "triton-probe"}.get(n, n) for n in chosen]
         self.result: dict = {"args": vars(args), "source_digest": source_digest(ROOT), "phases": {}}
         self.save()
 
@@ -112,6 +114,9 @@ class Check:
     def allowance(self, phase: str) -> float:
         """Seconds ``phase`` may take: its cap, less what the later phases keep."""
         cap, later = PLAN[phase]
+        names = [n for n in PLAN if n in self.selected]  # the phases of this run, in order
+        after = names[names.index(phase) + 1 :] if phase in names else []
+        later = min(later, sum(PLAN[n][0] for n in after))  # nothing kept for phases not run
         if self.args.cpu_dry_run:
             cap, later = cap * 3, later / 4  # interpreted kernels on 2 cores: slower, fewer
         return min(cap, self.left() - REPORT_RESERVE_S - later)
