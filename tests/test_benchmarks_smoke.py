@@ -120,23 +120,27 @@ def test_gpu_check_keeps_results_of_failed_and_timed_out_phases(tmp_path, bench_
     _, gpu_check, _ = bench_modules
     args = argparse.Namespace(
         outdir=str(tmp_path),
+        work=str(tmp_path / "work"),
         budget=120.0,
         commit="abc",
         cpu_dry_run=True,
         no_install=True,
         tests=None,
         digest=False,
+        phases=None,
+        first_cases=None,
+        accuracy_cases=None,
     )
     check = gpu_check.Check(args)
     slow = check.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert slow["timed_out"] and not slow["ok"] and slow["seconds"] < 30
     bad = check.run("bad", [sys.executable, "-c", "raise SystemExit(3)"], timeout=30)
     assert bad["rc"] == 3 and not bad["ok"]
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())  # published after every phase
     assert set(saved["phases"]) == {"slow", "bad"} and saved["source_digest"]
-    gpu_check.report(check)
     text = (tmp_path / "report.md").read_text()
-    assert "| slow | no |" in text and "timed out" in text and "No benchmark result" in text
+    assert "| slow | no |" in text and "timed out" in text and "No benchmark report" in text
+    assert (tmp_path / "logs.tgz").stat().st_size > 0
 
 
 def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, bench_modules):

@@ -28,7 +28,8 @@ so a run killed at any point keeps everything measured before. In priority order
   policy is judged by.
 
 A case that crashes or passes its share of the budget leaves an ``exit`` line with its
-return code and the tail of its output; the next case starts anyway.
+return code and the tail of its output; the next case starts anyway (``FGD_FIRST_PHASE_ABORT=
+<case>`` makes that case abort at its start, to rehearse it; ``tests/test_gpu_session.py``).
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ def run_one(args) -> int:
     from memtrack import peak_extra_bytes
     from workloads import _template, weight_shapes, workloads
 
+    if os.environ.get("FGD_FIRST_PHASE_ABORT") == args.one:  # rehearsal: a case that dies like a CUDA fault
+        os.abort()
     sink = Sink(Path(args.out), args.one)
     deadline = time.monotonic() + args.case_budget
     device = _device(args.cpu_dry_run)

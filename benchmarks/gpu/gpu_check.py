@@ -119,7 +119,9 @@ class Check:
         later = min(later, sum(PLAN[n][0] for n in after))  # nothing kept for phases not run
         if self.args.cpu_dry_run:
             cap, later = cap * 3, later / 4  # interpreted kernels on 2 cores: slower, fewer
-        return min(cap, self.left() - REPORT_RESERVE_S - later)
+        # the later phases' reserve never squeezes a phase below a quarter of its cap (a 1 s
+        # install would cost every later phase its package)
+        return max(0.0, min(cap, self.left() - REPORT_RESERVE_S, max(self.left() - REPORT_RESERVE_S - later, cap / 4)))
 
     def save(self) -> None:
         tmp = self.out / "gpu_check.json.tmp"
