@@ -65,8 +65,8 @@ class FGD(StiefelOptimizer):
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
             ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run). On an H200
-            the ``"torch"`` backend was measured fastest in full fp32 precision, so ``"auto"``
-            is ``"torch"`` unless ``precision="tf32"`` asks for Triton's tensor-core path.
+            Triton's tensor-core step was fastest in ``"tf32x3"`` and ``"tf32"`` and the
+            ``"torch"`` backend in ``"ieee"``; ``"auto"`` follows that.
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
             parameter's gradient or momentum buffer has NaN/Inf, or when the step would write a
             non-finite value (predicted before writing).
@@ -86,14 +86,15 @@ class FGD(StiefelOptimizer):
         trust_radius: ρ of the guard (> 0); default 0.5, 5× the largest value measured in
             training with the paper's settings (``benchmarks/guard_headroom.py``).
         max_distance: the limit of ``check_manifold`` and of the guard, in (0, 1); default 0.5.
-        precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"ieee"``
-            (IEEE fp32; the default, ``None``, is ``fgd_fast.backends.DEFAULT_PRECISION``, the
-            fastest precision measured fp32-level on a GPU: ``"ieee"`` today), ``"tf32x3"``
-            (TF32 tensor cores with θᵀθ split into hi + lo parts: near-fp32 accuracy where it
-            matters) or ``"tf32"`` (opt-in; ~1e-3 relative error in θᵀθ, so θ settles ~1e-3 off
-            the manifold). A CPU has no TF32 and
-            computes every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for
-            ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
+        precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"tf32x3"``
+            (TF32 tensor cores with θᵀθ, which sets the distance to the manifold, at fp32
+            accuracy), ``"ieee"`` (IEEE fp32) or ``"tf32"`` (opt-in; ~1e-3 relative error in
+            θᵀθ, so θ settles ~1e-3 off the manifold). The default, ``None``, is
+            ``fgd_fast.backends.DEFAULT_PRECISION`` (``"tf32x3"``: measured on an H200 within
+            1.5× of the reference form's distance and twice as fast as ``"ieee"``) for the
+            backends that honour it, ``"ieee"`` for the others. A CPU has no TF32 and computes
+            every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for ``"tf32x3"``
+            and ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
             compute in full precision (whatever torch's global TF32 setting), so an explicit one
             with a precision other than ``"ieee"`` is refused.
     """

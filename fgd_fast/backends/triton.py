@@ -39,8 +39,9 @@ blocks and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official"
 next to 135 MB of constrained parameters. Parameters whose memory is not a dense ``(c_o, m)``
 matrix (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
-Precision (``precision=``): ``"ieee"`` (default, fp32 FMA), ``"tf32x3"`` (tensor cores; A in
-3×TF32, the rest in TF32: close to fp32 in the distance θ settles at), ``"tf32"`` (opt-in:
+Precision (``precision=``): ``"tf32x3"`` (default; tensor cores; A in 3×TF32 with every
+K-step's product added to the fp32 sum by a rounded add, the rest in TF32: fp32-level in the
+distance θ settles at), ``"ieee"`` (fp32 FMA), ``"tf32"`` (opt-in:
 ~1e-3 relative error in A, so θ settles ~1e-3 off the manifold). float64 layers always compute
 in float64 ("ieee"); 16-bit parameters use the CUDA-core kernels with tensor-core products.
 """
