@@ -115,7 +115,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="out/train", help="folder for train.json and train.png")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    return args
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what would otherwise run something else than asked (``ap.error``: exit 2)."""
+    for name in ("epochs", "steps_per_epoch", "batch_size", "evals_per_epoch", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if args.width is not None and not args.width > 0:
+        ap.error(f"--width {args.width}: must be positive")
+    if not 0 < args.gamma <= 1:
+        ap.error(f"--gamma {args.gamma}: the lr factor at each milestone must be in (0, 1]")
+    if args.depth is not None:
+        if args.model == "resnet" and args.depth not in (18, 34):
+            ap.error(f"--depth {args.depth}: a CIFAR ResNet is 18 or 34 layers deep")
+        wrn = args.model == "wrn" or (args.model == "auto" and args.dataset != "digits")
+        if wrn and (args.depth < 10 or (args.depth - 4) % 6):
+            near = max(10, 4 + 6 * round((args.depth - 4) / 6))
+            ap.error(f"--depth {args.depth}: a WRN is 6k + 4 layers deep (10, 16, 22, 28, ...); e.g. --depth {near}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        ap.error(f"--device {args.device!r}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(
+            f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        )
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -400,6 +429,9 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
     torch.manual_seed(args.seed)
     names, _ = optimizer_names(args.optimizers, device)
     overrides = parse_overrides(args.set)
+    for key in overrides:  # a typo in the optimizer's name would change nothing, silently
+        if key not in names and key not in {family(n) for n in names}:
+            raise SystemExit(f"--set {key}.…: no optimizer {key!r} in this run (it runs {', '.join(names)})")
     try:
         settings = {n: settings_for(n, overrides) for n in names}
     except ValueError as exc:

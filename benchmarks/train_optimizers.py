@@ -57,8 +57,21 @@ def settings_for(name: str, overrides: dict[str, dict[str, float]]) -> dict[str,
         for k, v in overrides.get(key, {}).items():
             if k not in out:
                 raise ValueError(f"--set {key}.{k}: {fam} has no setting {k!r} (it has {', '.join(out)})")
-            out[k] = type(out[k])(v) if not isinstance(out[k], bool) else str(v).lower() in ("1", "true", "yes")
+            out[k] = _convert(f"{key}.{k}", out[k], v)
     return out
+
+
+def _convert(name: str, default: Any, value: str) -> Any:
+    """``value`` as the type of ``default`` (a bool from true/false/1/0/yes/no)."""
+    if isinstance(default, bool):
+        text = str(value).lower()
+        if text not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"--set {name}={value}: expected true or false")
+        return text in ("1", "true", "yes")
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--set {name}={value}: expected a {type(default).__name__}, like {default!r}") from None
 
 
 def available_fgd_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:

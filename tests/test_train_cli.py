@@ -193,6 +193,16 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
         (["--set", "fgd.lr"], "expected OPT.KEY=VALUE"),
         (["--set", "fgd.betas=1"], "fgd has no setting 'betas'"),
         (["--dataset", "cifar10"], "needs --data-dir"),
+        (["--set", "fdg.lr=5"], "no optimizer 'fdg' in this run"),
+        (["--set", "fgd.lr=abc"], "--set fgd.lr=abc: expected a float"),
+        (["--set", "fgd.guard=maybe"], "fgd.guard=maybe: expected true or false"),
+        (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        (["--epochs", "0"], "--epochs 0: must be at least 1"),
+        (["--steps-per-epoch", "-3"], "--steps-per-epoch -3: must be at least 1"),
+        (["--model", "wrn", "--dataset", "synthetic", "--depth", "27"], "e.g. --depth 28"),
+        (["--model", "resnet", "--depth", "20"], "18 or 34"),
+        (["--gamma", "0"], "--gamma 0"),
+        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
     ],
 )
 def test_bad_options_fail_with_the_reason(tmp_path, train_main, capsys, args, message):
