@@ -181,6 +181,7 @@ def prepare_dtensors(
     precision,
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ):
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
@@ -188,7 +189,7 @@ def prepare_dtensors(
     and Φ share θ's layout go to one ``prepare`` per (mesh, sharded mesh dimension) with
     ``reduce`` (over that dimension's process group) and ``shapes`` when the backend supports
     row shards; every other layer is gathered and stepped whole (exact). ``trust_radius``,
-    ``max_distance``: the step guard, passed on to the backend.
+    ``max_distance``: the step guard, ``variant``: the update's, passed on to the backend.
     """
     rows: dict[tuple, list[int]] = {}
     whole: dict[torch.device, list[int]] = {}
@@ -220,6 +221,7 @@ def prepare_dtensors(
                 shapes=[params[i].shape for i in layers],
                 trust_radius=trust_radius,
                 max_distance=max_distance,
+                variant=variant,
             )
             out.append((layers, plan))
         for device, layers in whole.items():
@@ -235,6 +237,7 @@ def prepare_dtensors(
                 precision=precision,
                 trust_radius=trust_radius,
                 max_distance=max_distance,
+                variant=variant,
             )
             out.append(
                 (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))

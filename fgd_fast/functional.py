@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .backends import Backend, compute_dtype, resolve_backend
+from .backends.algebra import VARIANTS
 from .distributed import is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import check_state_tensor
@@ -72,6 +73,7 @@ def fgd(
     labels: Sequence[str] | None = None,
     guard: bool = True,
     trust_radius: float = TRUST_RADIUS,
+    variant: str = "official",
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -84,12 +86,15 @@ def fgd(
     the ``p × p`` blocks). With ``guard`` (default) the step's inputs Φ, g are scaled into
     the trust region ``‖Φ‖ + η‖g‖ ≤ trust_radius`` and a step still predicted beyond
     ``max_distance`` is replaced by the feedback pull-back with Φ₊ = 0; all on the device.
-    Returns what the guard did (:class:`GuardReport`).
+    Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
+    authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
     :mod:`fgd_fast.distributed`); every rank must then call this with the same layers.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
         raise ValueError("params, grads and momentum_buffers must have the same length")
@@ -128,7 +133,11 @@ def fgd(
             by_device.setdefault(params[i].device, []).append(i)
 
     predict = guard or check_finite or check_manifold
-    steering = dict(trust_radius=trust_radius if guard else None, max_distance=max_distance if predict else None)
+    steering = dict(
+        trust_radius=trust_radius if guard else None,
+        max_distance=max_distance if predict else None,
+        variant=variant,
+    )
     plans, index = [], []
     for device, idx in by_device.items():
         _, prepare = _cached_backend(backend, device.type, precision)

@@ -10,6 +10,7 @@ import torch
 
 from ._stiefel_optimizer import StiefelOptimizer, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
+from .backends.algebra import VARIANTS
 from .functional import GuardReport, backend_for, fgd
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
 from .manifold import orthogonalize_
@@ -57,11 +58,12 @@ class FGD(StiefelOptimizer):
             (default ``False``); the other arguments are optimizer-wide.
         lr: learning rate η (>= 0).
         momentum: β in [0, 1) (the paper's γ = 1 − β).
-        feedback: α in [0, 1), pull back towards θᵀθ = I: the drift D = θᵀθ − I contracts by
-            about |1 − 2α| per step and settles near ‖ΦᵀΦ‖_F / (2·min(α, 1 − α)); 0.5 cancels
-            first-order drift (the paper's α relates as α = η·α_paper/4). Outside [0.1, 0.9]
-            it barely pulls back (measured: 71× further off at 0.99 than at 0.4,
-            ``benchmarks/feedback_contraction.py``) and FGD warns once.
+        feedback: α in [0, 1), pull back towards θᵀθ = I: a drift D = θᵀθ − I goes to about
+            (1 − 2α)D per step, coupled to the velocity's normal part, so θ settles, to first
+            order, ‖ΦᵀΦ‖_F / (2α) inside the manifold (further off for α near 1; the paper's α
+            relates as α = η·α_paper/4). Outside [0.1, 0.9] it barely pulls back (measured: 71×
+            further off at 0.99 than at 0.4, ``benchmarks/feedback_contraction.py``) and FGD
+            warns once.
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
             ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run). On an H200
@@ -97,6 +99,12 @@ class FGD(StiefelOptimizer):
             and ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
             compute in full precision (whatever torch's global TF32 setting), so an explicit one
             with a precision other than ``"ieee"`` is refused.
+        variant: ``"official"`` (default: the authors' code, which produced the paper's
+            tables; θ moves by the whole new velocity) or ``"paper"`` (Algorithm 1 as printed:
+            θ moves by its tangent part, ``θ ← θ + Φ − θN sym(θᵀΦ) − αθ(A − I)``, one more
+            ``p × p`` term in M_θ and no extra pass). The two differ by the normal part of Φ,
+            a second-order term; the measured difference in the distance to the manifold is
+            in ``docs/algorithm.md``.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class FGD(StiefelOptimizer):
         precision: str | None = None,
         guard: bool = True,
         trust_radius: float = TRUST_RADIUS,
+        variant: str = "official",
     ) -> None:
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
@@ -134,6 +143,7 @@ class FGD(StiefelOptimizer):
             max_distance=max_distance,
             guard=guard,
             trust_radius=trust_radius,
+            variant=variant,
         )
         self._validate_options(defaults)
         _check_group(defaults)
@@ -147,6 +157,7 @@ class FGD(StiefelOptimizer):
         max_distance=MAX_DISTANCE,
         guard=True,
         trust_radius=TRUST_RADIUS,
+        variant="official",
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
@@ -156,9 +167,11 @@ class FGD(StiefelOptimizer):
     max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
     guard = option("guard", "Whether the step guard (trust region + reset) is on (optimizer-wide).")
     trust_radius = option("trust_radius", "ρ of the guard's trust region on ‖Φ‖ + η‖g‖ (optimizer-wide).")
+    variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         check_choice("backend", options["backend"], BACKENDS)
+        check_choice("variant", options["variant"], VARIANTS)
         precision, backend = options["precision"], options["backend"]
         check_choice("precision", precision, PRECISIONS)
         if precision != "ieee" and backend not in PRECISION_BACKENDS:
@@ -217,6 +230,7 @@ class FGD(StiefelOptimizer):
                 labels=orth["labels"],
                 guard=opts["guard"],
                 trust_radius=float(opts["trust_radius"]),
+                variant=opts["variant"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:
@@ -318,8 +332,8 @@ def _warn_feedback_once(alpha: float) -> None:
         _warned_feedback.add(alpha)
         warnings.warn(
             f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} per step, "
-            f"so θ settles about 1/(2·min(α, 1 − α)) = {1 / (2 * max(min(alpha, 1 - alpha), 1e-12)):.3g}× the per-step "
-            f"drift away; use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
+            f"and near α = 0 or 1 θ settles many times the per-step drift away (measured 71× the α = 0.4 distance at "
+            f"α = 0.99); use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -1,7 +1,8 @@
 """Independent NumPy oracles (float64 by default) used by the tests.
 
 Written from the math (docs/algorithm.md §1–§3) without reading the package: the matrix
-convention, the authors' term-by-term FGD sequence, and SGD.
+convention, the authors' term-by-term FGD sequence, Algorithm 1 of the paper as printed, and
+SGD.
 """
 
 from __future__ import annotations
@@ -51,6 +52,37 @@ def fgd_step(w, grad, phi, *, lr, momentum, feedback, dtype=np.float64):
         v = phi + con + rd + ext + fb
     th_new = th + v - alpha * (th @ (ata - eye))
     return from_theta(th_new, np.shape(w)), (v if momentum != 0 else None)
+
+
+def fgd_paper_step(w, grad, phi, *, lr, momentum, feedback, dtype=np.float64):
+    """One step of Algorithm 1 of the paper as printed (Bu & Chang, AAAI 2022), in its own
+    variables, with its practical approximation (θᵀθ)⁻¹ ≈ 2I − θᵀθ, read as "φ first, then θ
+    with the new φ":
+
+        φ ← φ + η[X_φ(θ, φ) − (α'/4) θ(θᵀθ)⁻¹(φᵀθ(θᵀθ)⁻¹ + θᵀφ)]
+        θ ← θ + η[X_θ(θ, φ) − (α'/4) θ(I − (θᵀθ)⁻¹)],   X_θ(θ, φ) = φ − θ(θᵀθ)⁻¹ sym(θᵀφ)
+
+    X_φ = θ(θᵀθ)⁻¹((θᵀθ)⁻¹θᵀφ sym(θᵀφ) − φᵀφ) + (D − θ(θᵀθ)⁻¹ sym(θᵀD))/η, D = −γφ − ∇L.
+    The library's units: Φ = ηφ (step units), β = 1 − γ, α = ηα'/4. A first step (``phi``
+    None, or momentum 0) starts from the paper's φ₀ = θ(θᵀθ)⁻¹ sym(θᵀ∇L) − ∇L. ``phi`` and the
+    returned velocity are Φ in θ (n×p) form.
+    """
+    th = to_theta(np.asarray(w, dtype=dtype))
+    g = to_theta(np.asarray(grad, dtype=dtype))
+    eta, gamma = dtype(lr), dtype(1 - momentum)
+    alpha_p = dtype(4 * feedback / lr)
+    eye = np.eye(th.shape[1], dtype=dtype)
+    inv = 2 * eye - th.T @ th  # (θᵀθ)⁻¹ ≈ 2I − θᵀθ
+    if phi is None or momentum == 0:
+        ph = th @ inv @ sym(th.T @ g) - g  # φ₀
+    else:
+        ph = np.asarray(phi, dtype=dtype) / eta
+        d = -gamma * ph - g
+        x_phi = th @ inv @ (inv @ th.T @ ph @ sym(th.T @ ph) - ph.T @ ph) + (d - th @ inv @ sym(th.T @ d)) / eta
+        ph = ph + eta * (x_phi - alpha_p / 4 * (th @ inv @ (ph.T @ th @ inv + th.T @ ph)))
+    x_theta = ph - th @ inv @ sym(th.T @ ph)
+    th_new = th + eta * (x_theta - alpha_p / 4 * (th @ (eye - inv)))
+    return from_theta(th_new, np.shape(w)), (eta * ph if momentum != 0 else None)
 
 
 def sgd_step(w, grad, buf, *, lr, momentum, dampening, weight_decay, nesterov):

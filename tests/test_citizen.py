@@ -241,3 +241,19 @@ def test_compiled_step_breaks_only_at_the_check_sync():
     for reason in explained.break_reasons:
         frames = [f.name for f in reason.user_stack]
         assert "raise_if_invalid" in frames, (reason.reason, frames)
+
+
+def test_variant_is_an_option_validated_and_carried():
+    net = _net()
+    with pytest.raises(ValueError, match="'official', 'paper'"):
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, variant="algorithm1")
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, variant="paper")
+    with pytest.raises(ValueError, match="variant"):
+        opt.variant = "Paper"
+    assert opt.variant == "paper"
+    other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
+    assert other.variant == "official"  # the default: the authors' code
+    other.load_state_dict(opt.state_dict())
+    assert other.variant == "paper" and all(g["variant"] == "paper" for g in other.param_groups)
+    with pytest.raises(ValueError, match="variant"):
+        fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, variant="nope")

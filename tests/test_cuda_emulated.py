@@ -23,7 +23,7 @@ from cuda_emulation import EmulatedExtension, build_library, compiler, guards_in
 from cuda_emulation.build import CSRC
 from fgd_fast.backends import compute_dtype
 from fgd_fast.backends.reference import prepare_reference
-from oracle import fgd_step, random_stiefel, stiefel_dist
+from oracle import fgd_paper_step, fgd_step, random_stiefel, stiefel_dist
 
 
 @pytest.fixture(scope="session")
@@ -336,9 +336,12 @@ def test_launch_count_does_not_grow_with_layers(cuda, monkeypatch):
     assert few == many == 3
 
 
-def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
+@pytest.mark.parametrize("variant", ["official", "paper"])
+def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch, variant):
     """fgd_fast.FGD(backend="cuda") end to end (first-step and later Φ flags, per-group
-    hyper-parameters, a momentum-0 group in the same launch), float64, vs the oracle."""
+    hyper-parameters, a momentum-0 group in the same launch), float64, vs the oracle of the
+    variant (the authors' sequence, or Algorithm 1 as printed)."""
+    oracle = fgd_paper_step if variant == "paper" else fgd_step
     from fgd_fast import functional
 
     real = functional._cached_backend
@@ -360,7 +363,10 @@ def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
     params = [_tensor(cuda, w, torch.float64).requires_grad_() for w in w0]
     it = iter(params)
     opt = fgd_fast.FGD(
-        [dict(params=[next(it) for _ in shapes], orthogonal=True, **h) for shapes, h in groups], lr=0.1, backend="cuda"
+        [dict(params=[next(it) for _ in shapes], orthogonal=True, **h) for shapes, h in groups],
+        lr=0.1,
+        backend="cuda",
+        variant=variant,
     )
     ow, ophi = [w.copy() for w in w0], [None] * len(layers)
     for _ in range(3):
@@ -369,7 +375,7 @@ def test_optimizer_with_backend_cuda_matches_oracle(cuda, monkeypatch):
             p.grad = _tensor(cuda, g, torch.float64)
         opt.step()
         for i, (_, h) in enumerate(layers):
-            ow[i], ophi[i] = fgd_step(ow[i], grads[i], ophi[i], **h)
+            ow[i], ophi[i] = oracle(ow[i], grads[i], ophi[i], **h)
     for p, w, phi in zip(params, ow, ophi):
         assert _rel_err(p.detach(), w) < 1e-12
         buf = opt.state[p].get("momentum_buffer")

@@ -8,7 +8,7 @@ import torch
 
 import fgd_fast
 from helpers import backend_params, device_for_tests
-from oracle import fgd_step, random_stiefel, stiefel_dist
+from oracle import fgd_paper_step, fgd_step, random_stiefel, stiefel_dist
 
 # (name, [(shape, group)], per-group hyper-parameters): conv-shaped, wide/tall Linear, p = 1,
 # square, odd sizes, several layers of one shape in one group, mixed groups.
@@ -39,8 +39,9 @@ def _layers(problem):
     return [s if isinstance(s[1], int) and isinstance(s[0], tuple) else (s, 0) for s in shapes], hypers
 
 
-def _run(problem, backend, dtype, steps, seed=0, device=None, precision="ieee"):
-    """Run the optimizer and the oracle on the same gradient stream; return both."""
+def _run(problem, backend, dtype, steps, seed=0, device=None, precision="ieee", variant="official"):
+    """Run the optimizer and the oracle (of ``variant``) on the same gradient stream; return both."""
+    oracle = fgd_paper_step if variant == "paper" else fgd_step
     device = device or device_for_tests()
     layers, hypers = _layers(problem)
     rng = np.random.default_rng(seed)
@@ -55,14 +56,14 @@ def _run(problem, backend, dtype, steps, seed=0, device=None, precision="ieee"):
         dict(params=[p for p, (_, gi) in zip(params, layers) if gi == k], orthogonal=True, **h)
         for k, h in enumerate(hypers)
     ]
-    opt = fgd_fast.FGD(groups, lr=0.1, backend=backend, precision=precision)
+    opt = fgd_fast.FGD(groups, lr=0.1, backend=backend, precision=precision, variant=variant)
     oracle_w, oracle_phi = [w.copy() for w in w0], [None] * len(layers)
     for step in range(steps):
         for p, g in zip(params, grads[step]):
             p.grad = torch.tensor(g, dtype=dtype, device=device)
         opt.step()
         for i, (_, gi) in enumerate(layers):
-            oracle_w[i], oracle_phi[i] = fgd_step(oracle_w[i], grads[step][i], oracle_phi[i], **hypers[gi])
+            oracle_w[i], oracle_phi[i] = oracle(oracle_w[i], grads[step][i], oracle_phi[i], **hypers[gi])
     return params, opt, oracle_w, oracle_phi
 
 
@@ -71,10 +72,13 @@ def _rel_err(actual: torch.Tensor, expected: np.ndarray) -> float:
     return float(np.abs(a - expected).max() / max(np.abs(expected).max(), 1e-300))
 
 
+@pytest.mark.parametrize("variant", ["official", "paper"])
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_float64_matches_oracle(problem, backend):
-    params, opt, ow, ophi = _run(problem, backend, torch.float64, steps=25)
+def test_float64_matches_oracle(problem, backend, variant):
+    """``variant="official"`` against the authors' sequence, ``"paper"`` against Algorithm 1
+    as printed (two oracles written independently from their equations)."""
+    params, opt, ow, ophi = _run(problem, backend, torch.float64, steps=25, variant=variant)
     for p, w, phi in zip(params, ow, ophi):
         assert _rel_err(p, w) < 1e-12
         buf = opt.state[p].get("momentum_buffer")

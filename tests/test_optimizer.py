@@ -196,7 +196,7 @@ def _train_cnn(backend, feedback, steps=120):
 @pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
 def test_small_cnn_stays_on_the_manifold(backend):
     """120 float32 steps: every orthogonal layer stays within 1e-5 of the manifold at every
-    step. (The drift FGD corrects grows like ‖Φ‖²/α, so the bound holds for steps of the
+    step. (The drift FGD corrects settles near ‖ΦᵀΦ‖/(2α), so the bound holds for steps of the
     size typical of training — here ‖Φ‖ ≈ 2e-3 — not for arbitrary learning rates.)"""
     losses, worst = _train_cnn(backend, feedback=0.4)
     assert worst < 1e-5

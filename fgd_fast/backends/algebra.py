@@ -25,6 +25,12 @@ per-layer checks. Without Φ (first step, ``momentum == 0``) pass ``b = c = None
   is bounded with ``D = A − I`` by ``‖(1 − 2α)D + (α² − 2α)D²‖_F + α²‖D‖_F‖D²‖_F``
   (the expansion of ``(I + D)(I − αD)² − I``).
 
+**Variants** (``variant=``). ``"official"`` is the authors' code: ``θ₊ = θ + Φ₊ − αθ(A − I)``.
+``"paper"`` is Algorithm 1 as printed, read as "Φ first, then θ with the new Φ": the θ step
+takes only the tangent part of the velocity, ``θ₊ = θ + Φ₊ − θN sym(θᵀΦ₊) − αθ(A − I)``. With
+``θᵀΦ₊ = θᵀ(sU) + A M_Φ = T + A M_Φ`` that is one more ``p × p`` term in ``M_θ``:
+``M_θ = M_Φ + F``, ``F = −α(A − I) − N sym(T + A M_Φ)``; the update pass is unchanged.
+
 ``lr``, ``beta``, ``alpha`` are floats or ``(L, 1, 1)`` tensors (per-layer values).
 """
 
@@ -34,7 +40,19 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Middle", "middle", "sym", "trust_scale", "fallback_distance", "join_checks", "grad_sq", "scaled_hyper"]
+VARIANTS = ("official", "paper")
+
+__all__ = [
+    "VARIANTS",
+    "Middle",
+    "middle",
+    "sym",
+    "trust_scale",
+    "fallback_distance",
+    "join_checks",
+    "grad_sq",
+    "scaled_hyper",
+]
 
 Scalar = float | torch.Tensor
 
@@ -42,7 +60,7 @@ Scalar = float | torch.Tensor
 class Middle(NamedTuple):
     m_theta: torch.Tensor  # (L, p, p) M_θ = M_Φ + F
     m_phi: torch.Tensor  # (L, p, p) M_Φ
-    feedback: torch.Tensor  # (L, p, p) F = −α(A − I), so that θ₊ = θ + Φ₊ + θF
+    feedback: torch.Tensor  # (L, p, p) F = M_θ − M_Φ, so that θ₊ = θ + Φ₊ + θF (official: −α(A − I))
     dist: torch.Tensor  # (L,) ‖A − I‖_F
     finite: torch.Tensor  # (L,) bool: inputs finite (‖g‖² and tr C; without them E = θᵀg)
     scale: torch.Tensor | None = None  # (L,) s of the update pass U → sU (None: 1, no guard)
@@ -95,6 +113,7 @@ def middle(
     g_sq: torch.Tensor | None = None,
     radius: float | None = None,
     limit: float | None = None,
+    variant: str = "official",
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -102,7 +121,8 @@ def middle(
     prediction). ``radius``: the trust radius ρ, ``None`` for no guard (then s = 1).
     ``limit``: the guard's bound on the predicted distance (``max_distance``); with
     ``radius`` it triggers the fallback, without it only ``dist_next`` is reported. Neither
-    given: the plain update, no prediction.
+    given: the plain update, no prediction. ``variant``: ``"official"`` or ``"paper"`` (see the
+    module docstring).
     """
     p = a.shape[-1]
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
@@ -133,8 +153,13 @@ def middle(
         inner = inner - c - (beta - 1.0) * sb + n_inv @ b @ sb  # −C − (β−1)S + η sym(E) + NBS
         inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
     m_phi = n_inv @ inner  # M_Φ = N[…]
-    feedback = -alpha * a_minus_i  # F = −α(A − I)
-    m_theta = m_phi + feedback  # M_θ = M_Φ − α(A − I)
+    pull_back = -alpha * a_minus_i  # −α(A − I)
+    feedback = pull_back  # F = −α(A − I)
+    if variant == "paper":  # the θ step's velocity projected on the tangent space
+        t_phi = e * (-lr) if b is None else b * beta - e * lr  # T = θᵀ(sU) = β sB − η sE
+        feedback = pull_back - n_inv @ sym(t_phi.add_(a @ m_phi))  # F = −α(A − I) − N sym(T + A M_Φ)
+        del t_phi
+    m_theta = m_phi + feedback  # M_θ = M_Φ + F
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
@@ -161,7 +186,8 @@ def middle(
     ok = finite_next & (dist_next <= limit) if limit is not None else finite_next
     keep = ok.view(-1, 1, 1)
     m_phi = m_phi.masked_fill_(~keep, 0.0)  # reset: Φ₊ = 0·U + θ·0
-    m_theta = torch.where(keep, m_theta, feedback)  # θ₊ = θ + θF
+    m_theta = torch.where(keep, m_theta, pull_back)  # θ₊ = θ − αθ(A − I)
+    feedback = torch.where(keep, feedback, pull_back) if variant == "paper" else feedback
     scale = torch.where(ok, scale, torch.zeros_like(scale))
     reset_dist = fallback_distance(a_minus_i, alpha)
     dist_next = torch.where(ok, dist_next, reset_dist)

@@ -3,7 +3,7 @@
 A backend is a function
 
     prepare(params, grads, bufs, fresh, *, lr, momentum, feedback, check_finite, precision,
-            trust_radius, max_distance, [reduce, shapes]) -> StepPlan
+            trust_radius, max_distance, variant, [reduce, shapes]) -> StepPlan
 
 over the orthogonal parameters of one device:
 
@@ -17,7 +17,9 @@ over the orthogonal parameters of one device:
   ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it;
 * ``trust_radius`` — ρ of the step guard (:mod:`.algebra`), ``None`` for no guard;
 * ``max_distance`` — the guard's limit on the predicted distance after the step; without a
-  guard, a request to predict it (``None``: no prediction).
+  guard, a request to predict it (``None``: no prediction);
+* ``variant`` — ``"official"`` (the authors' code) or ``"paper"`` (Algorithm 1 as printed:
+  the θ step takes the tangent part of Φ₊; :mod:`.algebra`).
 
 Row shards (optional; a backend that supports them sets ``prepare.row_shards = True``, the
 others only ever see whole matrices):
@@ -107,6 +109,7 @@ class Backend(Protocol):
         precision: str = "ieee",
         trust_radius: float | None = None,
         max_distance: float | None = None,
+        variant: str = "official",
         reduce: Callable[[list[torch.Tensor]], None] | None = None,
         shapes: list[torch.Size] | None = None,
     ) -> StepPlan: ...
@@ -265,17 +268,19 @@ def middle_of_runs(
     g_sq=None,
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
 
     ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
     ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
     ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
-    θ slot holds ``F = −α(A − I)`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
+    θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
     ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
     kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
     (``(layers,)`` float64 ‖g‖², launch order), ``trust_radius``, ``max_distance``: the step
-    guard (:func:`.algebra.middle`). Products in IEEE fp32 whatever the global TF32 setting.
+    guard (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in
+    IEEE fp32 whatever the global TF32 setting.
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -300,6 +305,7 @@ def middle_of_runs(
                 g_sq=g_sq[r.first : r.end] if g_sq is not None else None,
                 radius=trust_radius,
                 limit=max_distance,
+                variant=variant,
             )
             m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
             out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)

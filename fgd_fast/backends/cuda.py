@@ -140,7 +140,21 @@ def _operand(t: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, int, int]
 class _Class:
     """The layers of one dtype: tables, Gram pass and middle (prepare); update (apply)."""
 
-    def __init__(self, idx, params, grads, bufs, fresh, lr, beta, alpha, dtype, trust_radius=None, max_distance=None):
+    def __init__(
+        self,
+        idx,
+        params,
+        grads,
+        bufs,
+        fresh,
+        lr,
+        beta,
+        alpha,
+        dtype,
+        trust_radius=None,
+        max_distance=None,
+        variant="official",
+    ):
         device = params[idx[0]].device
         self.device, self.code, self.acc = device, _CODE[dtype], compute_dtype(dtype)
         acc_bytes = torch.finfo(self.acc).bits // 8
@@ -217,6 +231,7 @@ class _Class:
             g_sq=g_sq,
             trust_radius=trust_radius,
             max_distance=max_distance,
+            variant=variant,
         )
         self.dist, self.finite = checks.dist, checks.finite
         self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
@@ -264,6 +279,7 @@ def prepare_cuda(
     precision="ieee",
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
@@ -274,7 +290,7 @@ def prepare_cuda(
             raise TypeError(f"backend='cuda' supports float16/bfloat16/float32/float64 parameters, got {param.dtype}")
         classes[param.dtype].append(i)
     built = [
-        _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance)
+        _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance, variant)
         for dtype, idx in classes.items()
     ]
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)

@@ -8,6 +8,9 @@ authors' sequence allows: the scale ``s = min(1, ρ/(‖Φ‖ + η‖g‖))`` co
 sequence runs on ``sΦ, sg``; the distance after the step is then computed exactly from the
 candidate θ₊ (the batched backends bound it from ``p × p`` blocks), and a candidate beyond
 ``max_distance`` or non-finite is replaced by ``θ₊ = θ − αθ(A − I)``, ``Φ₊ = 0``.
+
+``variant="paper"`` (Algorithm 1 as printed) moves θ by the tangent part of Φ₊ only:
+``θ₊ = θ + Φ₊ − θN sym(θᵀΦ₊) − αθ(A − I)``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def prepare_reference(
     precision="ieee",
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ):
     """Compute every θ₊, Φ₊ now (nothing is written); ``apply`` only copies them into place."""
     dists, finite, results, dist_next, finite_next, guarded = [], [], [], [], [], []
@@ -84,6 +88,9 @@ def prepare_reference(
             phi_new = _velocity(theta, phi, g, lr=lr[i], momentum=momentum[i], feedback=feedback[i])
             fb_theta = -feedback[i] * theta @ a_minus_i  # fb_θ = −α θ (A − I)
             theta_new = theta + phi_new + fb_theta
+            if variant == "paper":  # the θ step takes Φ₊'s tangent part: − θN sym(θᵀΦ₊)
+                n_inv = eye - a_minus_i  # N = 2I − A
+                theta_new = theta_new - theta @ n_inv @ sym(theta.t() @ phi_new)
             if predict:  # the distance after the step, exactly, from the candidate θ₊
                 d_new = torch.linalg.matrix_norm(theta_new.t() @ theta_new - eye).to(torch.float64)
                 fin_new = torch.isfinite(d_new) & torch.isfinite(phi_new).all()

@@ -185,19 +185,26 @@ class _Bucket:
         middle_numel: int,
         trust_radius: float | None = None,
         max_distance: float | None = None,
+        variant: str = "official",
     ) -> None:
         """Gram pass and middle, chunk by chunk (the Grams of one middle chunk alive at once)."""
-        self.start(middle_numel, trust_radius, max_distance)
+        self.start(middle_numel, trust_radius, max_distance, variant)
         for gemm_chunks in self.plan:
             self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
         self.finish(self.finite_flags() if check_finite else None)
 
-    def start(self, middle_numel: int, trust_radius: float | None = None, max_distance: float | None = None) -> None:
+    def start(
+        self,
+        middle_numel: int,
+        trust_radius: float | None = None,
+        max_distance: float | None = None,
+        variant: str = "official",
+    ) -> None:
         self.plan = self.chunks(middle_numel)
         p, count = self.p, len(self.layers)
         self.m_phi = torch.empty((count, p, p), dtype=self.cdt, device=self.params[0].device)
         self.m_second = torch.empty_like(self.m_phi)  # F (with Φ) or M_θ (without)
-        self.guard = dict(radius=trust_radius, limit=max_distance)
+        self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant)
         self.predict = trust_radius is not None or max_distance is not None
         self.mids = []
 
@@ -362,6 +369,7 @@ def prepare_torch(
     shapes=None,
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
@@ -393,11 +401,12 @@ def prepare_torch(
                     middle_numel=middle_numel,
                     trust_radius=trust_radius,
                     max_distance=max_distance,
+                    variant=variant,
                 )
         else:  # two phases around one reduce: every bucket's partial Grams, Σ over ranks, every middle
             held = []
             for b in buckets:
-                b.start(middle_numel, trust_radius, max_distance)
+                b.start(middle_numel, trust_radius, max_distance, variant)
                 held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
             _reduce_packed(reduce, [chunk for blocks in held for chunk in blocks], bad)

@@ -159,11 +159,12 @@ def _order(layers, params):
     return layers, [stiefel_shape(params[i].shape)[:2] for i in layers]
 
 
-def _guard(ops, trust_radius, max_distance) -> dict:
+def _guard(ops, trust_radius, max_distance, variant) -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
     multi-tensor torch op on the inputs (the Gram kernels do not take it)."""
     predict = trust_radius is not None or max_distance is not None
-    return dict(g_sq=grad_sq(ops.grad) if predict else None, trust_radius=trust_radius, max_distance=max_distance)
+    g_sq = grad_sq(ops.grad) if predict else None
+    return dict(g_sq=g_sq, trust_radius=trust_radius, max_distance=max_distance, variant=variant)
 
 
 class _Checked:
@@ -239,6 +240,7 @@ class _Class(_Checked):
         precision,
         trust_radius=None,
         max_distance=None,
+        variant="official",
     ):
         device = params[layers[0]].device
         self.acc = compute_dtype(dtype)
@@ -299,7 +301,7 @@ class _Class(_Checked):
                 ops.hyper,
                 runs,
                 feedback_with_phi=True,
-                **_guard(ops, trust_radius, max_distance),
+                **_guard(ops, trust_radius, max_distance, variant),
             )
         )
         self.p_max = max(p for _, p in np_list)
@@ -442,6 +444,7 @@ class _TensorCoreClass(_Checked):
         precision,
         trust_radius=None,
         max_distance=None,
+        variant="official",
     ):
         device = params[layers[0]].device
         self.has_phi, self.rows = has_phi, rows
@@ -543,7 +546,7 @@ class _TensorCoreClass(_Checked):
                 runs,
                 assemble=assemble,
                 transposed=True,
-                **_guard(ops, trust_radius, max_distance),
+                **_guard(ops, trust_radius, max_distance, variant),
             )
         )
         self.programs = _persistent(sh.update_work.shape[0], device)
@@ -580,6 +583,7 @@ def prepare_triton(
     precision="ieee",
     trust_radius=None,
     max_distance=None,
+    variant="official",
 ):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
@@ -605,6 +609,7 @@ def prepare_triton(
                     precision,
                     trust_radius,
                     max_distance,
+                    variant,
                 )
             )
         else:
@@ -623,6 +628,7 @@ def prepare_triton(
                     precision,
                     trust_radius,
                     max_distance,
+                    variant,
                 )
             )
     return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)
