@@ -85,6 +85,43 @@ def fgd_paper_step(w, grad, phi, *, lr, momentum, feedback, dtype=np.float64):
     return from_theta(th_new, np.shape(w)), (eta * ph if momentum != 0 else None)
 
 
+def landing_step(w, grad, buf, *, lr, momentum, attraction, eps, dampening=0.0, nesterov=False, weight_decay=0.0):
+    """One step of Landing on St(n, p) (Ablin & Peyré 2022; Ablin, Vary, Gao & Absil 2023),
+    float64, written from the papers with the ``n × n`` relative gradient formed explicitly:
+
+        ψ = skew(G Xᵀ) X,  skew(M) = (M − Mᵀ)/2;  M ← μM + (1 − τ)ψ (M = ψ first);
+        Λ = M (or ψ + μM, Nesterov) + λ X (XᵀX − I);  X ← X − η Λ
+
+    η = min(lr, η*) with η* the positive root of β η² − α η − (ε − d) = 0, d = ‖XᵀX − I‖_F,
+    a = ‖M‖_F, α = 2(λd − ad − 2λd), β = a² + λ²d³ + 2λad² + a²d (``eps`` None: η = lr); beyond
+    ε the step is X ← X − min(lr, 1/(2λ)) λ X(XᵀX − I). ``buf`` is M in θ form or None.
+    """
+    x = to_theta(np.asarray(w, dtype=np.float64))
+    g = to_theta(np.asarray(grad, dtype=np.float64)) + weight_decay * x
+    n, p = x.shape
+    rel = g @ x.T  # the n × n relative gradient G Xᵀ
+    psi = 0.5 * (rel - rel.T) @ x
+    new_buf = None
+    direction = psi
+    if momentum != 0:
+        new_buf = psi.copy() if buf is None else momentum * buf + (1 - dampening) * psi
+        direction = psi + momentum * new_buf if nesterov else new_buf
+    dist = x.T @ x - np.eye(p)
+    normal = attraction * x @ dist
+    if eps is None:
+        return from_theta(x - lr * (direction + normal), np.shape(w)), new_buf
+    d, a, lam = np.linalg.norm(dist), np.linalg.norm(direction), attraction
+    if d >= eps:
+        return from_theta(x - min(lr, 1 / (2 * lam)) * normal, np.shape(w)), new_buf
+    alpha = 2 * (lam * d - a * d - 2 * lam * d)
+    beta = a**2 + lam**2 * d**3 + 2 * lam * a * d**2 + a**2 * d
+    if beta == 0:
+        eta = lr
+    else:
+        eta = min(lr, max(np.roots([beta, -alpha, -(eps - d)]).real))
+    return from_theta(x - eta * (direction + normal), np.shape(w)), new_buf
+
+
 def sgd_step(w, grad, buf, *, lr, momentum, dampening, weight_decay, nesterov):
     d = grad + weight_decay * w
     if momentum != 0:

@@ -1,0 +1,140 @@
+"""``fgd_fast.baselines.LandingSGD`` against a float64 oracle written from the Landing papers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.baselines import LandingSGD
+from helpers import assert_unchanged, snapshot
+from oracle import landing_step, random_stiefel, sgd_step, stiefel_dist
+
+SHAPES = [(8, 4, 3, 3), (5, 40), (40, 5), (12, 12), (1, 7), (13, 7, 3)]
+
+
+def _run(options, steps=15, lr=0.1, seed=0, scale=None):
+    """LandingSGD and the oracle on one gradient stream (default: unit-norm gradients)."""
+    rng = np.random.default_rng(seed)
+    w0 = [random_stiefel(rng, s) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.tensor(w)) for w in w0]
+    opt = LandingSGD([dict(params=params, orthogonal=True)], lr=lr, **options)
+    ow, obuf = [w.copy() for w in w0], [None] * len(SHAPES)
+    oracle_opts = dict(
+        momentum=options.get("momentum", 0.9),
+        attraction=options.get("attraction", 1.0),
+        eps=options.get("safe_distance", 0.5),
+        dampening=options.get("dampening", 0.0),
+        nesterov=options.get("nesterov", False),
+        weight_decay=options.get("weight_decay", 0.0),
+    )
+    for _ in range(steps):
+        grads = [rng.standard_normal(s) * (scale or 1 / np.sqrt(np.prod(s))) for s in SHAPES]
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+        for i in range(len(SHAPES)):
+            ow[i], obuf[i] = landing_step(ow[i], grads[i], obuf[i], lr=lr, **oracle_opts)
+    return params, opt, ow, obuf
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(momentum=0.0),
+        dict(momentum=0.8, nesterov=True),
+        dict(momentum=0.5, dampening=0.3, weight_decay=1e-3, attraction=0.5),
+        dict(safe_distance=None, attraction=2.0),
+    ],
+    ids=["default", "no-momentum", "nesterov", "dampening-wd", "no-safe-step"],
+)
+def test_float64_matches_the_oracle(options):
+    params, opt, ow, obuf = _run(options)
+    for p, w, b in zip(params, ow, obuf):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=0, atol=1e-12)
+        buf = opt.state[p].get("momentum_buffer")
+        if b is None:
+            assert buf is None
+        else:
+            np.testing.assert_allclose(fgd_fast.as_stiefel(buf).numpy(), b, rtol=0, atol=1e-12)
+
+
+def test_the_safe_step_binds_and_keeps_every_step_inside_the_safe_distance():
+    """lr = 10 with gradients of norm ~3√(np): the plain step would leave the manifold at once;
+    the safe step takes smaller steps (matching the oracle) and, without momentum (where the
+    direction is tangent-like: θᵀψ is skew), every iterate stays within ε."""
+    rng = np.random.default_rng(1)
+    w0 = [random_stiefel(rng, s) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.tensor(w)) for w in w0]
+    opt = LandingSGD([dict(params=params, orthogonal=True)], lr=10.0, momentum=0.0, safe_distance=0.3)
+    for _ in range(30):
+        for p in params:
+            p.grad = torch.randn(p.shape, dtype=p.dtype) * 3
+        opt.step()
+        assert max(stiefel_dist(p.detach().numpy()) for p in params) <= 0.3 + 1e-12
+    params2, _, ow, _ = _run(dict(safe_distance=0.3), steps=10, lr=10.0, scale=3.0)
+    for p, w in zip(params2, ow):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=0, atol=1e-10)
+
+
+def test_beyond_the_safe_distance_it_lands():
+    """A θ already 0.6 off (ε = 0.5): the step is the attraction alone and the distance falls
+    quadratically (D → O(D²) at η = 1/(2λ))."""
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 20, dtype=torch.float64)) * 1.2)
+    before = fgd_fast.stiefel_distance(w)
+    assert before > 0.5
+    opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=0.5, momentum=0.0)  # ηλ = ½: D → O(D²)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert fgd_fast.stiefel_distance(w) < 0.3 * before
+    for _ in range(3):
+        w.grad = torch.randn_like(w) * 1e-3
+        opt.step()
+    assert fgd_fast.stiefel_distance(w) < 1e-3
+
+
+def test_euclidean_groups_are_torch_sgd():
+    rng = np.random.default_rng(2)
+    w0 = rng.standard_normal((4, 3))
+    p = torch.nn.Parameter(torch.tensor(w0))
+    opt = LandingSGD([dict(params=[p])], lr=0.1, momentum=0.9, weight_decay=0.01)
+    w, buf = w0.copy(), None
+    for _ in range(4):
+        g = rng.standard_normal((4, 3))
+        p.grad = torch.tensor(g)
+        opt.step()
+        w, buf = sgd_step(w, g, buf, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False)
+    np.testing.assert_allclose(p.detach().numpy(), w, rtol=0, atol=1e-14)
+
+
+def test_a_non_finite_gradient_raises_and_changes_nothing():
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s))) for s in [(4, 9), (8, 3)]]
+    opt = LandingSGD([dict(params=params, orthogonal=True)], lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params[1].grad = torch.full_like(params[1], float("nan"))
+    net = torch.nn.ParameterList(params)
+    snap = snapshot(net, opt)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+
+
+def test_options_are_checked_and_carried():
+    p = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9)))
+    with pytest.raises(ValueError, match="safe_distance"):
+        LandingSGD([p], lr=0.1, safe_distance=1.5)
+    with pytest.raises(ValueError, match="attraction"):
+        LandingSGD([dict(params=[p], orthogonal=True)], lr=0.1, attraction=0.0)
+    opt = LandingSGD([dict(params=[p], orthogonal=True)], lr=0.1, safe_distance=None)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    other = LandingSGD([dict(params=[p], orthogonal=True)], lr=0.1)
+    other.load_state_dict(opt.state_dict())
+    assert other.safe_distance is None
+    torch.testing.assert_close(other.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+    with pytest.raises(ValueError, match="LandingSGD"):
+        other.load_state_dict(torch.optim.SGD([p], lr=0.1).state_dict())
