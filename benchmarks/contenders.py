@@ -20,6 +20,8 @@ name                        what
 ``cayley-sgd-dense``        ``CayleySGD(form="dense")`` (``n × n`` skew matrix, as the
                             public code)
 ``cayley-adam-lowrank``     ``CayleyADAM(form="lowrank")``
+``landing-sgd``             ``LandingSGD`` (Landing with the safe step; attraction 1, safe
+                            distance 0.5): retraction-free and O(np²) like FGD
 ``geoopt-qr``               geoopt ``RiemannianSGD`` on ``EuclideanStiefel`` (QR retraction)
 ``geoopt-canonical``        geoopt ``RiemannianSGD`` on ``CanonicalStiefel`` (Cayley
                             retraction by an ``n × n`` solve)
@@ -48,7 +50,7 @@ from torch import nn
 import fgd_fast
 from fgd_fast._matrix import as_stiefel
 from fgd_fast.backends import BackendUnavailable, resolve_backend
-from fgd_fast.baselines import CayleyADAM, CayleySGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
 
 __all__ = ["CONTENDERS", "Case", "Contender", "contender", "unavailable", "MOMENTUM", "FEEDBACK"]
 
@@ -139,6 +141,11 @@ def _cayley(cls, **options) -> Callable[[nn.Module, str, float], Case]:
     return make
 
 
+def _landing(model, rule, lr):
+    group = fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False)[0]
+    return Case(LandingSGD([group], lr=lr, momentum=MOMENTUM), group["params"])
+
+
 def _geoopt(canonical: bool) -> Callable[[nn.Module, str, float], Case]:
     def make(model, rule, lr):
         names = [n for n, _ in fgd_fast.select_stiefel(model, rule)]
@@ -164,7 +171,7 @@ class Contender:
     """A named way to optimize the constrained weights of a model."""
 
     name: str
-    family: str  # "fgd", "cayley", "geoopt", "torch-orthogonal" or "sgd"
+    family: str  # "fgd", "cayley", "landing", "geoopt", "torch-orthogonal" or "sgd"
     make: Callable[[nn.Module, str, float], Case]
     backend: str | None = None  # FGD's backend argument
     precision: str | None = None  # FGD's precision argument (None: FGD's default)
@@ -183,6 +190,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("cayley-sgd-lowrank", "cayley", _cayley(CayleySGD, form="lowrank")),
     Contender("cayley-sgd-dense", "cayley", _cayley(CayleySGD, form="dense")),
     Contender("cayley-adam-lowrank", "cayley", _cayley(CayleyADAM, form="lowrank")),
+    Contender("landing-sgd", "landing", _landing),
     Contender("geoopt-qr", "geoopt", _geoopt(canonical=False)),
     Contender("geoopt-canonical", "geoopt", _geoopt(canonical=True)),
     Contender("torch-orthogonal", "torch-orthogonal", _torch_orthogonal),

@@ -37,6 +37,7 @@ ORDER = (
     "cayley-sgd-lowrank",
     "cayley-sgd-dense",
     "cayley-adam-lowrank",
+    "landing-sgd",
     "geoopt-qr",
     "geoopt-canonical",
     "torch-orthogonal",

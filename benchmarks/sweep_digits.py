@@ -1,12 +1,13 @@
-"""How FGD's lr and feedback move accuracy and distance from the manifold: a small grid on
-scikit-learn's digits, with exactly the set-up of ``benchmarks/train.py`` (small CNN, batch
-32, the authors' schedule scaled to the run, Euclidean lr 0.05, momentum 0.9).
+"""How an optimizer's lr and its second knob move accuracy and distance from the manifold: a
+small grid on scikit-learn's digits, with exactly the set-up of ``benchmarks/train.py`` (small
+CNN, batch 32, the authors' schedule scaled to the run, Euclidean lr 0.05, momentum 0.9).
 
-    python benchmarks/sweep_digits.py [--epochs 3] [--lr 0.05,0.1,0.2,0.4,0.8] \\
-        [--feedback 0.1,0.2,0.4,0.7] [--out benchmarks/results/NAME.md]
+    python benchmarks/sweep_digits.py [--optimizer fgd] [--epochs 3] [--lr 0.05,0.1,0.2,0.4,0.8] \\
+        [--second 0.1,0.2,0.4,0.7] [--out benchmarks/results/NAME.md]
 
-For each (lr, feedback) it reports the final test accuracy, the final max ‖θᵀθ − I‖_F and the
-peak of that distance during the run (at the ``--evals-per-epoch`` points), next to an
+The second knob is FGD's ``feedback`` α, or LandingSGD's ``attraction`` λ (``--optimizer
+landing``, default grid 0.5,1,2,4). For each (lr, second) it reports the final test accuracy,
+the final max ‖θᵀθ − I‖_F and the peak of that distance during the run (at the ``--evals-per-epoch`` points), next to an
 ``sgd`` run of the same length. Writes a Markdown report (and the raw numbers as ``.json``).
 """
 
@@ -24,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train  # noqa: E402
 
+#: per optimizer: its second knob and the default grid of it
+KNOB = {"fgd": ("feedback", "0.1,0.2,0.4,0.7"), "landing": ("attraction", "0.5,1,2,4")}
+
 
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
@@ -33,18 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", default="0.05,0.1,0.2,0.4,0.8", help="Stiefel learning rates")
-    ap.add_argument("--feedback", default="0.1,0.2,0.4,0.7", help="feedback values α")
+    ap.add_argument("--optimizer", choices=tuple(KNOB), default="fgd")
+    ap.add_argument("--second", "--feedback", dest="second", help="values of the second knob (default per optimizer)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="out/sweep-digits.md")
     ap.add_argument("--render", metavar="JSON", help="only print the report of an earlier run's .json")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        knob = result.get("knob", "feedback")
         lrs = sorted({g["lr"] for g in result["grid"]})
-        fbs = sorted({g["feedback"] for g in result["grid"]})
+        fbs = sorted({g[knob] for g in result["grid"]})
         print("\n".join(render(result, lrs, fbs)))
         return 0
-    lrs, fbs = _floats(args.lr), _floats(args.feedback)
+    opt_name, knob = args.optimizer, KNOB[args.optimizer][0]
+    lrs, fbs = _floats(args.lr), _floats(args.second or KNOB[opt_name][1])
     t0 = time.perf_counter()
     targs = train.parse_args(
         [
@@ -66,16 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     grid = []
     for lr in lrs:
         for fb in fbs:
-            settings = train.settings_for("fgd", {"fgd": {"lr": lr, "feedback": fb}})
-            r = train.train(["fgd"], base, data, cfg, {"fgd": settings}, progress=False)["fgd"]
+            settings = train.settings_for(opt_name, {opt_name: {"lr": lr, knob: fb}})
+            r = train.train([opt_name], base, data, cfg, {opt_name: settings}, progress=False)[opt_name]
             if "error" in r:  # diverged, or left the manifold (FGD's max_distance check)
-                grid.append({"lr": lr, "feedback": fb, "failed": r["error"]})
+                grid.append({"lr": lr, knob: fb, "failed": r["error"]})
                 continue
             peak = max(e["max_distance"] for e in r["history"]["eval"])
             grid.append(
                 {
                     "lr": lr,
-                    "feedback": fb,
+                    knob: fb,
                     "test_accuracy": r["test_accuracy"],
                     "max_distance": r["max_distance"],
                     "peak_max_distance": peak,
@@ -83,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(
-                f"lr {lr:<5g} feedback {fb:<4g} acc {100 * r['test_accuracy']:5.1f} %  "
+                f"lr {lr:<5g} {knob} {fb:<4g} acc {100 * r['test_accuracy']:5.1f} %  "
                 f"distance {r['max_distance']:.1e} (peak {peak:.1e})",
                 flush=True,
             )
     result = {
+        "optimizer": opt_name,
+        "knob": knob,
         "grid": grid,
         "sgd": {k: sgd[k] for k in ("test_accuracy", "max_distance", "train_loss", "settings")},
         "config": cfg,
@@ -103,21 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cell(grid, lr, fb, key, fmt) -> str:
+def _cell(grid, lr, fb, key, fmt, knob="feedback") -> str:
     for g in grid:
-        if g["lr"] == lr and g["feedback"] == fb:
+        if g["lr"] == lr and g[knob] == fb:
             return "stopped¹" if "failed" in g else fmt(g[key])
     return "—"
 
 
 def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
     cfg, dev, sgd = result["config"], result["device"], result["sgd"]
-    head = "| Stiefel lr \\ feedback | " + " | ".join(f"{f:g}" for f in fbs) + " |"
+    knob, name = result.get("knob", "feedback"), result.get("optimizer", "fgd")
+    title = {"fgd": "FGD", "landing": "LandingSGD"}.get(name, name)
+    head = f"| Stiefel lr \\ {knob} | " + " | ".join(f"{f:g}" for f in fbs) + " |"
     rule = "|---" * (len(fbs) + 1) + "|"
+    flag = "" if name == "fgd" else f" --optimizer {name}"
     lines = [
-        "# FGD on digits: test accuracy and distance across lr and feedback",
+        f"# {title} on digits: test accuracy and distance across lr and {knob}",
         "",
-        f"`python benchmarks/sweep_digits.py` ({cfg['model']}, {cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps "
+        f"`python benchmarks/sweep_digits.py{flag}` ({cfg['model']}, {cfg['epochs']} epochs × "
+        f"{cfg['steps_per_epoch']} steps "
         f"of {cfg['batch_size']}, lr × {cfg['gamma']} at steps {cfg['milestones']}, Euclidean lr 0.05, momentum 0.9); "
         f"{dev.get('cpu')}, {cfg['torch_threads']} torch thread(s), load average {dev.get('load_average')}, "
         f"torch {result['versions']['torch']}, commit "
@@ -130,14 +143,14 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
         rule,
     ]
     for lr in lrs:
-        cells = [_cell(result["grid"], lr, f, "test_accuracy", lambda v: f"{100 * v:.1f}") for f in fbs]
+        cells = [_cell(result["grid"], lr, f, "test_accuracy", lambda v: f"{100 * v:.1f}", knob) for f in fbs]
         lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
     lines += ["", "Max ‖θᵀθ − I‖_F at the end (peak during the run):", "", head, rule]
     for lr in lrs:
         cells = [
-            _cell(result["grid"], lr, f, "max_distance", lambda v: f"{v:.1e}")
+            _cell(result["grid"], lr, f, "max_distance", lambda v: f"{v:.1e}", knob)
             + " ("
-            + _cell(result["grid"], lr, f, "peak_max_distance", lambda v: f"{v:.0e}")
+            + _cell(result["grid"], lr, f, "peak_max_distance", lambda v: f"{v:.0e}", knob)
             + ")"
             for f in fbs
         ]
@@ -145,7 +158,7 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
     failed = [g for g in result["grid"] if "failed" in g]
     if failed:
         lines += ["", "¹ the run stopped with an error:", ""]
-        lines += [f"- lr {g['lr']:g}, feedback {g['feedback']:g}: {g['failed'].split(';')[0]})" for g in failed]
+        lines += [f"- lr {g['lr']:g}, {knob} {g[knob]:g}: {g['failed'].split(';')[0]})" for g in failed]
     return lines
 
 

@@ -5,7 +5,7 @@ Stiefel manifold.
 Usage (from the repository root; ``pip install 'fgd_fast[examples]'`` brings scikit-learn,
 matplotlib and tqdm)::
 
-    python benchmarks/train.py                                   # digits, sgd/fgd/cayley-sgd/cayley-adam
+    python benchmarks/train.py                                   # digits, sgd/fgd/cayley-sgd/cayley-adam/landing
     python benchmarks/train.py --dataset digits --epochs 3 --out OUT
     python benchmarks/train.py --dataset cifar10 --data-dir DIR --epochs 200   # the paper's run
     python benchmarks/train.py --dataset synthetic --model wrn --depth 28 --width 10 \\
@@ -61,7 +61,7 @@ from train_data import DATASETS, Dataset, load_dataset  # noqa: E402
 from train_optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
 from train_report import plot, summary_lines  # noqa: E402
 
-DEFAULT_OPTIMIZERS = "sgd,fgd,cayley-sgd,cayley-adam"
+DEFAULT_OPTIMIZERS = "sgd,fgd,cayley-sgd,cayley-adam,landing"
 MILESTONES = (0.3, 0.6, 0.8)  # the authors' epochs 60, 120, 160 of 200
 
 
@@ -162,7 +162,7 @@ def optimizer_names(spec: str, device: torch.device) -> tuple[list[str], dict[st
     ok, why = available_fgd_backends(device)
     if spec == "all":
         auto = fgd_fast.functional.backend_for("auto", device)
-        names = ["sgd", "fgd"] + [f"fgd-{b}" for b in ok if b != auto] + ["cayley-sgd", "cayley-adam"]
+        names = ["sgd", "fgd"] + [f"fgd-{b}" for b in ok if b != auto] + ["cayley-sgd", "cayley-adam", "landing"]
         return names, {f"fgd-{b}": r for b, r in why.items()}
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for n in names:

@@ -13,6 +13,10 @@ Defaults (WRN-28-10 on CIFAR-10, batch 128, 200 epochs, every learning rate × 0
   (low-rank form). Li, Li & Todorovic's settings for the same network: Stiefel lr 0.1; the
   other parameters lr 0.8 (Cayley SGD) / 0.5 (Cayley ADAM), momentum 0.9, Nesterov for
   Cayley SGD, weight decay 5e-4.
+* ``landing``: :class:`fgd_fast.baselines.LandingSGD` (Ablin & Peyré; the Stiefel version with
+  the safe step of Ablin, Vary, Gao & Absil): momentum 0.9 on the relative gradient, safe
+  distance 0.5 (the authors' default); its Stiefel lr and attraction λ from a small sweep on
+  digits (``benchmarks/sweep_digits.py --optimizer landing``), the other parameters as FGD's.
 
 Each optimizer constrains the same weights (``stiefel_param_groups`` with the chosen rule);
 ``sgd`` leaves them free, and its distance from the manifold shows how far they drift.
@@ -28,7 +32,7 @@ from torch import nn
 
 import fgd_fast
 from fgd_fast.backends import BackendUnavailable
-from fgd_fast.baselines import CayleyADAM, CayleySGD
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD
 from fgd_fast.functional import backend_for
 
 __all__ = ["SETTINGS", "FAMILIES", "available_fgd_backends", "build_optimizer", "settings_for"]
@@ -38,6 +42,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fgd": dict(lr=0.2, feedback=0.4, momentum=0.9, euclidean_lr=0.05, weight_decay=5e-4, guard=True),
     "cayley-sgd": dict(lr=0.1, momentum=0.9, euclidean_lr=0.8, weight_decay=5e-4, nesterov=True),
     "cayley-adam": dict(lr=0.1, beta1=0.9, beta2=0.99, euclidean_lr=0.5, weight_decay=5e-4),
+    "landing": dict(lr=0.2, attraction=2.0, momentum=0.9, safe_distance=0.5, euclidean_lr=0.05, weight_decay=5e-4),
 }
 FAMILIES = tuple(SETTINGS)
 
@@ -111,5 +116,10 @@ def build_optimizer(name: str, model: nn.Module, rule: str, s: dict[str, Any]) -
     if fam == "cayley-sgd":
         groups = _groups(model, rule, dict(lr=s["lr"]), dict(euclid, nesterov=s["nesterov"]))
         return CayleySGD(groups, lr=s["lr"], momentum=s["momentum"])
+    if fam == "landing":
+        groups = _groups(model, rule, dict(lr=s["lr"], weight_decay=0.0), euclid)
+        return LandingSGD(
+            groups, lr=s["lr"], momentum=s["momentum"], attraction=s["attraction"], safe_distance=s["safe_distance"]
+        )
     groups = _groups(model, rule, dict(lr=s["lr"]), euclid)
     return CayleyADAM(groups, lr=s["lr"], betas=(s["beta1"], s["beta2"]))

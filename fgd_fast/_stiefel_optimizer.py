@@ -141,7 +141,8 @@ class StiefelOptimizer(Optimizer):
         dampening: float = 0.0,
         nesterov: bool = False,
     ) -> None:
-        """``torch.optim.SGD`` on Euclidean ``params`` of ``group``, Φ in ``momentum_buffer``."""
+        """``torch.optim.SGD`` on Euclidean ``params`` of ``group``, Φ in ``momentum_buffer``
+        (``maximize`` from the optimizer's options, where it has one)."""
         bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params]
         sgd(
             params,
@@ -152,6 +153,7 @@ class StiefelOptimizer(Optimizer):
             dampening=dampening,
             weight_decay=group["weight_decay"],
             nesterov=nesterov,
+            maximize=bool(self.defaults.get("maximize", False)),
         )
         if momentum != 0.0:
             for p, buf in zip(params, bufs):

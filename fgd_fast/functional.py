@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch.optim.sgd import sgd as _torch_sgd
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
@@ -209,27 +210,24 @@ def sgd(
     dampening: float,
     weight_decay: float,
     nesterov: bool,
+    maximize: bool = False,
 ) -> None:
-    """``torch.optim.SGD``'s update, for the parameters without a Stiefel constraint.
+    """``torch.optim.SGD``'s update, for the parameters without a Stiefel constraint: torch's
+    own functional SGD (``torch.optim.sgd.sgd``, so its multi-tensor grouping and options).
 
-    d ← g + λθ;  b ← μb + (1 − τ)d (b = d on the first step);  d ← d + μb (Nesterov) or b;
-    θ ← θ − η d
+    d ← ±g + λθ (−g with ``maximize``);  b ← μb + (1 − τ)d (b = d on the first step);
+    d ← d + μb (Nesterov) or b;  θ ← θ − η d. New buffers are stored into ``momentum_buffers``.
     """
     if not params:
         return
-    if weight_decay != 0.0:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # d = g + λθ
-    if momentum != 0.0:
-        fresh = [i for i, b in enumerate(momentum_buffers) if b is None]
-        old = [i for i, b in enumerate(momentum_buffers) if b is not None]
-        for i in fresh:
-            momentum_buffers[i] = torch.clone(grads[i]).detach()  # b = d
-        if old:
-            olds = [momentum_buffers[i] for i in old]
-            torch._foreach_mul_(olds, momentum)  # b ← μb + (1 − τ)d
-            torch._foreach_add_(olds, [grads[i] for i in old], alpha=1.0 - dampening)
-        if nesterov:
-            grads = torch._foreach_add(grads, momentum_buffers, alpha=momentum)  # d + μb
-        else:
-            grads = list(momentum_buffers)
-    torch._foreach_add_(params, grads, alpha=-lr)  # θ ← θ − η d
+    _torch_sgd(
+        params,
+        grads,
+        momentum_buffers,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        lr=lr,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+    )

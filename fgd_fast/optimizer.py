@@ -105,6 +105,8 @@ class FGD(StiefelOptimizer):
             ``p × p`` term in M_θ and no extra pass). The two differ by the normal part of Φ,
             a second-order term; the measured difference in the distance to the manifold is
             in ``docs/algorithm.md``.
+        maximize: maximise the objective instead (the gradient negated for every parameter,
+            as ``torch.optim.SGD(maximize=True)``); optimizer-wide.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class FGD(StiefelOptimizer):
         guard: bool = True,
         trust_radius: float = TRUST_RADIUS,
         variant: str = "official",
+        maximize: bool = False,
     ) -> None:
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
@@ -144,6 +147,7 @@ class FGD(StiefelOptimizer):
             guard=guard,
             trust_radius=trust_radius,
             variant=variant,
+            maximize=maximize,
         )
         self._validate_options(defaults)
         _check_group(defaults)
@@ -158,6 +162,7 @@ class FGD(StiefelOptimizer):
         guard=True,
         trust_radius=TRUST_RADIUS,
         variant="official",
+        maximize=False,
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
@@ -167,11 +172,13 @@ class FGD(StiefelOptimizer):
     max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
     guard = option("guard", "Whether the step guard (trust region + reset) is on (optimizer-wide).")
     trust_radius = option("trust_radius", "ρ of the guard's trust region on ‖Φ‖ + η‖g‖ (optimizer-wide).")
+    maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         check_choice("backend", options["backend"], BACKENDS)
         check_choice("variant", options["variant"], VARIANTS)
+        check_bool("maximize", options["maximize"])
         precision, backend = options["precision"], options["backend"]
         check_choice("precision", precision, PRECISIONS)
         if precision != "ieee" and backend not in PRECISION_BACKENDS:
@@ -217,7 +224,7 @@ class FGD(StiefelOptimizer):
             opts = self.defaults
             report = fgd(
                 orth["params"],
-                orth["grads"],
+                [-g for g in orth["grads"]] if opts["maximize"] else orth["grads"],  # maximize: ascend along g
                 orth["bufs"],
                 lr=orth["lr"],
                 momentum=orth["momentum"],

@@ -87,6 +87,7 @@ class LandingSGD(StiefelOptimizer):
             authors' ``safe_step``; default 0.5), or ``None`` for the plain step η = lr.
         check_finite: raise ``FloatingPointError`` (changing nothing) on a non-finite
             gradient or momentum buffer of an orthogonal parameter (one host synchronisation).
+        maximize: maximise the objective (the gradient negated for every parameter).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class LandingSGD(StiefelOptimizer):
         attraction: float = 1.0,
         safe_distance: float | None = 0.5,
         check_finite: bool = True,
+        maximize: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -112,15 +114,17 @@ class LandingSGD(StiefelOptimizer):
             orthogonal=False,
             safe_distance=safe_distance,
             check_finite=check_finite,
+            maximize=maximize,
         )
         self._validate_options(defaults)
         _check_group(defaults)
         super().__init__(params, defaults)
 
-    _OPTIONS = dict(safe_distance=0.5, check_finite=True)
+    _OPTIONS = dict(safe_distance=0.5, check_finite=True, maximize=False)
     _STATE_DICT_KEYS = ("orthogonal", "attraction")
     safe_distance = option("safe_distance", "ε of the safe step, or None (optimizer-wide).")
     check_finite = option("check_finite", "Raise on a non-finite gradient or buffer (optimizer-wide).")
+    maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         eps = options["safe_distance"]
@@ -132,6 +136,7 @@ class LandingSGD(StiefelOptimizer):
                     "to turn the safe step off"
                 )
         check_bool("check_finite", options["check_finite"])
+        check_bool("maximize", options["maximize"])
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
@@ -188,6 +193,8 @@ class LandingSGD(StiefelOptimizer):
         lr, mu, lam = float(group["lr"]), float(group["momentum"]), float(group["attraction"])
         theta = as_stiefel(p).to(cdt)
         g = as_stiefel(p.grad).to(cdt)
+        if self.maximize:
+            g = -g  # ascend
         if group["weight_decay"] != 0.0:
             g = g + float(group["weight_decay"]) * theta  # G + wd·θ
         eye = torch.eye(theta.shape[1], dtype=cdt, device=theta.device)
