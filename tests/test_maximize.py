@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.baselines import LandingSGD
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD
 
 
 def _net():
@@ -28,6 +28,8 @@ def _steps(make, maximize: bool, sign: float):
 MAKERS = {
     "FGD": lambda groups, m: fgd_fast.FGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3, maximize=m),
     "LandingSGD": lambda groups, m: LandingSGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3, maximize=m),
+    "CayleySGD": lambda groups, m: CayleySGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3, maximize=m),
+    "CayleyADAM": lambda groups, m: CayleyADAM(groups, lr=0.05, weight_decay=1e-3, maximize=m),
 }
 
 

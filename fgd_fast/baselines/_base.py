@@ -90,6 +90,7 @@ class CayleyBase(StiefelOptimizer):
         public_code_compat: bool,
         qr_period: int | None,
         check_finite: bool,
+        maximize: bool = False,
     ) -> None:
         """``defaults``: the subclass's hyper-parameters; the options left ``None`` get the
         plain or the public-code default (:func:`resolve_defaults`)."""
@@ -106,19 +107,23 @@ class CayleyBase(StiefelOptimizer):
             public_code_compat=public_code_compat,
             qr_period=d["qr_period"],
             check_finite=check_finite,
+            maximize=maximize,
         )
         self._validate_options(defaults)
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
     #: optimizer-wide options, kept in ``defaults`` (so copies and state_dicts keep them)
-    _OPTIONS = dict(form="lowrank", norm="fro", public_code_compat=False, qr_period=0, check_finite=True)
+    _OPTIONS = dict(
+        form="lowrank", norm="fro", public_code_compat=False, qr_period=0, check_finite=True, maximize=False
+    )
     _STATE_DICT_KEYS = ("orthogonal", "q", "s")
     form = option("form", '``"lowrank"`` or ``"dense"`` (optimizer-wide, kept in ``defaults``).')
     norm = option("norm", '``"fro"`` or ``"one"`` (optimizer-wide).')
     public_code_compat = option("public_code_compat", "Reproduce the public code (optimizer-wide).")
     qr_period = option("qr_period", "QR re-orthonormalisation period, 0 for never (optimizer-wide).")
     check_finite = option("check_finite", "Raise on a non-finite gradient (optimizer-wide).")
+    maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
 
     def _check_saved_state(self, p, group, state, text) -> None:
         for name in ("momentum_buffer", "exp_avg"):
@@ -152,6 +157,7 @@ class CayleyBase(StiefelOptimizer):
         check_bool("public_code_compat", options["public_code_compat"])
         check_int_at_least("qr_period", options["qr_period"], 0, "0 never re-orthonormalises by QR")
         check_bool("check_finite", options["check_finite"])
+        check_bool("maximize", options["maximize"])
         if options["form"] == "lowrank" and options["norm"] == "one":
             raise ValueError(
                 "norm='one' (the matrix 1-norm of the n×n W) needs form='dense'; use norm='fro' "
@@ -198,6 +204,8 @@ class CayleyBase(StiefelOptimizer):
         buckets = []
         for key, idx in keys.items():
             b = Bucket(idx, params, states, *extra[key], check_finite=self.check_finite)
+            if self.maximize:
+                b.m.neg_()  # ascend: the moments see −G
             b.scale, b.init = self._moments(b)
             buckets.append(b)
         raise_if_invalid(  # the one host synchronisation; raises before any write

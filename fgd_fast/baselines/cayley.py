@@ -89,6 +89,7 @@ class CayleySGD(CayleyBase):
             random QR with probability 1/101.
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
             parameter's gradient has NaN/Inf.
+        maximize: maximise the objective (the gradient negated for every parameter).
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class CayleySGD(CayleyBase):
         public_code_compat: bool = False,
         qr_period: int | None = None,
         check_finite: bool = True,
+        maximize: bool = False,
     ) -> None:
         hyper = dict(
             lr=lr, momentum=momentum, q=q, eps=eps, weight_decay=weight_decay, dampening=dampening, nesterov=nesterov
@@ -123,6 +125,7 @@ class CayleySGD(CayleyBase):
             public_code_compat=public_code_compat,
             qr_period=qr_period,
             check_finite=check_finite,
+            maximize=maximize,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -183,7 +186,7 @@ class CayleyADAM(CayleyBase):
         lr: the step bound η >= 0.
         betas: (β₁, β₂), each in [0, 1).
         eps: ε > 0 under the square root, in the step bound and in the renormalisation.
-        q, s, form, norm, renormalize, qr_period, check_finite: as in :class:`CayleySGD`.
+        q, s, form, norm, renormalize, qr_period, check_finite, maximize: as in :class:`CayleySGD`.
         weight_decay: L2 penalty of the Euclidean groups only.
         public_code_compat: reproduce the public ``AdamG`` (which, unlike its SGD, does keep
             m): the start ``Y₀ = X − t m`` (m un-projected, un-normalised), s = 5, the dense
@@ -206,6 +209,7 @@ class CayleyADAM(CayleyBase):
         public_code_compat: bool = False,
         qr_period: int | None = None,
         check_finite: bool = True,
+        maximize: bool = False,
     ) -> None:
         hyper = dict(lr=lr, betas=betas, q=q, eps=eps, weight_decay=weight_decay)
         super().__init__(
@@ -218,6 +222,7 @@ class CayleyADAM(CayleyBase):
             public_code_compat=public_code_compat,
             qr_period=qr_period,
             check_finite=check_finite,
+            maximize=maximize,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
