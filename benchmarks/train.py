@@ -145,6 +145,22 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(
             f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
         )
+    names = list(FAMILIES) if args.optimizers == "all" else [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    for n in names:
+        if family(n) not in FAMILIES:
+            ap.error(f"--optimizers: unknown {n!r}; choose from {', '.join(FAMILIES)}, fgd-<backend>, or all")
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    for key in overrides:  # a typo in the optimizer's name would change nothing, silently
+        if key not in names and key not in {family(n) for n in names}:
+            ap.error(f"--set {key}.…: no optimizer {key!r} in this run (it runs {', '.join(names)})")
+    for n in names:
+        try:
+            settings_for(n, overrides)
+        except ValueError as exc:
+            ap.error(str(exc))
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -153,7 +169,7 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
         key, sep, value = item.partition("=")
         opt, dot, name = key.rpartition(".")
         if not (sep and dot and opt and name):
-            raise SystemExit(f"--set {item!r}: expected OPT.KEY=VALUE, e.g. fgd.lr=0.1")
+            raise ValueError(f"--set {item!r}: expected OPT.KEY=VALUE, e.g. fgd.lr=0.1")
         out.setdefault(opt, {})[name] = value
     return out
 
@@ -428,10 +444,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
     torch.backends.cudnn.benchmark = True  # as CIFAR training scripts run (fixed input shapes)
     torch.manual_seed(args.seed)
     names, _ = optimizer_names(args.optimizers, device)
-    overrides = parse_overrides(args.set)
-    for key in overrides:  # a typo in the optimizer's name would change nothing, silently
-        if key not in names and key not in {family(n) for n in names}:
-            raise SystemExit(f"--set {key}.…: no optimizer {key!r} in this run (it runs {', '.join(names)})")
+    overrides = parse_overrides(args.set)  # (checked by parse_args)
     try:
         settings = {n: settings_for(n, overrides) for n in names}
     except ValueError as exc:
