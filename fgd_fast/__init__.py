@@ -11,9 +11,9 @@ inverse or retraction. Quick start::
 
 from ._matrix import as_stiefel, stiefel_shape
 from ._version import __version__
-from .backends import BACKENDS
+from .backends import BACKENDS, BackendUnavailable
 from .distributed import shard_placement
-from .functional import fgd, sgd
+from .functional import GuardReport, fgd, sgd
 from .manifold import orthogonalize_, stiefel_distance
 from .optimizer import FGD
 from .selection import select_stiefel, stiefel_param_groups
@@ -21,7 +21,9 @@ from .selection import select_stiefel, stiefel_param_groups
 __all__ = [
     "__version__",
     "BACKENDS",
+    "BackendUnavailable",
     "FGD",
+    "GuardReport",
     "as_stiefel",
     "fgd",
     "orthogonalize_",

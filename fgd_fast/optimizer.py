@@ -321,8 +321,13 @@ class FGD(StiefelOptimizer):
             )
 
     # -- introspection ----------------------------------------------------------------------
-    def resolved_backend(self, device: torch.device | str = "cpu") -> str:
-        """The backend that ``step()`` runs on tensors of ``device``."""
+    def resolved_backend(self, device: torch.device | str | None = None) -> str:
+        """The backend that ``step()`` runs on tensors of ``device`` (default: the device of
+        the first orthogonal parameter, else the CPU)."""
+        if device is None:
+            device = next(
+                (p.device for g in self.param_groups if g["orthogonal"] for p in g["params"]), torch.device("cpu")
+            )
         return backend_for(self.defaults["backend"], device, self.defaults["precision"])
 
 

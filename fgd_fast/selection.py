@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,14 +33,27 @@ def _official(p: torch.Tensor) -> bool:
     return c_o <= c_i and k1 > 1
 
 
-def select_stiefel(model: nn.Module, rule: Rule = "paper") -> list[tuple[str, torch.Tensor]]:
+def select_stiefel(
+    model: nn.Module, rule: Rule = "paper", *, exclude: Iterable[str] = ()
+) -> list[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` of every weight ``rule`` constrains, in ``named_parameters`` order.
 
     * ``"paper"``: ``nn.Conv2d`` weights with ``c_i·k1·k2 >= c_o`` and ``min(k1, k2) > 1``;
     * ``"official"`` (the authors' code): ``nn.Conv2d`` weights with ``c_o <= c_i``, ``k1 > 1``;
-    * ``"all"``: every parameter with at least 2 dims;
+    * ``"all"``: every parameter with at least 2 dims — the classifier head and embeddings
+      included, whose rows then cannot grow to scale the logits; that can cost accuracy, so
+      leave them out with ``exclude``;
     * a callable ``rule(name, param) -> bool``.
+
+    ``exclude``: parameter or module names left unconstrained (``"fc"`` leaves out ``fc.weight``;
+    a name matches itself and everything below it).
     """
+    exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
+    chosen = _select(model, rule)
+    return [(n, p) for n, p in chosen if not any(n == e or n.startswith(e + ".") for e in exclude)]
+
+
+def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
     if callable(rule):
         chosen = []
         for name, p in model.named_parameters():
@@ -61,10 +74,12 @@ def select_stiefel(model: nn.Module, rule: Rule = "paper") -> list[tuple[str, to
     return [(n, p) for n, p in model.named_parameters() if id(p) in convs and p.dim() == 4 and test(p)]
 
 
-def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True) -> list[dict[str, Any]]:
+def stiefel_param_groups(
+    model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True, exclude: Iterable[str] = ()
+) -> list[dict[str, Any]]:
     """Param groups for :class:`fgd_fast.FGD`: ``[{"params": [...], "orthogonal": True},
     {"params": [...]}]``, the first holding the weights chosen by ``rule`` (see
-    :func:`select_stiefel`), the second every other trainable parameter. Each group also has
+    :func:`select_stiefel`, ``exclude`` as there), the second every other trainable parameter. Each group also has
     a ``"names"`` list (the ``named_parameters`` names), which FGD uses in messages and in
     :meth:`FGD.orthogonality`; it is not torch's ``param_names`` key, so groups without
     names can still be added next to these.
@@ -77,7 +92,7 @@ def stiefel_param_groups(model: nn.Module, rule: Rule = "paper", *, orthogonaliz
     ``ZeroRedundancyOptimizer`` each rank's optimizer gets a subset of every group; FGD
     still names each parameter correctly (it remembers the tensors' names).
     """
-    chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
+    chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
     if orthogonalize:
         for _, p in chosen:

@@ -280,3 +280,20 @@ def test_auto_backend_resolves_to_torch_on_cpu():
     net = _net(6).cpu()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.1)
     assert opt.resolved_backend("cpu") == "torch"
+
+
+def test_exclude_leaves_named_weights_unconstrained():
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    names = [n for n, _ in fgd_fast.select_stiefel(net, "all")]
+    assert names == ["0.weight", "2.weight"]
+    assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude=["2"])] == ["0.weight"]
+    assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude="0.weight")] == ["2.weight"]
+    groups = fgd_fast.stiefel_param_groups(net, "all", exclude=["2"])
+    assert groups[0]["names"] == ["0.weight"] and "2.weight" in groups[1]["names"]
+
+
+def test_resolved_backend_defaults_to_the_parameters_device():
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8))
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "all"), lr=0.1)
+    assert opt.resolved_backend() == opt.resolved_backend(net[0].weight.device)
+    assert issubclass(fgd_fast.BackendUnavailable, RuntimeError) and fgd_fast.GuardReport
