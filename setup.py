@@ -18,6 +18,7 @@ import os
 import re
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 
 def _version() -> str:
@@ -63,6 +64,24 @@ def _cuda_extension() -> dict:
     return dict(ext_modules=[ext], cmdclass={"build_ext": BuildExtension})
 
 
+class BuildPyWithoutDevTools(build_py):
+    """The wheel leaves out the developer tools that live beside the kernels (kernels/aot.py,
+    the ahead-of-time compile check, runs from the source tree)."""
+
+    DEV_TOOLS = {("fgd_fast.kernels", "aot")}
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if (m[0], m[1]) not in self.DEV_TOOLS]
+
+
+def _cmdclass(extension: dict) -> dict:
+    """``extension`` (from :func:`_cuda_extension`) with the wheel's build_py added."""
+    extension = dict(extension)
+    extension["cmdclass"] = {**extension.get("cmdclass", {}), "build_py": BuildPyWithoutDevTools}
+    return extension
+
+
 setup(
     name="fgd_fast",
     version=_version(),
@@ -82,5 +101,5 @@ setup(
         # benchmarks/train.py: the digits data set, the figure, the progress bars
         "examples": ["scikit-learn", "matplotlib", "tqdm"],
     },
-    **_cuda_extension(),
+    **_cmdclass(_cuda_extension()),
 )

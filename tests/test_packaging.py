@@ -106,6 +106,7 @@ def test_wheel_installs_the_cuda_sources_as_package_data(dists):
     }
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
     assert not {n.split("/")[0] for n in names} - {"fgd_fast", f"fgd_fast-{version}.dist-info"}  # no top-level strays
+    assert "fgd_fast/kernels/aot.py" not in names  # a developer tool, run from the source tree
 
 
 def test_version_is_one_value_in_the_package_and_both_distributions(dists):

@@ -4,6 +4,7 @@ GPU machine's Triton 3.6; and the backend never launches a configuration outside
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ AOT = ROOT / "kernels" / "aot.py"
 TRITON36 = ROOT / ".venv-triton36" / "bin" / "python"
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
-from fgd_fast.kernels import aot  # noqa: E402
+_spec = importlib.util.spec_from_file_location("fgd_fast_aot", AOT)  # a developer tool: not in the wheel
+aot = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(aot)
 
 
 def _clean_env() -> dict:
@@ -39,8 +42,9 @@ def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def _check(results):
-    assert len(results) == 2 * len(aot.configurations())
+def _check(results, subset=False):
+    configs = [c for c in aot.configurations() if not subset or c[1].get("DTYPE", "float32") in ("float32", "float64")]
+    assert len(results) == 2 * len(configs)
     assert all(r["stack"] == 0 and "error" not in r for r in results)
     for r in results:
         sass = r["sass"]
@@ -59,7 +63,10 @@ def test_every_selectable_configuration_compiles_without_spills(tmp_path):
 
 
 @pytest.mark.skipif(not TRITON36.exists(), reason="no .venv-triton36 (bash .ci/setup-env creates it)")
-def test_gpu_machine_triton_compiles_every_configuration(tmp_path):
+def test_gpu_machine_triton_compiles_the_float32_and_float64_configurations(tmp_path):
+    """The GPU machine's Triton (3.6) on the float32/float64 configurations (API drift between
+    versions shows there); the GPU session compiles the whole set with that Triton
+    (tests/test_triton_aot.py is in its test phase)."""
     version = subprocess.run(
         [str(TRITON36), "-c", "import triton; print(triton.__version__)"],
         capture_output=True,
@@ -67,7 +74,7 @@ def test_gpu_machine_triton_compiles_every_configuration(tmp_path):
         env=_clean_env(),
     )
     assert version.stdout.strip() == "3.6.0", version.stderr
-    _check(_compile_all(str(TRITON36), tmp_path))
+    _check(_compile_all(str(TRITON36), tmp_path, ["--subset"]), subset=True)
 
 
 def test_backend_launches_only_checked_configurations(monkeypatch):
