@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import PRECISIONS, Backend, StepPlan, compute_dtype
+from .base import PRECISIONS, Backend, BackendUnavailable, StepPlan, compute_dtype
 
 __all__ = [
     "BACKENDS",
@@ -35,10 +35,6 @@ BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 #: ``"tf32x3"`` computes exactly what ``"ieee"`` does (a CPU has no TF32).
 DEFAULT_PRECISION = "tf32x3"
 PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
-
-
-class BackendUnavailable(RuntimeError):
-    """An explicitly requested backend cannot run here; the message says why."""
 
 
 def _load_reference() -> Backend:

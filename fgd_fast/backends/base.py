@@ -60,6 +60,7 @@ __all__ = [
     "TableCache",
     "compute_dtype",
     "device_table",
+    "BackendUnavailable",
     "fp32_matmuls",
     "full_precision",
     "in_input_order",
@@ -113,6 +114,11 @@ class Backend(Protocol):
         reduce: Callable[[list[torch.Tensor]], None] | None = None,
         shapes: list[torch.Size] | None = None,
     ) -> StepPlan: ...
+
+
+class BackendUnavailable(RuntimeError):
+    """A requested backend cannot run here (not installed, or tensors on a device it does not
+    support); the message says why and what to use instead."""
 
 
 def _capturing() -> bool:

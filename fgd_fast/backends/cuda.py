@@ -77,6 +77,7 @@ from .base import (
     SLOT_B,
     SLOT_C,
     SLOT_E,
+    BackendUnavailable,
     TableCache,
     compute_dtype,
     device_table,
@@ -263,7 +264,9 @@ class _Class:
 def _check_devices(params) -> None:
     bad = {str(p.device) for p in params if p.device.type != "cuda"}
     if bad:
-        raise RuntimeError(f"backend='cuda' needs CUDA tensors, got tensors on {', '.join(sorted(bad))}")
+        raise BackendUnavailable(
+            f"backend='cuda' needs CUDA tensors, got tensors on {', '.join(sorted(bad))}; use backend='torch'"
+        )
 
 
 def prepare_cuda(

@@ -70,6 +70,7 @@ from .base import (
     SLOT_B,
     SLOT_C,
     SLOT_E,
+    BackendUnavailable,
     TableCache,
     compute_dtype,
     device_table,
@@ -588,7 +589,10 @@ def prepare_triton(
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
-        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU testing)")
+        raise BackendUnavailable(
+            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 before importing fgd_fast, for CPU "
+            "testing); use backend='torch'"
+        )
     classes: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
         classes[(param.dtype, bufs[i] is not None, stiefel_shape(param.shape).transposed)].append(i)
