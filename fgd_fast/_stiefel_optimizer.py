@@ -148,10 +148,10 @@ class StiefelOptimizer(Optimizer):
             params,
             [p.grad for p in params],
             bufs,
-            lr=group["lr"],
+            lr=float(group["lr"]),  # a validated real: also a one-element tensor
             momentum=momentum,
             dampening=dampening,
-            weight_decay=group["weight_decay"],
+            weight_decay=float(group["weight_decay"]),
             nesterov=nesterov,
             maximize=bool(self.defaults.get("maximize", False)),
         )
@@ -211,6 +211,16 @@ class StiefelOptimizer(Optimizer):
                     raise ValueError(f"this state_dict's groups disagree on the optimizer-wide option {o}")
         self._validate_options({**self.defaults, **options})
         if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
+            for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
+                merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
+                try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
+                    self._validate_group(merged)
+                    if merged["orthogonal"]:
+                        check_orthogonal_params(param_tensors(own["params"]))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(
+                        f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
+                    ) from exc
             for index, (group, p, key) in enumerate(self._keyed()):
                 if index in saved and isinstance(saved[index], dict):
                     self._check_saved_state(p, group, saved[index], label(key))

@@ -126,12 +126,12 @@ def raise_if_invalid(
                 f"or their momentum_buffer; it was not applied and nothing changed. {_RESET_ADVICE}"
             )
     if check_manifold:
-        for i, dv in enumerate(dist_next_all):  # (a non-finite prediction is check_finite's)
-            if math.isfinite(dv) and dv > max_distance:
+        for i, dv in enumerate(dist_next_all):  # a non-finite prediction too (check_finite off: overflow)
+            if not dv <= max_distance:
+                where = f"‖θᵀθ − I‖_F ≤ {dv:.4g} (predicted bound)" if math.isfinite(dv) else "a non-finite distance"
                 raise ValueError(
-                    f"this step would move orthogonal parameter {labels[i]} to ‖θᵀθ − I‖_F ≤ {dv:.4g} (predicted "
-                    f"bound), beyond max_distance={max_distance}; it was not applied and nothing changed. "
-                    f"{_RESET_ADVICE}"
+                    f"this step would move orthogonal parameter {labels[i]} to {where}, beyond "
+                    f"max_distance={max_distance}; it was not applied and nothing changed. {_RESET_ADVICE}"
                 )
     return [int(v) for v in values["guarded"]]
 

@@ -74,11 +74,12 @@ class FGD(StiefelOptimizer):
             non-finite value (predicted before writing).
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F, or would be after the
-            step (a bound predicted from the ``p × p`` blocks; with ``guard`` on the guard keeps
-            it inside). The advice: ``opt.reset_parameter(p)``. Both checks share one host
-            synchronisation per step; turn both off to capture ``step()`` in a CUDA graph (warm
-            up with two steps first; a replay reuses the captured step's hyper-parameters, so
-            a new lr means a new capture) or to compile it with ``fullgraph=True``.
+            step (a bound predicted from the ``p × p`` blocks, a non-finite prediction included;
+            with ``guard`` on the guard keeps it inside). The advice: ``opt.reset_parameter(p)``.
+            Both checks share one host synchronisation per step; turn both off to capture
+            ``step()`` in a CUDA graph (warm up with two steps first; a replay reuses the
+            captured step's hyper-parameters, so a new lr means a new capture) or to compile it
+            with ``fullgraph=True``.
         guard: keep training alive through spikes, on the device with no synchronisation of
             its own: per layer, Φ and g are scaled by ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, and a
             step still predicted beyond ``max_distance`` or non-finite becomes the pull-back

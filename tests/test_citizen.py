@@ -257,3 +257,40 @@ def test_variant_is_an_option_validated_and_carried():
     assert other.variant == "paper" and all(g["variant"] == "paper" for g in other.param_groups)
     with pytest.raises(ValueError, match="variant"):
         fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, variant="nope")
+
+
+def test_a_one_element_tensor_lr_steps_both_group_kinds():
+    """Issue: lr=torch.tensor([0.1]) wrote the orthogonal parameters, then the Euclidean step
+    raised TypeError (every step). It is a real number: both kinds step as with lr=0.1."""
+    nets = [_net(), _net()]
+    opts = [
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(nets[0]), lr=torch.tensor([0.1]), weight_decay=torch.tensor(1e-3)),
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(nets[1]), lr=0.1, weight_decay=1e-3),
+    ]
+    for net, opt in zip(nets, opts):
+        for k in range(2):
+            opt.zero_grad()
+            _loss(net, k).backward()
+            opt.step()
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_load_state_dict_refuses_bad_hyper_parameters_and_orthogonal_flags():
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01)
+    _loss(net, 0).backward()
+    opt.step()
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    bad["param_groups"][0]["feedback"] = 1.5
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*feedback"):
+        opt.load_state_dict(bad)
+    assert_unchanged(net, opt, snap)
+    flipped = copy.deepcopy(good)  # the Euclidean group (biases, 1-D) marked orthogonal
+    flipped["param_groups"][1]["orthogonal"] = True
+    with pytest.raises(ValueError, match=r"param_groups\[1\]"):
+        opt.load_state_dict(flipped)
+    assert_unchanged(net, opt, snap)
+    opt.load_state_dict(good)  # the good one still loads

@@ -107,6 +107,22 @@ def test_huge_finite_gradient_never_writes_non_finite(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_check_manifold_alone_refuses_an_overflowing_step(backend):
+    """Issue: guard=False, check_finite=False and g = 1e30 wrote θ at distance 2.6e57 —
+    check_manifold only refused a *finite* predicted distance above the limit."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 5)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend=backend, guard=False, check_finite=False)
+    w.grad = torch.randn_like(w) * 0.01
+    opt.step()
+    w.grad = torch.full_like(w, 1e30)
+    before, buf = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match="max_distance"):
+        opt.step()
+    assert torch.equal(w, before) and torch.equal(opt.state[w]["momentum_buffer"], buf)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_momentum_buffer_is_refused_before_writing(backend):
     """Why 2: a NaN in momentum_buffer with a finite gradient made θ NaN; no check covered Φ."""
     torch.manual_seed(0)
