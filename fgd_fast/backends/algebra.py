@@ -74,6 +74,18 @@ def sym(m: torch.Tensor) -> torch.Tensor:
     return 0.5 * (m + m.transpose(-1, -2))
 
 
+def finite_of(x: torch.Tensor) -> torch.Tensor:
+    """``isfinite(x)`` in two ops (``x − x == 0``: NaN for Inf and NaN; torch's isfinite is a
+    composite of four or five, and the middle runs on the host's launch budget)."""
+    return (x - x) == 0
+
+
+def all_finite(m: torch.Tensor) -> torch.Tensor:
+    """Per matrix of a ``(L, p, p)`` batch: every entry finite (``Σ 0·m == 0``: an Inf or NaN
+    makes the sum NaN; a finite m cannot overflow it), in three ops."""
+    return (m * 0).sum((-2, -1)) == 0
+
+
 def _per_layer(x: Scalar) -> Scalar:
     """A ``(L, 1, 1)`` hyper-parameter as ``(L,)`` float64; a float stays a float."""
     return x.reshape(-1).to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
@@ -89,7 +101,7 @@ def trust_scale(
     where ``r`` is not finite (an overflowing or non-finite input: the step is reset)."""
     r = phi_norm + _per_layer(lr) * g_norm  # r = ‖Φ‖_F + η‖g‖_F
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
-    return torch.where(torch.isfinite(r), s, torch.zeros_like(s)), r
+    return torch.where(finite_of(r), s, 0.0), r
 
 
 def fallback_distance(a_minus_i: torch.Tensor, alpha: Scalar) -> torch.Tensor:
@@ -129,15 +141,16 @@ def middle(
     a_minus_i = a - eye  # A − I
     n_inv = eye - a_minus_i  # N = 2I − A
     dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
-    finite = torch.isfinite(e).flatten(-2).all(-1)
     predict = radius is not None or limit is not None
     scale = r = None
-    if predict:
+    if not predict:
+        finite = all_finite(e)  # E = θᵀg finite (without a prediction: the plain check)
+    else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = c.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
         # inputs finite: ‖g‖² (float64: no overflow for a finite float32 g) and tr C, not E,
         # which overflows for a huge but finite g (then the prediction says "non-finite output")
-        finite = torch.isfinite(g_norm) & torch.isfinite(phi_sq)
+        finite = finite_of(g_norm) & finite_of(phi_sq)
         if radius is not None:
             scale, r = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
         else:
@@ -179,7 +192,7 @@ def middle(
     s64 = scale if scale is not None else torch.ones_like(r)
     dist_next = torch.linalg.matrix_norm(pm).to(torch.float64) + (s64 * r) ** 2  # ‖P‖ + s²r² ≥ ‖θ₊ᵀθ₊ − I‖
     del pm
-    finite_next = torch.isfinite(dist_next) & torch.isfinite(m_phi).flatten(-2).all(-1)
+    finite_next = finite_of(dist_next) & all_finite(m_phi)
     if radius is None:
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next)
 
@@ -188,11 +201,11 @@ def middle(
     m_phi = m_phi.masked_fill_(~keep, 0.0)  # reset: Φ₊ = 0·U + θ·0
     m_theta = torch.where(keep, m_theta, pull_back)  # θ₊ = θ − αθ(A − I)
     feedback = torch.where(keep, feedback, pull_back) if variant == "paper" else feedback
-    scale = torch.where(ok, scale, torch.zeros_like(scale))
+    scale = torch.where(ok, scale, 0.0)
     reset_dist = fallback_distance(a_minus_i, alpha)
     dist_next = torch.where(ok, dist_next, reset_dist)
-    finite_next = torch.where(ok, finite_next, torch.isfinite(reset_dist))
-    guarded = torch.where(ok, (scale < 1.0).to(torch.int8), torch.full_like(scale, 2, dtype=torch.int8))
+    finite_next = torch.where(ok, finite_next, finite_of(reset_dist))
+    guarded = torch.where(ok, (scale < 1.0).to(torch.int8), 2)  # guards.KEPT / SCALED, or RESET
     return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, finite_next, guarded)
 
 

@@ -191,7 +191,8 @@ class _Bucket:
         self.start(middle_numel, trust_radius, max_distance, variant)
         for gemm_chunks in self.plan:
             self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
-        self.finish(self.finite_flags() if check_finite else None)
+        # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
+        self.finish(check_finite if self.predict else (self.finite_flags() if check_finite else None))
 
     def start(
         self,
@@ -258,7 +259,9 @@ class _Bucket:
         ]
         return torch.stack(flags)
 
-    def finish(self, finite: torch.Tensor | None) -> None:
+    def finish(self, finite: torch.Tensor | bool | None) -> None:
+        """Collect the middle's checks. ``finite``: the inputs' finite flags, ``None`` without
+        ``check_finite``; with a prediction any truthy value (the middle's flags are used)."""
         checks = join_checks(self.mids)
         self.dist, self.dist_next, self.finite_next, self.guarded = (
             checks.dist,
@@ -266,7 +269,10 @@ class _Bucket:
             checks.finite_next,
             checks.guarded,
         )
-        self.finite = checks.finite if finite is not None and self.predict else finite  # with the guard: g and Φ
+        if finite is None or finite is False:
+            self.finite = None
+        else:
+            self.finite = checks.finite if self.predict else finite  # with a prediction: g and Φ
         # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard)
         count = len(self.layers)
         scale = (

@@ -1,0 +1,79 @@
+"""How many device operations one step issues (the host's launch budget), counted on the CPU.
+
+On a GPU every aten op of the step is at least one kernel launch, a few microseconds of host
+time each; the H200 report measured the eager Triton step host-bound (8.9 ms of launches for
+4.7 ms of GPU work). These tests count the non-view aten ops (and Triton launches) of one
+steady-state step on a 21-layer WRN-style set in three p-classes, with default options, and
+fail when the count grows past today's ceiling. The goal (a middle in a handful of launches) is
+far below: lower the ceilings as the middle shrinks.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import fgd_fast
+from helpers import backend_reason
+
+#: ceilings of non-view aten ops per step (measured on this set when they were set)
+CEILING = {"torch": 774, "triton": 378}
+TRITON_LAUNCHES = 3  # split, Gram pass, update pass (one launch class: every layer here is W2ᵀ)
+_VIEWS = ("view", "as_strided", "transpose", "aten.t", "expand", "unsqueeze", "squeeze", "select", "slice")
+_VIEWS += ("permute", "detach", "alias", "reshape", "unbind", "split", "diagonal")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if not any(v in name for v in _VIEWS):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
+    """(aten ops, Triton launches) of the third step (the first two create Φ and the tables)."""
+    launches = [0]
+    if backend == "triton":
+        from fgd_fast.backends import triton as tb
+
+        real = tb._launch
+
+        def launch(*args, **kwargs):  # one launch; the interpreter's own tensor work not counted
+            launches[0] += 1
+            with _disable_current_modes():
+                return real(*args, **kwargs)
+
+        monkeypatch.setattr(tb, "_launch", launch)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 16, 3, 3)] * 7 + [(32, 32, 3, 3)] * 7 + [(64, 64, 3, 3)] * 7
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, backend=backend)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 0.01
+        if step == 2:
+            launches[0] = 0
+            with _Count() as count:
+                opt.step()
+        else:
+            opt.step()
+    return sum(count.ops.values()), launches[0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ops_per_step_stay_under_the_ceiling(backend, monkeypatch):
+    reason = backend_reason(backend)
+    if reason or torch.cuda.is_available():
+        pytest.skip(reason or "counted on the CPU (a GPU run adds no information here)")
+    ops, launches = _count_step(backend, monkeypatch)
+    assert ops <= CEILING[backend], f"{backend}: {ops} aten ops per step (ceiling {CEILING[backend]})"
+    if backend == "triton":
+        assert launches <= TRITON_LAUNCHES, launches
