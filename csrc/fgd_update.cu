@@ -113,8 +113,10 @@ __global__ void __launch_bounds__(UT) fgd_update_kernel(const long long* meta, c
                 for (int v = 0; v < 4; ++v) {
                     const long long c = c0 + lc + 16 * v;
                     if (c >= p) continue;
-                    Acc uu = -eta * to_acc(grad[r * gsr + c * gsc]);  // U = −ηg
-                    if (reads_phi) uu += beta * phi[r * psr + c * psc];  // U = βΦ − ηg
+                    // U = βΦ − ηg; a term whose (guard-scaled) coefficient is 0 is not read, so a
+                    // reset step (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
+                    Acc uu = eta == Acc(0) ? Acc(0) : -eta * to_acc(grad[r * gsr + c * gsc]);
+                    if (reads_phi && beta != Acc(0)) uu += beta * phi[r * psr + c * psc];
                     const Acc old = snap[snap_index(rows_fast, rr, c, p)];
                     theta[r * tsr + c * tsc] = from_acc<T>(old + uu + at[u][v]);  // θ₊ = θ + U + θ M_θ
                     if (writes_phi) phi[r * psr + c * psc] = uu + ap[u][v];      // Φ₊ = U + θ M_Φ

@@ -187,15 +187,17 @@ def update_kernel(
                 acc += tl.dot(a, b, input_precision=PRECISION)  # θ M
             off = _offsets(rows, cols, n, p, ROWS)
             if MODE == meta.MODE_PHI:
-                u = -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC)  # U = −ηg …
-                u += beta * tl.load(phi + off, mask=m, other=0.0)  # … + βΦ
+                # a zero (guard-scaled) coefficient reads nothing: a reset over a non-finite g or
+                # Φ writes the pull-back, not 0·Inf
+                u = tl.where(lr == 0.0, 0.0, -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC))  # U = −ηg …
+                u += tl.where(beta == 0.0, 0.0, beta * tl.load(phi + off, mask=m, other=0.0))  # … + βΦ
                 tl.store(phi + off, u + acc, mask=m)  # Φ₊ = U + θ M_Φ
             else:
                 th = tl.load(slab + rr[:, None] * P_MAX + cols[None, :], mask=m, other=0.0)
                 if HAS_PHI:
                     v = tl.load(phi + off, mask=m, other=0.0)  # V = Φ₊
                 else:
-                    v = -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC)  # V = −ηg
+                    v = tl.where(lr == 0.0, 0.0, -lr * tl.load(grad + off, mask=m, other=0.0).to(ACC))  # V = −ηg
                 tl.store(theta + off, (th + v + acc).to(DTYPE), mask=m)  # θ₊ = θ + V + θ M
         if MODE == meta.MODE_THETA:
             tl.debug_barrier()  # every read of the slab is done before the next snapshot

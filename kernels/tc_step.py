@@ -257,13 +257,15 @@ def tc_update_kernel(
         off = _at(rows, cols, n, p, ROWS)
         m = (rows < n)[:, None] & (cols < p)[None, :]
         eta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_LR)  # η
-        u = -eta * tl.load(grad + off, mask=m, other=0.0)  # U = −ηg …
+        # a term whose (guard-scaled) coefficient is 0 is not read: a reset (s = 0) over a
+        # non-finite g or Φ writes the pull-back, not 0·Inf
+        u = tl.where(eta == 0.0, 0.0, -eta * tl.load(grad + off, mask=m, other=0.0))  # U = −ηg …
         if HAS_PHI:
             phi = tl.load(row + meta.F_PHI).to(tl.pointer_type(tl.float32))
             if ALIGNED:
                 phi = tl.multiple_of(phi, 16)
             beta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_BETA)  # β
-            u += beta * tl.load(phi + off, mask=m, other=0.0)  # … + βΦ
+            u += tl.where(beta == 0.0, 0.0, beta * tl.load(phi + off, mask=m, other=0.0))  # … + βΦ
             tl.store(phi + off, u + acc_p, mask=m)  # Φ₊ = U + θ M_Φ
         th = tl.load(theta + off, mask=m, other=0.0)
         tl.store(theta + off, th + u + acc_t, mask=m)  # θ₊ = θ + U + θ M_θ

@@ -193,3 +193,36 @@ def test_reset_parameter_projects_and_clears_momentum():
     assert fgd_fast.stiefel_distance(w) < 1e-5 and "momentum_buffer" not in opt.state[w]
     with pytest.raises(ValueError, match="not a parameter"):
         opt.reset_parameter(torch.nn.Parameter(torch.randn(3, 3)))
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_reset_over_a_non_finite_gradient_writes_the_pull_back(backend, bad, precision):
+    """Issue: check_finite=False, guard on, an Inf/NaN in g: the reference wrote the pull-back
+    θ(I − αD), Φ₊ = 0, but torch and Triton wrote NaN (the reset's s = 0 times Inf). Every
+    backend now writes what the reference does (to TF32 rounding of θF at "tf32x3": the
+    tensor-core update kernel)."""
+    if backend == "reference" and precision != "ieee":
+        pytest.skip("the reference computes in IEEE precision only")
+    out = {}
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 5)))
+        prec = "ieee" if name == "reference" else precision
+        opt = fgd_fast.FGD(
+            [dict(params=[w], orthogonal=True)], lr=0.05, backend=name, check_finite=False, precision=prec
+        )
+        for k in range(3):
+            w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(k)) * 0.1
+            opt.step()
+        w.grad[0, 0] = bad
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        out[name] = (w.detach().clone(), opt.state[w]["momentum_buffer"].clone())
+    (w_ref, phi_ref), (w_b, phi_b) = out["reference"], out[backend]
+    assert torch.isfinite(w_b).all() and torch.equal(phi_b, torch.zeros_like(phi_b))
+    tol = 3e-7 if precision == "ieee" else 2e-5  # float32 rounding (a few ulps of 1), or TF32 of θF
+    torch.testing.assert_close(w_b, w_ref, rtol=0, atol=tol)
+    assert torch.equal(phi_ref, torch.zeros_like(phi_ref))

@@ -20,7 +20,7 @@ import fgd_fast
 from helpers import backend_reason
 
 #: ceilings of non-view aten ops per step (measured on this set when they were set)
-CEILING = {"torch": 774, "triton": 378}
+CEILING = {"torch": 793, "triton": 378}  # torch: +19 for the reset masks of the update pass
 TRITON_LAUNCHES = 3  # split, Gram pass, update pass (one launch class: every layer here is W2ᵀ)
 _VIEWS = ("view", "as_strided", "transpose", "aten.t", "expand", "unsqueeze", "squeeze", "select", "slice")
 _VIEWS += ("permute", "detach", "alias", "reshape", "unbind", "split", "diagonal")

@@ -281,6 +281,10 @@ class _Bucket:
             else torch.ones(count, dtype=torch.float64, device=self.m_phi.device)
         )
         self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
+        # a zero coefficient reads nothing (apply allocates nothing, so the masks are made here):
+        # a reset (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
+        self.zero_g = self.coef[:, 1] == 0  # (count, 1, 1): −sη = 0
+        self.zero_u = self.zero_g & (self.coef[:, 0] == 0)  # and sβ = 0: U = 0, and M_Φ = 0, so Φ₊ = 0
 
     def _ieee_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A = θᵀθ`` in IEEE fp32 while the other products of ``"tf32x3"`` run in TF32.
@@ -306,6 +310,7 @@ class _Bucket:
         out = scratch[2][: c * self.numel].view(c, self.c_o, self.m)
         grads, params = self.grads[i], self.params[i]
         beta_s, eta_s = self.coef[i, 0], self.coef[i, 1]  # (c, 1, 1): sβ and −sη
+        skip_g, skip_u = self.zero_g[i], self.zero_u[i]  # (see finish)
         if ch.staged:
             g_views = None  # g is added layer by layer, in its own shape
         else:
@@ -325,26 +330,33 @@ class _Bucket:
                     torch._foreach_addcmul_(self._shaped(phi, bufs), grads, list(eta_s.view(-1).unbind(0)))
                 else:
                     phi.addcmul_(g_views, eta_s)
+                _zero_where(phi, skip_u)  # reset: Φ₊ = 0
             elif g_views is None:
-                phi.mul_(eta_s)  # the slot holds g: −sηg
+                _zero_where(phi.mul_(eta_s), skip_g)  # the slot holds g: −sηg
                 self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
             else:
-                torch.mul(g_views, eta_s, out=phi)  # −sηg
+                _zero_where(torch.mul(g_views, eta_s, out=phi), skip_g)  # −sηg
                 self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
             self._add_theta_times(phi, theta, self.m_second[i], out=out)  # O = Φ₊ + θF
             if ch.staged:
                 torch._foreach_copy_(bufs, self._shaped(phi, bufs))  # Φ ← Φ₊
         elif g_views is None:
             torch._foreach_copy_(self._shaped(out, grads), grads)
-            out.mul_(eta_s)  # −sηg
+            _zero_where(out.mul_(eta_s), skip_g)  # −sηg
             self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
         else:
-            torch.mul(g_views, eta_s, out=out)  # −sηg
+            _zero_where(torch.mul(g_views, eta_s, out=out), skip_g)  # −sηg
             self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
         if ch.staged:
             torch._foreach_add_(params, self._shaped(out, params))  # θ₊ = θ + O
         else:
             theta.add_(out)
+
+
+def _zero_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x[k] ← 0`` where the ``(c, 1, 1)`` per-layer ``mask`` holds (``x``: ``(c, …)``, or one
+    layer's 2-D view when ``c = 1``); in place, returns ``x``."""
+    return x.masked_fill_(mask.reshape((mask.shape[0],) + (1,) * (x.dim() - 1)), 0.0)
 
 
 class _Step:
