@@ -61,6 +61,7 @@ __all__ = [
     "compute_dtype",
     "device_table",
     "BackendUnavailable",
+    "check_precision",
     "fp32_matmuls",
     "full_precision",
     "in_input_order",
@@ -119,6 +120,12 @@ class Backend(Protocol):
 class BackendUnavailable(RuntimeError):
     """A requested backend cannot run here (not installed, or tensors on a device it does not
     support); the message says why and what to use instead."""
+
+
+def check_precision(precision: str) -> None:
+    """Every backend's first check: ``precision`` is one of :data:`PRECISIONS`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
 
 
 def _capturing() -> bool:

@@ -72,13 +72,13 @@ from .algebra import grad_sq, scaled_hyper
 from .base import (
     M_PHI,
     M_THETA,
-    PRECISIONS,
     SLOT_A,
     SLOT_B,
     SLOT_C,
     SLOT_E,
     BackendUnavailable,
     TableCache,
+    check_precision,
     compute_dtype,
     device_table,
     middle_of_runs,
@@ -284,8 +284,7 @@ def prepare_cuda(
     max_distance=None,
     variant="official",
 ):
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(precision)
     _check_devices(params)
     classes: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, param in enumerate(params):

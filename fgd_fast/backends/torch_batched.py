@@ -58,7 +58,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import join_checks, middle
-from .base import PRECISIONS, compute_dtype, fp32_matmuls, full_precision, plan_of
+from .base import check_precision, compute_dtype, fp32_matmuls, full_precision, plan_of
 
 __all__ = ["prepare_torch"]
 
@@ -389,8 +389,7 @@ def prepare_torch(
     max_distance=None,
     variant="official",
 ):
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(precision)
     device = params[0].device if params else torch.device("cpu")
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, param in enumerate(params):

@@ -72,6 +72,7 @@ from .base import (
     SLOT_E,
     BackendUnavailable,
     TableCache,
+    check_precision,
     compute_dtype,
     device_table,
     middle_of_runs,
@@ -586,8 +587,7 @@ def prepare_triton(
     max_distance=None,
     variant="official",
 ):
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(precision)
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
         raise BackendUnavailable(
             "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 before importing fgd_fast, for CPU "
