@@ -98,7 +98,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest", "pytest-benchmark"],
-        # benchmarks/train.py: the digits data set, the figure, the progress bars
+        # benchmarks/training/train.py: the digits data set, the figure, the progress bars
         "examples": ["scikit-learn", "matplotlib", "tqdm"],
     },
     **_cmdclass(_cuda_extension()),

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from contenders import FEEDBACK, MOMENTUM, Contender
-from costmodel import floor_seconds, step_cost
+from benchmarks.contenders import FEEDBACK, MOMENTUM, Contender
+from benchmarks.costmodel import floor_seconds, step_cost
+from benchmarks.machine import device_rates, environment
+from benchmarks.measure import LR, POOL, gradient_pool
+from benchmarks.plan import BUDGETS, planned_skip, stability_skip
+from benchmarks.workloads import SCALES, Workload, default_scale, layer_shapes, weight_shapes, workloads
 from fgd_fast.backends import DEFAULT_PRECISION
 from fgd_fast.functional import backend_for
-from machine import device_rates, environment
-from measure import LR, POOL, gradient_pool
-from plan import BUDGETS, planned_skip, stability_skip
-from workloads import SCALES, Workload, default_scale, layer_shapes, weight_shapes, workloads
 
 
 def pytest_configure(config):

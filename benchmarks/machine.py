@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sources import source_digest
+from benchmarks.sources import source_digest
 
 __all__ = ["environment", "device_rates", "git_commit"]
 

@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 import fgd_fast
-from contenders import Case
-from memtrack import peak_extra_bytes
-from plan import Budget, rounds_for
+from benchmarks.contenders import Case
+from benchmarks.memtrack import peak_extra_bytes
+from benchmarks.plan import Budget, rounds_for
 
 __all__ = ["LR", "POOL", "GRAD_SEED", "gradient_pool", "measure_case", "synchronizer"]
 

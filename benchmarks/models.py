@@ -8,7 +8,7 @@
 * ``cifar_resnet(depth=18)``: ResNet-18/34 with basic blocks and the CIFAR stem (3×3 conv,
   no max-pool), as trained on 32×32 images;
 * ``small_cnn()``: four 3×3 conv layers with batch norm for small images (the 8×8 digits of
-  ``benchmarks/train.py``).
+  ``benchmarks/training/train.py``).
 
 Every constructor takes a ``width`` multiplier so CPU runs can use the same structure, narrower.
 """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contenders import Contender, unavailable
+from benchmarks.contenders import Contender, unavailable
 from fgd_fast.backends import DEFAULT_PRECISION
 from fgd_fast.functional import backend_for
 

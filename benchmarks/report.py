@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/report.py RUN.json [-o REPORT.md] [--summary]
+    python -m benchmarks.report RUN.json [-o REPORT.md] [--summary]
 
 ``RUN.json`` is the pytest-benchmark JSON of ``python -m pytest benchmarks
 --benchmark-json=RUN.json`` (its ``"fgd_bench"`` key holds the machine, the measured rates

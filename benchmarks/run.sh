@@ -2,7 +2,7 @@
 # The main job: set up the pinned environment, then
 #   1. the optimizer-step benchmark (benchmarks/test_optimizer_step.py, pytest-benchmark), one
 #      progress line per case, and its report (benchmarks/report.py);
-#   2. a training comparison on scikit-learn's digits (benchmarks/train.py: sgd, fgd,
+#   2. a training comparison on scikit-learn's digits (benchmarks/training/train.py: sgd, fgd,
 #      cayley-sgd, cayley-adam, 3 epochs), with a progress bar per optimizer;
 # and print a short summary (the full report is in a file).
 #
@@ -64,9 +64,9 @@ python -m pytest benchmarks -v --benchmark-json="$stem.json" --bench-record="$st
     done || rc=$?
 tail -n 1 "$stem.log"
 if [ -s "$stem.json" ]; then
-  python benchmarks/report.py "$stem.json" -o "$stem.md" > /dev/null
+  python -m benchmarks.report "$stem.json" -o "$stem.md" > /dev/null
 elif [ -s "$stem.jsonl" ]; then
-  python benchmarks/report.py "$stem.jsonl" -o "$stem.md" > /dev/null
+  python -m benchmarks.report "$stem.jsonl" -o "$stem.md" > /dev/null
 fi
 if [ "$rc" -ne 0 ]; then
   tail -n 40 "$stem.log"
@@ -76,27 +76,27 @@ fi
 rm -f "$stem.jsonl" "$stem.log"
 
 if [ "$train" = 1 ]; then
-  echo "== 2/2 training comparison on scikit-learn's digits (benchmarks/train.py ${train_args[*]})"
+  echo "== 2/2 training comparison on scikit-learn's digits (benchmarks/training/train.py ${train_args[*]})"
   mkdir -p "$train_out"
-  if ! python benchmarks/train.py --dataset digits "${train_args[@]}" --out "$train_out" > "$train_out/train.log"; then
+  if ! python -m benchmarks.training --dataset digits "${train_args[@]}" --out "$train_out" > "$train_out/train.log"; then
     tail -n 40 "$train_out/train.log"
-    echo "benchmarks/train.py failed; the step benchmark's report: $stem.md" >&2
+    echo "benchmarks/training/train.py failed; the step benchmark's report: $stem.md" >&2
     exit 1
   fi
   {
     printf '\n## Training comparison: digits\n\n'
-    printf '`python benchmarks/train.py --dataset digits %s` (see `%s/train.json`):\n\n' \
+    printf '`python -m benchmarks.training --dataset digits %s` (see `%s/train.json`):\n\n' \
       "${train_args[*]}" "${train_out##*/}"
-    python benchmarks/train_report.py "$train_out/train.json" --markdown
+    python -m benchmarks.training.report "$train_out/train.json" --markdown
     printf '\n![training curves and time per step](%s/train.png)\n' "${train_out##*/}"
   } >> "$stem.md"
 fi
 
 echo
 echo "== summary: median optimizer-step time and ratio to fgd-auto"
-python benchmarks/report.py "$stem.json" --summary
+python -m benchmarks.report "$stem.json" --summary
 if [ "$train" = 1 ]; then
-  python benchmarks/train_report.py "$train_out/train.json"
+  python -m benchmarks.training.report "$train_out/train.json"
 fi
 echo
 echo "full report: $stem.md (raw pytest-benchmark JSON: $stem.json)"

@@ -3,7 +3,7 @@
 The GPU machine receives a copy of the working tree without ``.git``; the SHA-256 over the
 package, kernel, extension, benchmark and test sources (paths and contents, in sorted order)
 is the same there as in the checkout it came from, so a result can be matched to a commit:
-``python benchmarks/gpu/gpu_check.py --digest`` prints it for the current checkout.
+``python -m benchmarks.gpu.gpu_check --digest`` prints it for the current checkout.
 """
 
 from __future__ import annotations

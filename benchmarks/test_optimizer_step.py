@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contenders import CONTENDERS, contender
-from measure import LR, measure_case
+from benchmarks.contenders import CONTENDERS, contender
+from benchmarks.measure import LR, measure_case
 
 WORKLOADS = ("wrn-28-10", "resnet-50", "vgg-16", "transformer")
 SLOW = ("cayley-sgd-dense", "geoopt-canonical", "torch-orthogonal")

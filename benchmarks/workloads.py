@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 import fgd_fast
+from benchmarks.models import resnet50, transformer, vgg16, wide_resnet
 from fgd_fast._matrix import stiefel_shape
-from models import resnet50, transformer, vgg16, wide_resnet
 
 __all__ = ["SCALES", "Workload", "default_scale", "workloads", "layer_shapes", "weight_shapes"]
 

@@ -36,7 +36,7 @@ MAX_DISTANCE = 0.5
 #: Default trust radius ρ of the guard on ``‖Φ‖_F + η‖g‖_F`` (per layer). One step moves θ
 #: off the manifold by at most about ‖U‖² (U = βΦ − ηg, the step's velocity): ρ = 0.5 keeps
 #: that under half of MAX_DISTANCE, and is ≥ 20× the largest value measured in training with
-#: the paper's settings (``benchmarks/guard_headroom.py``).
+#: the paper's settings (``benchmarks/studies/guard_headroom.py``).
 TRUST_RADIUS = 0.5
 
 KEPT, SCALED, RESET = 0, 1, 2

@@ -62,7 +62,7 @@ class FGD(StiefelOptimizer):
             (1 − 2α)D per step, coupled to the velocity's normal part, so θ settles, to first
             order, ‖ΦᵀΦ‖_F / (2α) inside the manifold (further off for α near 1; the paper's α
             relates as α = η·α_paper/4). Outside [0.1, 0.9] it barely pulls back (measured: 71×
-            further off at 0.99 than at 0.4, ``benchmarks/feedback_contraction.py``) and FGD
+            further off at 0.99 than at 0.4, ``benchmarks/studies/feedback_contraction.py``) and FGD
             warns once.
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
@@ -87,7 +87,7 @@ class FGD(StiefelOptimizer):
             does not bind the update is exactly the one above. ``guard_stats()`` counts the
             steps it bound; a warning says so once (at the checks' synchronisation).
         trust_radius: ρ of the guard (> 0); default 0.5, 5× the largest value measured in
-            training with the paper's settings (``benchmarks/guard_headroom.py``).
+            training with the paper's settings (``benchmarks/studies/guard_headroom.py``).
         max_distance: the limit of ``check_manifold`` and of the guard, in (0, 1); default 0.5.
         precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"tf32x3"``
             (TF32 tensor cores with θᵀθ, which sets the distance to the manifold, at fp32
@@ -335,7 +335,7 @@ class FGD(StiefelOptimizer):
 _GROUP_KEYS = ("lr", "momentum", "feedback", "weight_decay", "dampening", "nesterov", "orthogonal")
 
 #: feedback outside this range is accepted with a one-time warning: the drift contracts by
-#: |1 − 2α| per step, so α near 0 or 1 barely pulls θ back (benchmarks/feedback_contraction.py)
+#: |1 − 2α| per step, so α near 0 or 1 barely pulls θ back (benchmarks/studies/feedback_contraction.py)
 FEEDBACK_RANGE = (0.1, 0.9)
 
 

@@ -17,8 +17,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
-GPU_TOOLS = BENCH / "gpu"  # the GPU-session tooling
 ALWAYS = {
     "fgd-auto",
     "fgd-reference",
@@ -34,17 +32,11 @@ ALWAYS = {
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path[:0] = [str(BENCH), str(GPU_TOOLS)]
-    try:
-        import gpu_check
+    from benchmarks import report
+    from benchmarks.gpu import gpu_check
+    from benchmarks.test_optimizer_step import CASES
 
-        import report
-        from test_optimizer_step import CASES
-
-        yield report, gpu_check, CASES
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.path.remove(str(GPU_TOOLS))
+    return report, gpu_check, CASES
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +136,7 @@ def test_gpu_check_keeps_results_of_failed_and_timed_out_phases(tmp_path, bench_
 
 
 def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, bench_modules):
-    import accuracy
+    from benchmarks.gpu import accuracy
 
     out = tmp_path / "accuracy.json"
     cases = ["fgd-reference", "fgd-torch-tf32x3", "fgd-triton-tf32x3"]

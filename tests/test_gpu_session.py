@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST = ROOT / "benchmarks" / "gpu" / "first_phase.py"
-CHECK = ROOT / "benchmarks" / "gpu" / "gpu_check.py"
+FIRST = ["-m", "benchmarks.gpu.first_phase"]  # run from the repository root (cwd=ROOT)
+CHECK = ["-m", "benchmarks.gpu.gpu_check"]
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -31,10 +31,10 @@ def lines(path: Path) -> list[dict]:
 
 def test_a_case_that_aborts_does_not_stop_the_next(tmp_path):
     out = tmp_path / "first.jsonl"
-    cmd = [sys.executable, str(FIRST), str(out), "--cpu-dry-run", "--cases", "fgd-torch", "sgd"]
+    cmd = [sys.executable, *FIRST, str(out), "--cpu-dry-run", "--cases", "fgd-torch", "sgd"]
     cmd += ["--measure", "time", "memory", "--min-case-s", "5", "--budget", "120"]
     env = {**ENV, "FGD_FIRST_PHASE_ABORT": "fgd-torch"}
-    subprocess.run(cmd, env=env, check=True, timeout=180, capture_output=True)
+    subprocess.run(cmd, env=env, check=True, timeout=180, capture_output=True, cwd=ROOT)
     rows = lines(out)
     by = {(r["case"], r["what"]): r for r in rows}
     assert by[("fgd-torch", "exit")]["rc"] == -signal.SIGABRT  # the crash is recorded ...
@@ -44,17 +44,24 @@ def test_a_case_that_aborts_does_not_stop_the_next(tmp_path):
     assert (
         "fgd-torch exit"
         in subprocess.run(
-            [sys.executable, str(FIRST), str(out), "--report"], env=ENV, capture_output=True, text=True, check=True
+            [sys.executable, *FIRST, str(out), "--report"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
         ).stdout
     )  # the report names what was not measured
 
 
 def test_a_run_killed_mid_phase_keeps_every_earlier_result(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [sys.executable, str(CHECK), str(out), "--work", str(work), "--cpu-dry-run", "--no-install"]
+    cmd = [sys.executable, *CHECK, str(out), "--work", str(work), "--cpu-dry-run", "--no-install"]
     cmd += ["--phases", "install", "first", "tests", "--first-cases", "sgd", "--budget", "200"]
     cmd += ["--tests", "tests/test_bad_input.py"]  # long enough to be killed in
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # wait for the first phase to end, then kill in the tests phase

@@ -6,9 +6,6 @@ any write); and a step's extra memory stays within 3× the constrained parameter
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,8 +14,6 @@ from fgd_fast.backends import torch_batched
 from fgd_fast.backends.torch_batched import prepare_torch
 from helpers import device_for_tests, fgd_steps, stiefel_problem
 from test_fgd_oracle import _rel_err, _run
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 # staging rule, halves rule: the CPU default, everything staged (the GPU's stacks), halves for every p
 MODES = {
@@ -121,15 +116,11 @@ def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
 
 def _workload_params(name: str):
     """The constrained weights of a benchmark workload at the CPU scale, with gradients."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        from workloads import workloads
+    from benchmarks.memtrack import peak_extra_bytes
+    from benchmarks.workloads import workloads
 
-        w = next(x for x in workloads("cpu") if x.name == name)
-        group = fgd_fast.stiefel_param_groups(w.model("cpu"), w.rule, orthogonalize=False)[0]
-        from memtrack import peak_extra_bytes
-    finally:
-        sys.path.remove(str(BENCH))
+    w = next(x for x in workloads("cpu") if x.name == name)
+    group = fgd_fast.stiefel_param_groups(w.model("cpu"), w.rule, orthogonalize=False)[0]
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in group["params"]]
     return group, grads, peak_extra_bytes

@@ -1,4 +1,4 @@
-"""``benchmarks/train.py`` (the end-to-end training comparison) on tiny runs: the CLI writes
+"""``benchmarks/training/train.py`` (the end-to-end training comparison) on tiny runs: the CLI writes
 ``train.json`` with every documented field and ``train.png``; the GPU configuration (synthetic
 CIFAR-shaped data, WRN, bf16 autocast, channels_last) runs end to end on a narrow network;
 CIFAR-10 is read from the python-pickle batches; bad options fail with the reason."""
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "benchmarks" / "train.py"
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # geoopt's import
 FIELDS = (
     "test_accuracy",
@@ -35,10 +34,10 @@ FIELDS = (
 
 
 def train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python benchmarks/train.py ARGS`` as a user runs it."""
+    """``python -m benchmarks.training ARGS`` as a user runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
-    cmd = [sys.executable, str(TRAIN), "--threads", "1", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, "-m", "benchmarks.training", "--threads", "1", "--out", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -47,13 +46,9 @@ def train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def train_main():
     """``train.main(argv)`` in this process (no interpreter start-up: the runs take a second)."""
-    sys.path.insert(0, str(TRAIN.parent))
-    try:
-        import train
+    from benchmarks.training import train
 
-        yield lambda out, *args: train.main(["--no-progress", "--out", str(out), *args])
-    finally:
-        sys.path.remove(str(TRAIN.parent))
+    return lambda out, *args: train.main(["--no-progress", "--out", str(out), *args])
 
 
 def test_digits_run_writes_json_table_and_plot(tmp_path):

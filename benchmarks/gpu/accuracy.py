@@ -2,7 +2,7 @@
 
 Usage (repository root; on a GPU after an editable install, or ``--cpu-dry-run`` anywhere)::
 
-    python benchmarks/gpu/accuracy.py OUT.json [--steps 2000] [--every 20] [--budget 150]
+    python -m benchmarks.gpu.accuracy OUT.json [--steps 2000] [--every 20] [--budget 150]
                                        [--workloads wrn-28-10 ...] [--cases fgd-reference ...]
 
 Every case runs the benchmark's gradient stream (:func:`measure.gradient_pool`: unit-norm random
@@ -28,9 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-
-BENCH = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(BENCH))
 
 #: the reference form first (the yardstick), then the fast paths, the candidate default first
 CASES = (
@@ -63,8 +60,8 @@ def distances(weights: list[torch.Tensor]) -> list[float]:
 
 def run_case(contender, workload, pool, device, steps: int, every: int, deadline: float) -> dict:
     """``steps`` steps of one case (fewer if ``deadline`` passes: ``steps`` says how many ran)."""
-    from measure import LR, synchronizer
-    from workloads import _template
+    from benchmarks.measure import LR, synchronizer
+    from benchmarks.workloads import _template
 
     model = copy.deepcopy(_template(workload, device))
     case = contender.make(model, workload.rule, LR)
@@ -103,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_dry_run:  # the Triton kernels too, under the interpreter (before fgd_fast is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    from contenders import contender, unavailable
-    from machine import environment
-    from measure import LR, POOL, gradient_pool
-    from workloads import weight_shapes, workloads
+    from benchmarks.contenders import contender, unavailable
+    from benchmarks.machine import environment
+    from benchmarks.measure import LR, POOL, gradient_pool
+    from benchmarks.workloads import weight_shapes, workloads
 
     device = torch.device("cpu" if args.cpu_dry_run or not torch.cuda.is_available() else "cuda")
     steps = args.steps or (4 if args.cpu_dry_run else 2000)

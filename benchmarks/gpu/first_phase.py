@@ -2,8 +2,8 @@
 
 Usage (repository root, after a pure-Python editable install; or ``--cpu-dry-run`` anywhere)::
 
-    python benchmarks/gpu/first_phase.py OUT.jsonl [--budget 150] [--cases fgd-torch ...]
-    python benchmarks/gpu/first_phase.py OUT.jsonl --report      # the Markdown tables of OUT.jsonl
+    python -m benchmarks.gpu.first_phase OUT.jsonl [--budget 150] [--cases fgd-torch ...]
+    python -m benchmarks.gpu.first_phase OUT.jsonl --report      # the Markdown tables of OUT.jsonl
 
 Each case (a contender of :mod:`contenders` on the WRN-28-10 layer set) runs in its own
 subprocess, so a crashing kernel (a sticky CUDA error) takes only its own case down, and every
@@ -44,8 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 WORKLOAD = "wrn-28-10"
 #: (contender, measurements) in priority order: the yardstick, then the candidate defaults
@@ -196,9 +195,9 @@ def _agreement(name: str, workload, pool, device) -> dict:
     """One step of ``name`` and of fgd-torch (IEEE fp32) from the same state; both against float64."""
     import torch
 
-    from contenders import contender
-    from measure import LR
-    from workloads import _template
+    from benchmarks.contenders import contender
+    from benchmarks.measure import LR
+    from benchmarks.workloads import _template
 
     template = _template(workload, device)
     cands, refs, f64s = [], [], []
@@ -240,7 +239,7 @@ def _agreement(name: str, workload, pool, device) -> dict:
 
 
 def _distance(case, pool, device, steps: int, deadline: float) -> dict:
-    from accuracy import distances
+    from benchmarks.gpu.accuracy import distances
 
     every = max(1, steps // 20)
     worst, done, t0 = 0.0, 0, time.monotonic()
@@ -259,10 +258,10 @@ def _distance(case, pool, device, steps: int, deadline: float) -> dict:
 def run_one(args) -> int:
     import torch
 
-    from contenders import contender, unavailable
-    from measure import LR, gradient_pool
-    from memtrack import peak_extra_bytes
-    from workloads import _template, weight_shapes, workloads
+    from benchmarks.contenders import contender, unavailable
+    from benchmarks.measure import LR, gradient_pool
+    from benchmarks.memtrack import peak_extra_bytes
+    from benchmarks.workloads import _template, weight_shapes, workloads
 
     if os.environ.get("FGD_FIRST_PHASE_ABORT") == args.one:  # rehearsal: a case that dies like a CUDA fault
         os.abort()
@@ -355,7 +354,7 @@ def run_all(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     device = _device(args.cpu_dry_run)
     try:
-        import machine
+        import benchmarks.machine as machine
 
         env = machine.environment(device)
     except Exception as exc:  # never lose the run to a missing tool
@@ -371,7 +370,8 @@ def run_all(args) -> int:
             continue
         share = max(args.min_case_s, left / max(1, len(cases) - i) * 2.5)  # a slow case may take 2.5 shares
         share = min(share, left)
-        cmd = [sys.executable, __file__, str(out), "--one", name, "--case-budget", str(round(share - 5))]
+        cmd = [sys.executable, "-m", "benchmarks.gpu.first_phase", str(out), "--one", name]
+        cmd += ["--case-budget", str(round(share - 5))]
         cmd += ["--reps", str(args.reps), "--steps", str(args.steps), "--measure", *args.measure]
         if args.cpu_dry_run:
             cmd.append("--cpu-dry-run")
@@ -380,7 +380,7 @@ def run_all(args) -> int:
             env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=share, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=share, env=env, cwd=ROOT)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
         except subprocess.TimeoutExpired as exc:
             rc, tail = "timeout", ((exc.stdout or b"")[-800:] + (exc.stderr or b"")[-700:]).decode(errors="replace")

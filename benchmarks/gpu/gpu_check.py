@@ -2,8 +2,8 @@
 
 Usage (from the repository root, on the GPU machine)::
 
-    python benchmarks/gpu/gpu_check.py OUTDIR [--budget 460] [--commit SHA]
-    python benchmarks/gpu/gpu_check.py OUTDIR --cpu-dry-run [--no-install]   # rehearsal on a CPU
+    python -m benchmarks.gpu.gpu_check OUTDIR [--budget 460] [--commit SHA]
+    python -m benchmarks.gpu.gpu_check OUTDIR --cpu-dry-run [--no-install]   # rehearsal on a CPU
 
 ``OUTDIR`` is the folder that comes back from the device (``$OUT``): it never holds more than
 eight files, and every one of them is rewritten as soon as the phase behind it has something, so
@@ -25,7 +25,7 @@ timeouts, in the order of what decides the product's defaults:
    workload and precision against the reference form (``accuracy.json``).
 6. **triton-probe** (``--no-probe`` skips it): the phases of the Triton step and a tile sweep
    of the tensor-core kernels (``triton_probe.json``).
-7. **train**: the WRN-28-10 training comparison (``benchmarks/train.py``, synthetic data,
+7. **train**: the WRN-28-10 training comparison (``python -m benchmarks.training``, synthetic data,
    ``train-wrn.json``).
 8. **build** last: the nvcc build of ``fgd_fast._C`` (``FGD_FAST_BUILD_CUDA=1``), then, if it
    built, the CUDA tests and the ``fgd-cuda`` case of the first phase.
@@ -49,10 +49,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.sources import source_digest
 
-from sources import source_digest  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 REPORT_RESERVE_S = 15
 #: per phase: (cap in seconds, seconds kept for the phases after it) on a GPU
@@ -186,9 +185,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 PROBE = """
-import json, sys, torch
-sys.path.insert(0, "benchmarks")
-import machine
+import json, torch
+import benchmarks.machine as machine
 from fgd_fast.backends import BackendUnavailable, resolve_backend
 device = torch.device("cuda" if torch.cuda.is_available() and not {cpu} else "cpu")
 out = {{"environment": machine.environment(device), "backends": {{}}}}
@@ -234,7 +232,7 @@ def first(check: Check, cases: list[str] | None = None, name: str = "first") -> 
     budget = check.allowance("first") if name == "first" else min(60.0, check.left() - REPORT_RESERVE_S)
     if budget < 20:
         return check.skip(name, f"{budget:.0f} s left")
-    cmd = [sys.executable, "benchmarks/gpu/first_phase.py", str(check.out / "first.jsonl")]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.first_phase", str(check.out / "first.jsonl")]
     cmd += ["--budget", str(round(budget - 10))]
     cases = cases or check.args.first_cases
     if cases:
@@ -247,8 +245,7 @@ def first(check: Check, cases: list[str] | None = None, name: str = "first") -> 
 
 
 def _first_cases() -> list[str]:
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-    from first_phase import CASES
+    from benchmarks.gpu.first_phase import CASES
 
     return [c for c, _ in CASES]
 
@@ -326,7 +323,7 @@ def accuracy(check: Check) -> None:
     budget = check.allowance("accuracy")
     if budget < 20:
         return check.skip("accuracy", f"{budget:.0f} s left")
-    cmd = [sys.executable, "benchmarks/gpu/accuracy.py", str(check.out / "accuracy.json")]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.accuracy", str(check.out / "accuracy.json")]
     cmd += ["--budget", str(round(budget - 10))]
     if check.args.cpu_dry_run:
         cmd += ["--cpu-dry-run", "--workloads", "wrn-28-10", "--cases", "fgd-reference", "fgd-torch-tf32x3"]
@@ -342,8 +339,7 @@ def _accuracy_lines(check: Check) -> list[str]:
         data = json.loads((check.out / "accuracy.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-    from accuracy import table
+    from benchmarks.gpu.accuracy import table
 
     head = f"## Accuracy ({data['steps']} steps, `benchmarks/gpu/accuracy.py`)"
     return ["", head, "", table(data["results"])]
@@ -360,7 +356,7 @@ def probe(check: Check) -> None:
     budget = check.allowance("triton-probe")
     if budget < 20:
         return check.skip("triton-probe", f"{budget:.0f} s left")
-    cmd = [sys.executable, "benchmarks/gpu/triton_probe.py", str(check.out / "triton_probe.json")]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.triton_probe", str(check.out / "triton_probe.json")]
     cmd += ["--budget", str(round(budget - 10))]
     env = check.env
     if check.args.cpu_dry_run:  # rehearsal: the interpreter on tiny shapes
@@ -378,7 +374,7 @@ def train(check: Check) -> None:
     size = ["--depth", "28", "--width", "10", "--epochs", "2", "--steps-per-epoch", "30"]
     if check.args.cpu_dry_run:
         size = ["--depth", "10", "--width", "0.5", "--batch-size", "16", "--epochs", "1", "--steps-per-epoch", "2"]
-    cmd = [sys.executable, "benchmarks/train.py", "--dataset", "synthetic", "--model", "wrn"]
+    cmd = [sys.executable, "-m", "benchmarks.training", "--dataset", "synthetic", "--model", "wrn"]
     cmd += ["--optimizers", "sgd,fgd,cayley-sgd", "--no-progress", "--no-plot", "--out", str(folder), *size]
     if not check.args.cpu_dry_run:
         cmd += ["--amp", "bf16", "--channels-last", "on"]
@@ -409,9 +405,8 @@ def _first_lines(check: Check) -> list[str]:
     path = check.out / "first.jsonl"
     if not path.exists():
         return []
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-    from first_phase import load
-    from first_phase import report as first_report
+    from benchmarks.gpu.first_phase import load
+    from benchmarks.gpu.first_phase import report as first_report
 
     return ["", *("#" + ln if ln.startswith("#") else ln for ln in first_report(load(path)).splitlines())]
 
@@ -437,7 +432,7 @@ def _probe_lines(check: Check) -> list[str]:
 def bench_report(check: Check) -> None:
     source = check.out / "bench-cases.jsonl"
     if source.exists() and source.stat().st_size:
-        cmd = [sys.executable, "benchmarks/report.py", str(source), "-o", str(check.work / "bench-report.md")]
+        cmd = [sys.executable, "-m", "benchmarks.report", str(source), "-o", str(check.work / "bench-report.md")]
         check.run("report", cmd, 60)
 
 

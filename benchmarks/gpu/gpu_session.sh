@@ -22,7 +22,7 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>/dev/null
 # shellcheck disable=SC2086
-timeout $((budget + 20)) python3 benchmarks/gpu/gpu_check.py "$out" --budget "$budget" --commit "$commit" \
+timeout $((budget + 20)) python3 -m benchmarks.gpu.gpu_check "$out" --budget "$budget" --commit "$commit" \
   ${GPU_CHECK_ARGS:-} > /tmp/gpu_check.out 2>&1
 rc=$?
 sed -n '/^| phase/,/^$/p' /tmp/gpu_check.out

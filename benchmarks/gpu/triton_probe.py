@@ -2,7 +2,7 @@
 
 Usage (repository root, on a GPU machine, after ``gpu_check.py`` or an editable install)::
 
-    python benchmarks/gpu/triton_probe.py OUT.json [--budget 180] [--workload wrn-28-10]
+    python -m benchmarks.gpu.triton_probe OUT.json [--budget 180] [--workload wrn-28-10]
 
 On the full-size workload (default WRN-28-10, rule "official"), with ``triton.testing.do_bench``
 (median of CUDA-event timings after warm-up, random data):
@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # square Gram tiles (the symmetric blocks store tiles i <= j of a square tiling); BK and BR
 # at most the 128-row padding of the split buffers
@@ -69,11 +67,11 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
 
     import fgd_fast
+    from benchmarks.machine import environment
+    from benchmarks.workloads import layer_shapes, weight_shapes, workloads
     from fgd_fast.backends import triton as TB
     from fgd_fast.functional import fgd
     from fgd_fast.kernels import tc_step as K
-    from machine import environment
-    from workloads import layer_shapes, weight_shapes, workloads
 
     key = (args.precision, True)  # the aligned entry
     if args.base:

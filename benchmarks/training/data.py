@@ -1,4 +1,4 @@
-"""The data sets of ``benchmarks/train.py`` (one concern: images and labels, in batches).
+"""The data sets of ``benchmarks/training/train.py`` (one concern: images and labels, in batches).
 
 * ``digits``: scikit-learn's bundled 8×8 handwritten digits (1,797 images, 10 classes; real
   data, installed with scikit-learn, no download), split 80/20 stratified with a fixed seed.

@@ -5,19 +5,19 @@ Stiefel manifold.
 Usage (from the repository root; ``pip install 'fgd_fast[examples]'`` brings scikit-learn,
 matplotlib and tqdm)::
 
-    python benchmarks/train.py                                   # digits, sgd/fgd/cayley-sgd/cayley-adam/landing
-    python benchmarks/train.py --dataset digits --epochs 3 --out OUT
-    python benchmarks/train.py --dataset cifar10 --data-dir DIR --epochs 200   # the paper's run
-    python benchmarks/train.py --dataset synthetic --model wrn --depth 28 --width 10 \\
+    python -m benchmarks.training                                   # digits, sgd/fgd/cayley-sgd/cayley-adam/landing
+    python -m benchmarks.training --dataset digits --epochs 3 --out OUT
+    python -m benchmarks.training --dataset cifar10 --data-dir DIR --epochs 200   # the paper's run
+    python -m benchmarks.training --dataset synthetic --model wrn --depth 28 --width 10 \\
         --optimizers sgd,fgd,cayley-sgd --epochs 2 --steps-per-epoch 50      # GPU timing only
-    python benchmarks/train.py --optimizers all --set fgd.lr=0.1 --set fgd.feedback=0.2
+    python -m benchmarks.training --optimizers all --set fgd.lr=0.1 --set fgd.feedback=0.2
 
 Every optimizer starts from the same weights (the constrained ones orthonormalised once) and
 sees the same batches: the runs are interleaved, each batch going through every optimizer in
 turn, so a shared machine whose load changes during the comparison slows all of them alike.
 The learning rates follow the authors' schedule, × ``--gamma`` (0.2) after 30 %, 60 % and 80 %
 of the steps (their epochs 60/120/160 of 200), scaled to the run's length; the settings are in
-``benchmarks/train_optimizers.py``. Progress: a bar per optimizer on a terminal, else a line
+``benchmarks/training/optimizers.py``. Progress: a bar per optimizer on a terminal, else a line
 per evaluation (on stderr).
 
 Measured per optimizer: forward + backward time and optimizer-step time (medians over the
@@ -52,14 +52,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import fgd_fast  # noqa: E402
-from machine import environment  # noqa: E402
-from models import cifar_resnet, small_cnn, wide_resnet  # noqa: E402
-from train_data import DATASETS, Dataset, load_dataset  # noqa: E402
-from train_optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
-from train_report import plot, summary_lines  # noqa: E402
+from benchmarks.machine import environment  # noqa: E402
+from benchmarks.models import cifar_resnet, small_cnn, wide_resnet  # noqa: E402
+from benchmarks.training.data import DATASETS, Dataset, load_dataset  # noqa: E402
+from benchmarks.training.optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
+from benchmarks.training.report import plot, summary_lines  # noqa: E402
 
 DEFAULT_OPTIMIZERS = "sgd,fgd,cayley-sgd,cayley-adam,landing"
 MILESTONES = (0.3, 0.6, 0.8)  # the authors' epochs 60, 120, 160 of 200
@@ -483,7 +481,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
         "torch_threads": torch.get_num_threads(),
         "seed": args.seed,
         "compile": args.compile,
-        "command": "python benchmarks/train.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.training " + " ".join(sys.argv[1:]),
     }
     return names, settings, data, base, cfg
 

@@ -1,4 +1,4 @@
-"""The optimizers ``benchmarks/train.py`` compares, with the authors' CIFAR-10 settings.
+"""The optimizers ``benchmarks/training/train.py`` compares, with the authors' CIFAR-10 settings.
 
 Defaults (WRN-28-10 on CIFAR-10, batch 128, 200 epochs, every learning rate × 0.2 at epochs
 60, 120 and 160):
@@ -16,7 +16,7 @@ Defaults (WRN-28-10 on CIFAR-10, batch 128, 200 epochs, every learning rate × 0
 * ``landing``: :class:`fgd_fast.baselines.LandingSGD` (Ablin & Peyré; the Stiefel version with
   the safe step of Ablin, Vary, Gao & Absil): momentum 0.9 on the relative gradient, safe
   distance 0.5 (the authors' default); its Stiefel lr and attraction λ from a small sweep on
-  digits (``benchmarks/sweep_digits.py --optimizer landing``), the other parameters as FGD's.
+  digits (``benchmarks/training/sweep.py --optimizer landing``), the other parameters as FGD's.
 
 Each optimizer constrains the same weights (``stiefel_param_groups`` with the chosen rule);
 ``sgd`` leaves them free, and its distance from the manifold shows how far they drift.

@@ -8,7 +8,7 @@ unit-norm random gradients, lr 0.01, momentum 0.9, for each α, and prints per v
 settled ‖θᵀθ − I‖_F and tr(θᵀθ − I)/p (negative: inside the manifold), each the mean of the
 last 100 of 400 steps, and the ratio official ÷ paper.
 
-    python benchmarks/variant_distance.py [--steps 400] [--alphas 0.1 0.4 0.5 0.7 0.9]
+    python -m benchmarks.studies.variant_distance [--steps 400] [--alphas 0.1 0.4 0.5 0.7 0.9]
 """
 
 from __future__ import annotations

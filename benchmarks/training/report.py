@@ -1,6 +1,6 @@
-"""The summary table and the figure of a ``benchmarks/train.py`` run (one concern: showing it).
+"""The summary table and the figure of a ``benchmarks/training/train.py`` run (one concern: showing it).
 
-``python benchmarks/train_report.py OUT/train.json [--png FILE] [--markdown]`` prints the
+``python -m benchmarks.training.report OUT/train.json [--png FILE] [--markdown]`` prints the
 table again (``--markdown`` as a Markdown table, as in the README) and redraws the figure.
 """
 
@@ -136,7 +136,7 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", help="train.json of benchmarks/train.py")
+    ap.add_argument("json", help="train.json of benchmarks/training/train.py")
     ap.add_argument("--png", help="redraw the figure into this file")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """FGD across processes: communication per step (model) and a short measured gloo run.
 
-    python benchmarks/dist_comm.py                  # model table + measured run, prints the report
-    python benchmarks/dist_comm.py --out FILE.md    # ... and writes it
-    python benchmarks/dist_comm.py --model-only     # the model table only (seconds)
+    python -m benchmarks.studies.dist_comm                  # model table + measured run, prints the report
+    python -m benchmarks.studies.dist_comm --out FILE.md    # ... and writes it
+    python -m benchmarks.studies.dist_comm --model-only     # the model table only (seconds)
 
 **Model** — bytes each rank sends per optimizer step for the constrained layers of the
 full-size benchmark workloads (:mod:`workloads`), float32, ring collectives, at 8 and 64
@@ -36,15 +36,12 @@ import math
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from datetime import timedelta
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fgd_fast
 from fgd_fast._matrix import stiefel_shape
@@ -82,7 +79,7 @@ def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
 
 
 def model_table(rank_counts=(8, 64)) -> str:
-    from workloads import workloads
+    from benchmarks.workloads import workloads
 
     lines = ["| workload | layers | ranks | " + " | ".join(SCHEMES) + " |", "|---|---:|---:|" + "---:|" * len(SCHEMES)]
     for w in workloads("full"):
@@ -135,7 +132,7 @@ def _rank_main(rank, world, init, steps, queue):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from workloads import workloads
+    from benchmarks.workloads import workloads
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
@@ -180,7 +177,7 @@ def _rank_main(rank, world, init, steps, queue):
 
 def single_process(steps: int) -> dict:
     """FGD and SGD on the whole model in this process (one thread, no process group)."""
-    from workloads import workloads
+    from benchmarks.workloads import workloads
 
     torch.set_num_threads(1)
     work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
@@ -236,12 +233,12 @@ def main() -> None:
         "",
         model_table(),
         "",
-        'Schemes as in `benchmarks/dist_comm.py`. "rows" counts the layers `shard_placement` cannot '
+        'Schemes as in `benchmarks/studies/dist_comm.py`. "rows" counts the layers `shard_placement` cannot '
         "row-shard at that rank count with the all-gather fallback.",
         "",
     ]
     if not args.model_only:
-        from workloads import workloads
+        from benchmarks.workloads import workloads
 
         work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
         report += [

@@ -1,6 +1,6 @@
 """Side-by-side CPU step time of the FGD backends on WRN-28-k's orthogonal layers.
 
-Usage: ``python benchmarks/cpu_backends.py [--widths 4 10] [--repeat 5]``. Prints the median
+Usage: ``python -m benchmarks.studies.cpu_backends [--widths 4 10] [--repeat 5]``. Prints the median
 step time of each backend and the speed-up of ``torch`` over ``reference``.
 """
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 import fgd_fast
-from models import wide_resnet
+from benchmarks.models import wide_resnet
 
 
 def main() -> None:

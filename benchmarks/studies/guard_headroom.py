@@ -9,7 +9,7 @@ quantity ``r = ‖Φ‖_F + η‖g‖_F`` (what the trust region compares with �
 distance ``‖θᵀθ − I‖_F``; it prints the largest ``r``, ``r/ρ`` and distance over the run and
 the guard's counters (``opt.guard_stats()``), which must be zero.
 
-    python benchmarks/guard_headroom.py [--steps 150] [--width 1] [--depth 16] [--batch 64]
+    python -m benchmarks.studies.guard_headroom [--steps 150] [--width 1] [--depth 16] [--batch 64]
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ import torch
 from torch import nn
 
 import fgd_fast
+from benchmarks.models import wide_resnet
 from fgd_fast.guards import TRUST_RADIUS
-
-try:
-    from models import wide_resnet
-except ImportError:  # run from the repository root
-    from benchmarks.models import wide_resnet
 
 
 def main() -> None:

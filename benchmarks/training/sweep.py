@@ -1,8 +1,8 @@
 """How an optimizer's lr and its second knob move accuracy and distance from the manifold: a
-small grid on scikit-learn's digits, with exactly the set-up of ``benchmarks/train.py`` (small
+small grid on scikit-learn's digits, with exactly the set-up of ``benchmarks/training/train.py`` (small
 CNN, batch 32, the authors' schedule scaled to the run, Euclidean lr 0.05, momentum 0.9).
 
-    python benchmarks/sweep_digits.py [--optimizer fgd] [--epochs 3] [--lr 0.05,0.1,0.2,0.4,0.8] \\
+    python -m benchmarks.training.sweep [--optimizer fgd] [--epochs 3] [--lr 0.05,0.1,0.2,0.4,0.8] \\
         [--second 0.1,0.2,0.4,0.7] [--out benchmarks/results/NAME.md]
 
 The second knob is FGD's ``feedback`` α, or LandingSGD's ``attraction`` λ (``--optimizer
@@ -21,9 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import train  # noqa: E402
+from benchmarks.training import train
 
 #: per optimizer: its second knob and the default grid of it
 KNOB = {"fgd": ("feedback", "0.1,0.2,0.4,0.7"), "landing": ("attraction", "0.5,1,2,4")}
@@ -129,7 +127,7 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
     lines = [
         f"# {title} on digits: test accuracy and distance across lr and {knob}",
         "",
-        f"`python benchmarks/sweep_digits.py{flag}` ({cfg['model']}, {cfg['epochs']} epochs × "
+        f"`python -m benchmarks.training.sweep{flag}` ({cfg['model']}, {cfg['epochs']} epochs × "
         f"{cfg['steps_per_epoch']} steps "
         f"of {cfg['batch_size']}, lr × {cfg['gamma']} at steps {cfg['milestones']}, Euclidean lr 0.05, momentum 0.9); "
         f"{dev.get('cpu')}, {cfg['torch_threads']} torch thread(s), load average {dev.get('load_average')}, "

@@ -9,7 +9,7 @@ momentum 0.9 for each α, and prints the settled distance (mean of the last 100 
 the mean ‖ΦᵀΦ‖_F, the first-order fixed point ‖ΦᵀΦ‖/(2α) and the measurement's ratio to it,
 the empirical bound ‖ΦᵀΦ‖/(2 min(α, 1 − α)), and the ratio to α = 0.4.
 
-    python benchmarks/feedback_contraction.py
+    python -m benchmarks.studies.feedback_contraction
 """
 
 from __future__ import annotations

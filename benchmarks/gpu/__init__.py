@@ -1,0 +1,1 @@
+"""The tooling of a GPU session (see ``benchmarks/gpu/README.md``)."""
