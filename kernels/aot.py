@@ -171,6 +171,23 @@ def _job(args):
         return dict(kernel=name, arch=arch, config={k: str(v) for k, v in consts.items()}, error=repr(exc))
 
 
+def select(configs: list, *, subset: bool = False, smoke: bool = False) -> list:
+    """``configs`` (from :func:`configurations`) reduced: ``subset`` keeps float32/float64
+    parameters; ``smoke`` keeps every tensor-core configuration and the first of every other
+    (kernel, dtype)."""
+    if subset:
+        configs = [c for c in configs if c[1].get("DTYPE", "float32") in ("float32", "float64")]
+    if smoke:
+        seen, kept = set(), []
+        for name, consts, cfg in configs:
+            key = (name, consts.get("DTYPE", "float32"))
+            if name.startswith("tc_") or key not in seen:
+                kept.append((name, consts, cfg))
+                seen.add(key)
+        configs = kept
+    return configs
+
+
 def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernels/aot.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
@@ -178,10 +195,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--subset", action="store_true", help="only float32 and float64 parameters (API-drift check)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every tensor-core configuration and one per other (kernel, dtype): a quick check of another Triton",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the per-configuration report here")
     args = ap.parse_args(argv)
-    configs = [c for c in configurations() if not args.subset or c[1].get("DTYPE", "float32") in ("float32", "float64")]
+    configs = select(configurations(), subset=args.subset, smoke=args.smoke)
     jobs = [(name, consts, config, arch) for arch in args.arch for name, consts, config in configs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_job, jobs))
