@@ -168,10 +168,13 @@ def middle(
     m_phi = n_inv @ inner  # M_Φ = N[…]
     pull_back = -alpha * a_minus_i  # −α(A − I)
     feedback = pull_back  # F = −α(A − I)
+    t = None
+    if variant == "paper" or predict:
+        t = e * (-lr)  # T = θᵀ(sU) = β sB − η sE
+        if b is not None:
+            t = t.add_(b * beta)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
-        t_phi = e * (-lr) if b is None else b * beta - e * lr  # T = θᵀ(sU) = β sB − η sE
-        feedback = pull_back - n_inv @ sym(t_phi.add_(a @ m_phi))  # F = −α(A − I) − N sym(T + A M_Φ)
-        del t_phi
+        feedback = pull_back - n_inv @ sym(t + a @ m_phi)  # F = −α(A − I) − N sym(T + A M_Φ)
     m_theta = m_phi + feedback  # M_θ = M_Φ + F
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
@@ -179,9 +182,6 @@ def middle(
     # (written with few live p × p temporaries: the torch backend bounds a step's extra memory)
     k = m_theta.clone()
     k.diagonal(dim1=-2, dim2=-1).add_(1.0)  # K = I + M_θ
-    t = e * (-lr)  # T = θᵀ(sU) = β sB − η sE
-    if b is not None:
-        t = t.add_(b * beta)
     kt_t = k.transpose(-1, -2) @ t
     del t
     pm = k.transpose(-1, -2) @ (a @ k)  # KᵀAK

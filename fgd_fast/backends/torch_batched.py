@@ -93,7 +93,7 @@ class _Bucket:
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi
         self.cdt = compute_dtype(dtype)
-        self.split = precision == "tf32x3" and self.cdt == torch.float32
+        self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
@@ -192,7 +192,7 @@ class _Bucket:
         for gemm_chunks in self.plan:
             self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
         # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
-        self.finish(check_finite if self.predict else (self.finite_flags() if check_finite else None))
+        self.finish(check_finite, self.finite_flags() if check_finite and not self.predict else None)
 
     def start(
         self,
@@ -227,7 +227,7 @@ class _Bucket:
             if g_sq is not None:  # Σ_rows g² per column, accumulated in float64 (no overflow for a finite g)
                 torch.linalg.vector_norm(self._col(grad), dim=1, dtype=torch.float64, out=g_sq[r])
                 g_sq[r].square_()
-            if self.split:  # A in IEEE fp32 (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
+            if self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
                 self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
@@ -259,9 +259,9 @@ class _Bucket:
         ]
         return torch.stack(flags)
 
-    def finish(self, finite: torch.Tensor | bool | None) -> None:
-        """Collect the middle's checks. ``finite``: the inputs' finite flags, ``None`` without
-        ``check_finite``; with a prediction any truthy value (the middle's flags are used)."""
+    def finish(self, check_finite: bool, flags: torch.Tensor | None = None) -> None:
+        """Collect the middle's checks. With ``check_finite`` the inputs' finiteness is the
+        middle's (with a prediction) or ``flags`` (without one)."""
         checks = join_checks(self.mids)
         self.dist, self.dist_next, self.finite_next, self.guarded = (
             checks.dist,
@@ -269,10 +269,10 @@ class _Bucket:
             checks.finite_next,
             checks.guarded,
         )
-        if finite is None or finite is False:
+        if not check_finite:
             self.finite = None
         else:
-            self.finite = checks.finite if self.predict else finite  # with a prediction: g and Φ
+            self.finite = checks.finite if self.predict else flags  # with a prediction: g and Φ
         # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard)
         count = len(self.layers)
         scale = (
@@ -430,7 +430,7 @@ def prepare_torch(
             for i, (b, blocks) in enumerate(zip(buckets, held)):
                 for gemm_chunks, chunk in zip(b.plan, blocks):
                     b.middle(gemm_chunks, chunk)
-                b.finish(bad[i] == 0 if check_finite else None)
+                b.finish(check_finite, bad[i] == 0 if check_finite else None)
     step = _Step(buckets, scratch, precision)
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
