@@ -348,19 +348,16 @@ def run_one(args) -> int:
 
 
 def run_all(args) -> int:
-    import torch
-
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = _device(args.cpu_dry_run)
     try:
-        import benchmarks.machine as machine
+        from benchmarks.machine import environment
 
-        env = machine.environment(device)
+        env = environment(device)
     except Exception as exc:  # never lose the run to a missing tool
         env = {"error": repr(exc)}
     Sink(out, "-")("environment", budget_s=args.budget, cpu_dry_run=args.cpu_dry_run, **env)
-    del torch
     end = time.monotonic() + args.budget
     cases = [c for c, _ in CASES if c in args.cases]
     for i, name in enumerate(cases):
