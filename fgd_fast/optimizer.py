@@ -74,20 +74,26 @@ class FGD(StiefelOptimizer):
             non-finite value (predicted before writing).
         check_manifold: raise ``ValueError`` (changing nothing) when an orthogonal parameter
             is more than ``max_distance`` from the manifold, ‖θᵀθ − I‖_F, or would be after the
-            step (a bound predicted from the ``p × p`` blocks, a non-finite prediction included;
-            with ``guard`` on the guard keeps it inside). The advice: ``opt.reset_parameter(p)``.
+            step (computed exactly from the ``p × p`` blocks before writing, a non-finite value
+            included; with ``guard`` on the guard keeps it inside). The advice:
+            ``opt.reset_parameter(p)``.
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph (warm up with two steps first; a replay reuses the
             captured step's hyper-parameters, so a new lr means a new capture) or to compile it
             with ``fullgraph=True``.
         guard: keep training alive through spikes, on the device with no synchronisation of
-            its own: per layer, Φ and g are scaled by ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, and a
-            step still predicted beyond ``max_distance`` or non-finite becomes the pull-back
-            ``θ ← θ − αθ(A − I)`` with Φ = 0 (see :mod:`fgd_fast.backends.algebra`). Where it
-            does not bind the update is exactly the one above. ``guard_stats()`` counts the
-            steps it bound; a warning says so once (at the checks' synchronisation).
-        trust_radius: ρ of the guard (> 0); default 0.5, 5× the largest value measured in
-            training with the paper's settings (``benchmarks/studies/guard_headroom.py``).
+            its own. Per layer the distance after the step is computed exactly before anything
+            is written; the step written is the largest fraction t ∈ {1, 2^−½, …, 2^−7, 0} of
+            the update (t = 0: the pull-back ``θ ← θ − αθ(A − I)`` with Φ = 0, or α = ½ when
+            that is nearer) whose stored θ is within ``max_distance``, less a rounding margin
+            of the parameter's dtype. Φ and g are first scaled into a safety radius ρ
+            (``trust_radius``). One rule in every backend; where it does not bind the update is
+            exactly the one above, and with it on no finite input makes a step raise.
+            ``guard_stats()`` counts the steps it bound; a warning says so once (at the
+            checks' synchronisation). See :mod:`fgd_fast.backends.algebra`.
+        trust_radius: ρ (> 0) of the inputs' scaling ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, a
+            numerical safety net (default 4, far above training's values:
+            ``benchmarks/studies/guard_headroom.py``).
         max_distance: the limit of ``check_manifold`` and of the guard, in (0, 1); default 0.5.
         precision: fp32 products of the ``"torch"`` and ``"triton"`` backends: ``"tf32x3"``
             (TF32 tensor cores with θᵀθ, which sets the distance to the manifold, at fp32
@@ -172,7 +178,7 @@ class FGD(StiefelOptimizer):
     check_manifold = option("check_manifold", "Raise on a θ beyond ``max_distance``, before or after (optimizer-wide).")
     max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
     guard = option("guard", "Whether the step guard (trust region + reset) is on (optimizer-wide).")
-    trust_radius = option("trust_radius", "ρ of the guard's trust region on ‖Φ‖ + η‖g‖ (optimizer-wide).")
+    trust_radius = option("trust_radius", "ρ of the guard's safety radius on ‖Φ‖ + η‖g‖ (optimizer-wide).")
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
 
@@ -197,7 +203,7 @@ class FGD(StiefelOptimizer):
                 "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
             )
         check_positive(
-            "trust_radius", options["trust_radius"], "the guard's bound on ‖Φ‖ + η‖g‖ per layer; 0.5 is the default"
+            "trust_radius", options["trust_radius"], "the guard's safety radius on ‖Φ‖ + η‖g‖ per layer; 4 is the default"
         )
 
     # -- the step ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from helpers import backend_params
 BACKENDS = backend_params(("reference", "torch", "triton"))
 
 
-def _spike_run(backend="torch", *, spike=300.0, lr_spike=1.0, guard=True, steps=60, recover=False, seed=0):
+def _spike_run(backend="torch", *, spike=300.0, lr_spike=1.0, guard=True, steps=80, recover=False, seed=0):
     """The issue's repro: unit-norm random gradients, lr 0.01, one gradient ×``spike`` at step
     20 (or lr ×``lr_spike`` for steps 20–22). Returns (final distance, raises, the optimizer)."""
     torch.manual_seed(seed)
@@ -49,7 +49,8 @@ def calm_distance():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_spike_is_survived_by_default(backend, calm_distance):
-    """Why 1: a ×300 gradient at step 20 used to write θ 2.2 off the manifold and end in NaN."""
+    """Why 1: a ×300 gradient at step 20 used to write θ 2.2 off the manifold and end in NaN.
+    Now every step stays within max_distance and 60 steps later θ is back near the calm run."""
     with pytest.warns(RuntimeWarning, match="guard bound"):
         final, raises, opt = _spike_run(backend)
     assert raises == [] and final <= 3 * calm_distance, (final, calm_distance)

@@ -7,23 +7,33 @@ pass (``Φ₊ = sU + θ M_Φ``, ``θ₊ = θ + sU + θ M_θ``, ``U = βΦ − η
 ``s``: 1 where it does not bind, and then this is exactly the authors' update) and the
 per-layer checks. Without Φ (first step, ``momentum == 0``) pass ``b = c = None``.
 
-**The guard** (``guard=``), from per-layer scalars only:
+**The guard** (``guard=``). Its one rule, the same in every backend (reference included):
+the step written is the one of largest weight ``t ∈ [0, 1]`` whose distance after the step,
+``‖θ₊ᵀθ₊ − I‖_F``, computed exactly (to rounding) before anything is written, is within the
+target ``limit − margin``.
 
-* Trust region. With ``r = ‖Φ‖_F + η‖g‖_F`` (``‖Φ‖² = tr C``; ``‖g‖²`` comes from the
-  backend as per-column sums of g², computed robustly in float64), the inputs Φ, g are
-  scaled jointly by ``s = min(1, ρ/r)``: ``B → sB, C → s²C, E → sE`` here and ``U → sU`` in
-  the update pass. ``r`` bounds ‖Φ‖, η‖g‖ and ‖U‖ at once (``‖U‖ ≤ β‖Φ‖ + η‖g‖ ≤ r``), so
-  every input of the step is bounded by ρ after scaling, which ``‖βΦ − ηg‖`` alone would not
-  do when βΦ and ηg nearly cancel; in training Φ ≈ −ηg/(1 − β), where ``r ≈ ‖U‖``.
-* Prediction, before anything is written. ``θ₊ = θK + sU`` with ``K = I + M_θ``, so
-  ``θ₊ᵀθ₊ − I = P + s²UᵀU`` with the ``p × p`` matrix
-  ``P = KᵀAK + KᵀT + TᵀK − I``, ``T = θᵀ(sU) = β(sB) − η(sE)``; since ``UᵀU`` is positive
-  semi-definite, ``‖UᵀU‖_F ≤ tr UᵀU = ‖U‖² ≤ r²``, and ``dist_next = ‖P‖_F + s²r²`` bounds
-  ``‖θ₊ᵀθ₊ − I‖_F``. ``finite_next``: M_Φ, M_θ and that bound are finite.
-* Fallback. When the scaled step is still predicted beyond ``limit`` or non-finite, the step
-  becomes the pure pull-back ``θ₊ = θ(I − α(A − I))``, ``Φ₊ = 0`` (``s = 0``), whose distance
-  is bounded with ``D = A − I`` by ``‖(1 − 2α)D + (α² − 2α)D²‖_F + α²‖D‖_F‖D²‖_F``
-  (the expansion of ``(I + D)(I − αD)² − I``).
+* Inputs. With ``r = ‖Φ‖_F + η‖g‖_F`` (``‖Φ‖² = tr C``, ``‖g‖²`` from the backend in
+  float64), Φ and g are scaled by ``s = min(1, ρ/r)`` (``s = 0`` where r overflows). ρ is a
+  numerical safety net (default 4: the middle's terms stay ≤ ρ⁴ and fp32 keeps ~1e-5 of the
+  distance), far above what training produces; the distance decides the rest.
+* Exact distance. ``θ₊ = θK + sU`` with ``K = I + M_θ``, so ``θ₊ᵀθ₊ − I =
+  KᵀAK + KᵀT + TᵀK − I + s²UᵀU`` with ``T = θᵀ(sU)`` and ``UᵀU = β²C − βη(H + Hᵀ) + η²G``
+  from the Gram blocks ``H = Φᵀg``, ``G = gᵀg``: every term is a ``p × p`` block the step
+  has, so the prediction is the distance itself, not a bound.
+* Blend. The pull-back ``θ₊ = θK₀``, ``K₀ = I − αD`` (D = A − I), ``Φ₊ = 0`` is the step of
+  weight 0; weight t writes ``θ₊ = θK₀ + t(θΔ + sU)`` with ``Δ = K − K₀`` and ``Φ₊ = t·Φ₊``,
+  so ``θ₊ᵀθ₊ − I = D₀ + tX₁ + t²X₂``: ``D₀ = (1 − 2α)D + (α² − 2α)D² + α²D³`` (exact: K₀ is
+  a polynomial in D), ``X₁ = 2 sym(K₀(AΔ + T))``, ``X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU``.
+  ``t`` is the largest of 1, 2^−½, 2^−1, …, 2^−7 whose distance is within the target (its
+  square is a quartic in t from six inner products), else 0: KEPT (``t = s = 1``), SCALED, or
+  RESET (``t = 0``). A reset whose pull-back is itself beyond the target takes ``α = ½``
+  instead, ``θ₊ = θ(3I − A)/2`` (Newton–Schulz: distance ``‖¾D² − ¼D³‖``, second order), when
+  that is nearer. So with the guard on, a finite step never needs to raise.
+* Margin. The parameter is stored after rounding; with the unit roundoff ``u`` of its dtype
+  (and a few of the compute dtype), ``θ̃ = θ₊ + E``, ``‖E‖_F ≤ u‖θ₊‖_F``, moves the distance by
+  at most ``2‖θ₊‖₂‖E‖_F + ‖E‖²_F`` with ``‖θ₊‖₂² ≤ 1 + L``, ``‖θ₊‖²_F ≤ p + √p·L`` (L the
+  limit): that is subtracted from the limit (~1e-5 for float32, ~0.08 for a 64-column
+  bfloat16 layer).
 
 **Variants** (``variant=``). ``"official"`` is the authors' code: ``θ₊ = θ + Φ₊ − αθ(A − I)``.
 ``"paper"`` is Algorithm 1 as printed, read as "Φ first, then θ with the new Φ": the θ step
@@ -40,6 +50,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._matrix import as_stiefel
+
 VARIANTS = ("official", "paper")
 
 __all__ = [
@@ -48,9 +60,15 @@ __all__ = [
     "middle",
     "sym",
     "trust_scale",
-    "fallback_distance",
+    "WEIGHTS",
+    "store_unit",
+    "guard_target",
+    "choose_weight",
+    "pull_back_distances",
+    "velocity_gram",
     "join_checks",
     "grad_sq",
+    "velocity_blocks",
     "scaled_hyper",
 ]
 
@@ -104,13 +122,79 @@ def trust_scale(
     return torch.where(finite_of(r), s, 0.0), r
 
 
-def fallback_distance(a_minus_i: torch.Tensor, alpha: Scalar) -> torch.Tensor:
-    """Bound of ‖θ₊ᵀθ₊ − I‖_F for θ₊ = θ(I − αD), D = A − I (the guard's reset step)."""
-    al = _per_layer(alpha)
-    d2 = a_minus_i @ a_minus_i
-    cubic = al * al * (torch.linalg.matrix_norm(a_minus_i) * torch.linalg.matrix_norm(d2)).to(torch.float64)
-    lin = d2.mul_(alpha * alpha - 2.0 * alpha).add_(a_minus_i * (1.0 - 2.0 * alpha))  # (α² − 2α)D² + (1 − 2α)D
-    return torch.linalg.matrix_norm(lin).to(torch.float64) + cubic  # + α²‖D‖‖D²‖ ≥ ‖α²D³‖
+#: The blend weights the guard tries, largest first (2^(−k/2), k = 0…14), and 0.
+WEIGHTS = tuple(2.0 ** (-k / 2) for k in range(15)) + (0.0,)
+
+
+def store_unit(dtype: torch.dtype) -> float:
+    """The rounding allowance of a parameter stored in ``dtype``: its unit roundoff plus a few
+    of the compute dtype's (θ₊ is computed in float32/float64 and then rounded to ``dtype``)."""
+    compute = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    stored = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}.get(dtype, 0.0)
+    return stored + 8.0 * compute
+
+
+def guard_target(limit: float | None, p: int, unit: float) -> float:
+    """``limit − margin``: the largest exact distance of the computed θ₊ whose rounded, stored
+    value is still within ``limit`` (see the module docstring; ``inf`` for no limit)."""
+    if limit is None:
+        return float("inf")
+    err = unit * (p + p**0.5 * limit) ** 0.5  # ‖E‖_F ≤ u‖θ₊‖_F
+    return limit - 2.0 * (1.0 + limit) ** 0.5 * err - err * err  # − 2‖θ₊‖₂‖E‖ − ‖E‖²
+
+
+class Blend(NamedTuple):
+    weight: torch.Tensor  # (L,) float64 t: 1 the full step … 0 the pull-back
+    newton: torch.Tensor  # (L,) bool: a reset that takes α = ½ (Newton–Schulz) instead of α
+    dist: torch.Tensor  # (L,) float64 ‖θ₊ᵀθ₊ − I‖_F of the step chosen
+
+
+def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor) -> Blend:
+    """The guard's rule (one for every backend): the largest t of :data:`WEIGHTS` with
+    ``‖D₀ + tX₁ + t²X₂‖_F ≤ target`` where ``movable`` (the full step is finite), else 0; at 0
+    the Newton–Schulz pull-back ``d_newton`` where the α pull-back ``D₀`` is beyond the target
+    and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices."""
+    mats = (d0, x1, x2)
+    ip = {(i, j): (mats[i] * mats[j]).sum((-2, -1)).to(torch.float64) for i in range(3) for j in range(i, 3)}
+    t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64, device=d0.device)
+    quartic = (  # ‖D₀ + tX₁ + t²X₂‖² as a polynomial in t
+        ip[0, 0].unsqueeze(1)
+        + t * (2 * ip[0, 1]).unsqueeze(1)
+        + t**2 * (ip[1, 1] + 2 * ip[0, 2]).unsqueeze(1)
+        + t**3 * (2 * ip[1, 2]).unsqueeze(1)
+        + t**4 * ip[2, 2].unsqueeze(1)
+    )
+    fits = (quartic <= target * target) & movable.unsqueeze(1)  # (L, k); NaN compares False
+    first = torch.argmax(fits.to(torch.int8), dim=1)  # the largest t that fits
+    weight = torch.where(fits.any(1), t[first], 0.0)
+    w = weight.to(d0.dtype).view(-1, 1, 1)
+    chosen = torch.where(w > 0, d0 + w * x1 + (w * w) * x2, d0)  # (no 0·NaN at t = 0)
+    dist = torch.linalg.matrix_norm(chosen).to(torch.float64)
+    exact_fits = dist <= target  # the quartic and the direct sum agree but for rounding: re-check
+    weight = torch.where(exact_fits | (weight == 0), weight, 0.0)
+    dist = torch.where(exact_fits | (weight > 0), dist, ip[0, 0].sqrt())
+    d_ns = torch.linalg.matrix_norm(d_newton).to(torch.float64)
+    newton = (weight == 0) & ~(dist <= target) & (d_ns < dist)
+    return Blend(weight, newton, torch.where(newton, d_ns, dist))
+
+
+def pull_back_distances(a_minus_i: torch.Tensor, alpha: Scalar) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(D₀, D_ns)``: ``θ₊ᵀθ₊ − I`` of the pull-back ``θ₊ = θ(I − αD)`` and of the Newton–Schulz
+    step ``θ₊ = θ(I − D/2)``, exactly (``D = A − I``; both are polynomials in D)."""
+    d = a_minus_i
+    d2 = d @ d
+    d3 = d2 @ d
+    d0 = (1.0 - 2.0 * alpha) * d + (alpha * alpha - 2.0 * alpha) * d2 + (alpha * alpha) * d3
+    return d0, d3.mul_(0.25).sub_(d2.mul_(0.75))  # (1 − 2α)D + (α² − 2α)D² + α²D³;  −¾D² + ¼D³
+
+
+def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
+    """``UᵀU = β²C − βη(H + Hᵀ) + η²G`` for ``U = βΦ − ηg`` from ``C = ΦᵀΦ``, ``H = Φᵀg``,
+    ``G = gᵀg`` (without Φ: ``c = h = None``, ``UᵀU = η²G``)."""
+    w = gg * (lr * lr)  # η²G
+    if c is not None:
+        w = w + c * (beta * beta) - (h + h.transpose(-1, -2)) * (beta * lr)  # + β²C − βη(H + Hᵀ)
+    return w
 
 
 def middle(
@@ -123,50 +207,51 @@ def middle(
     beta: Scalar,
     alpha: Scalar,
     g_sq: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
+    gg: torch.Tensor | None = None,
     radius: float | None = None,
     limit: float | None = None,
+    unit: float = 0.0,
     variant: str = "official",
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
-    ``g_sq``: ``(L, p)`` or ``(L,)`` sums of g² (float64; needed for the guard or a
-    prediction). ``radius``: the trust radius ρ, ``None`` for no guard (then s = 1).
-    ``limit``: the guard's bound on the predicted distance (``max_distance``); with
-    ``radius`` it triggers the fallback, without it only ``dist_next`` is reported. Neither
-    given: the plain update, no prediction. ``variant``: ``"official"`` or ``"paper"`` (see the
-    module docstring).
+    ``g_sq``: ``(L, p)`` or ``(L,)`` sums of g² (float64), ``h = Φᵀg`` (with Φ) and ``gg = gᵀg``:
+    needed for the guard or a prediction. ``radius``: the safety radius ρ, ``None`` for no guard
+    (then s = t = 1). ``limit``: ``max_distance``; with ``radius`` it sets the guard's target
+    (less the rounding margin of ``unit``, :func:`store_unit`), without it only ``dist_next``
+    is reported. Neither given: the plain update, no prediction. ``variant``: ``"official"``
+    or ``"paper"``. The blocks are scratch of this step: some are scaled in place.
     """
     p = a.shape[-1]
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
-    a_minus_i = a - eye  # A − I
+    a_minus_i = a - eye  # D = A − I
     n_inv = eye - a_minus_i  # N = 2I − A
     dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
     predict = radius is not None or limit is not None
-    scale = r = None
+    scale = None
     if not predict:
         finite = all_finite(e)  # E = θᵀg finite (without a prediction: the plain check)
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = c.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        # inputs finite: ‖g‖² (float64: no overflow for a finite float32 g) and tr C, not E,
-        # which overflows for a huge but finite g (then the prediction says "non-finite output")
-        finite = finite_of(g_norm) & finite_of(phi_sq)
+        # inputs finite: ‖g‖² in float64 (no overflow for a finite float32 g); a float64 g so
+        # large that ‖g‖² overflows is still finite when E = θᵀg is
+        finite = (finite_of(g_norm) | (torch.isinf(g_norm) & all_finite(e))) & finite_of(phi_sq)
         if radius is not None:
-            scale, r = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
-        else:
-            r = phi_sq.sqrt() + _per_layer(lr) * g_norm
+            scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
         if scale is not None:  # (in place: the callers' blocks are scratch of this step)
-            s = scale.to(a.dtype).view(-1, 1, 1)  # exactly 1.0 where the trust region does not bind
-            e = e.mul_(s)  # E → sE (exact when s = 1)
+            s = scale.to(a.dtype).view(-1, 1, 1)  # exactly 1.0 where the radius does not bind
+            e, gg = e.mul_(s), gg.mul_(s * s)  # E → sE, G → s²G (exact when s = 1)
             if b is not None:
-                b, c = b.mul_(s), c.mul_(s * s)  # B → sB, C → s²C
+                b, c, h = b.mul_(s), c.mul_(s * s), h.mul_(s * s)  # B → sB, C → s²C, H → s²H
     inner = lr * sym(e)  # η sym(E)
     if b is not None:
         sb = sym(b)  # S = sym(B)
         inner = inner - c - (beta - 1.0) * sb + n_inv @ b @ sb  # −C − (β−1)S + η sym(E) + NBS
         inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
     m_phi = n_inv @ inner  # M_Φ = N[…]
-    pull_back = -alpha * a_minus_i  # −α(A − I)
+    pull_back = -alpha * a_minus_i  # F₀ = −α(A − I)
     feedback = pull_back  # F = −α(A − I)
     t = None
     if variant == "paper" or predict:
@@ -179,34 +264,43 @@ def middle(
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
-    # (written with few live p × p temporaries: the torch backend bounds a step's extra memory)
-    k = m_theta.clone()
-    k.diagonal(dim1=-2, dim2=-1).add_(1.0)  # K = I + M_θ
-    kt_t = k.transpose(-1, -2) @ t
-    del t
-    pm = k.transpose(-1, -2) @ (a @ k)  # KᵀAK
-    del k
-    pm.add_(kt_t).add_(kt_t.transpose(-1, -2))  # + KᵀT + TᵀK
-    del kt_t
-    pm.diagonal(dim1=-2, dim2=-1).sub_(1.0)  # P = KᵀAK + KᵀT + TᵀK − I
-    s64 = scale if scale is not None else torch.ones_like(r)
-    dist_next = torch.linalg.matrix_norm(pm).to(torch.float64) + (s64 * r) ** 2  # ‖P‖ + s²r² ≥ ‖θ₊ᵀθ₊ − I‖
-    del pm
-    finite_next = finite_of(dist_next) & all_finite(m_phi)
-    if radius is None:
+    w = velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
+    if radius is None:  # only the prediction: θ₊ᵀθ₊ − I = KᵀAK + KᵀT + TᵀK − I + s²UᵀU
+        k = m_theta.clone()
+        k.diagonal(dim1=-2, dim2=-1).add_(1.0)  # K = I + M_θ
+        kt_t = k.transpose(-1, -2) @ t
+        d1 = k.transpose(-1, -2) @ (a @ k)  # KᵀAK
+        del k
+        d1.add_(kt_t).add_(kt_t.transpose(-1, -2)).add_(w)  # + KᵀT + TᵀK + s²UᵀU
+        d1.diagonal(dim1=-2, dim2=-1).sub_(1.0)  # − I
+        dist_next = torch.linalg.matrix_norm(d1).to(torch.float64)
+        finite_next = finite_of(dist_next) & all_finite(m_phi)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next)
 
-    ok = finite_next & (dist_next <= limit) if limit is not None else finite_next
-    keep = ok.view(-1, 1, 1)
-    m_phi = m_phi.masked_fill_(~keep, 0.0)  # reset: Φ₊ = 0·U + θ·0
-    m_theta = torch.where(keep, m_theta, pull_back)  # θ₊ = θ − αθ(A − I)
-    feedback = torch.where(keep, feedback, pull_back) if variant == "paper" else feedback
-    scale = torch.where(ok, scale, 0.0)
-    reset_dist = fallback_distance(a_minus_i, alpha)
-    dist_next = torch.where(ok, dist_next, reset_dist)
-    finite_next = torch.where(ok, finite_next, finite_of(reset_dist))
-    guarded = torch.where(ok, (scale < 1.0).to(torch.int8), 2)  # guards.KEPT / SCALED, or RESET
-    return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, finite_next, guarded)
+    # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
+    delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
+    d0, d_newton = pull_back_distances(a_minus_i, alpha)
+    a_delta = a @ delta  # AΔ
+    y = a_delta + t  # Y = AΔ + T = θᵀ(θΔ + sU)
+    x1 = 2.0 * sym(y - (a_minus_i @ y) * alpha)  # X₁ = 2 sym(K₀Y), K₀ = I − αD
+    del y
+    dt_t = delta.transpose(-1, -2) @ t
+    x2 = (delta.transpose(-1, -2) @ a_delta).add_(dt_t).add_(dt_t.transpose(-1, -2)).add_(w)  # ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU
+    del a_delta, dt_t, t, w
+    movable = finite & all_finite(m_phi) & all_finite(x2)
+    blend = choose_weight(d0, x1, x2, d_newton, target=guard_target(limit, p, unit), movable=movable)
+    del x1, x2, d0, d_newton
+    weight = blend.weight.to(a.dtype).view(-1, 1, 1)
+    alpha_m = alpha.to(a.dtype) if isinstance(alpha, torch.Tensor) else torch.full_like(weight, alpha)
+    base = a_minus_i * -torch.where(blend.newton.view(-1, 1, 1), 0.5, alpha_m)  # F₀ = −α'D (α' = ½: Newton–Schulz)
+    whole, moving = weight == 1.0, weight > 0
+    m_phi = torch.where(whole, m_phi, torch.where(moving, m_phi * weight, 0.0))  # tM_Φ (a reset: Φ₊ = 0)
+    m_theta = torch.where(whole, m_theta, torch.where(moving, base + delta * weight, base))  # F₀ + tΔ
+    feedback = torch.where(whole, feedback, torch.where(moving, base + (feedback - pull_back) * weight, base))
+    scale = scale * blend.weight  # U → tsU
+    full = scale == 1.0
+    guarded = torch.where(full, 0, torch.where(scale > 0, 1, 2)).to(torch.int8)  # KEPT / SCALED / RESET
+    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, finite_of(blend.dist), guarded)
 
 
 class Checks(NamedTuple):
@@ -229,6 +323,18 @@ def join_checks(mids: list[Middle]) -> Checks:
     return Checks(
         cat("dist").to(torch.float64), cat("finite"), cat("scale"), cat("dist_next"), cat("finite_next"), cat("guarded")
     )
+
+
+def velocity_blocks(
+    grads: list[torch.Tensor], phis: list[torch.Tensor] | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(G, H)``: ``gᵀg`` and ``Φᵀg`` (``None`` without Φ) of layers with one p, stacked
+    ``(L, p, p)`` in ``dtype``, for backends whose Gram kernels do not form them (one IEEE
+    product per layer and block)."""
+    gs = [as_stiefel(g).to(dtype) for g in grads]
+    gg = torch.stack([x.mT @ x for x in gs])  # G = gᵀg
+    h = torch.stack([as_stiefel(f).to(dtype).mT @ x for f, x in zip(phis, gs)]) if phis is not None else None
+    return gg, h  # H = Φᵀg
 
 
 def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:

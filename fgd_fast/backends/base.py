@@ -51,7 +51,7 @@ from typing import Protocol
 
 import torch
 
-from .algebra import Checks, join_checks, middle
+from .algebra import Checks, join_checks, middle, velocity_blocks
 
 __all__ = [
     "PRECISIONS",
@@ -279,6 +279,9 @@ def middle_of_runs(
     feedback_with_phi=False,
     transposed=False,
     g_sq=None,
+    grads=None,
+    phis=None,
+    unit=0.0,
     trust_radius=None,
     max_distance=None,
     variant="official",
@@ -291,8 +294,9 @@ def middle_of_runs(
     θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
     ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
     kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
-    (``(layers,)`` float64 ‖g‖², launch order), ``trust_radius``, ``max_distance``: the step
-    guard (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in
+    (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ in
+    launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
+    ``trust_radius``, ``max_distance``: the step guard (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in
     IEEE fp32 whatever the global TF32 setting.
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
@@ -307,6 +311,11 @@ def middle_of_runs(
             if assemble is not None:
                 a, c = assemble(blocks, a, c)
             h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
+            gg = h_blk = None
+            if g_sq is not None:  # the guard's UᵀU = β²C − βη(H + Hᵀ) + η²G
+                gg, h_blk = velocity_blocks(
+                    grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype
+                )
             mid = middle(
                 a,
                 b,
@@ -316,6 +325,9 @@ def middle_of_runs(
                 beta=h[:, 1],
                 alpha=h[:, 2],
                 g_sq=g_sq[r.first : r.end] if g_sq is not None else None,
+                h=h_blk,
+                gg=gg,
+                unit=unit,
                 radius=trust_radius,
                 limit=max_distance,
                 variant=variant,

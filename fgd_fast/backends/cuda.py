@@ -68,7 +68,7 @@ import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
-from .algebra import grad_sq, scaled_hyper
+from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
     M_THETA,
@@ -230,6 +230,9 @@ class _Class:
             self.hyper,
             runs,
             g_sq=g_sq,
+            grads=[grads[i] for i in order],
+            phis=[bufs[i] for i in order],
+            unit=store_unit(params[order[0]].dtype),
             trust_radius=trust_radius,
             max_distance=max_distance,
             variant=variant,

@@ -3,11 +3,11 @@
 
 Every faster backend is tested against it, so it favours legibility over speed.
 
-The guard (``trust_radius``) is the batched backends' (:mod:`.algebra`), applied the way the
-authors' sequence allows: the scale ``s = min(1, ρ/(‖Φ‖ + η‖g‖))`` comes first and the
-sequence runs on ``sΦ, sg``; the distance after the step is then computed exactly from the
-candidate θ₊ (the batched backends bound it from ``p × p`` blocks), and a candidate beyond
-``max_distance`` or non-finite is replaced by ``θ₊ = θ − αθ(A − I)``, ``Φ₊ = 0``.
+The guard (``trust_radius``) follows the batched backends' rule (:mod:`.algebra`) on the
+candidate itself: the scale ``s = min(1, ρ/(‖Φ‖ + η‖g‖))`` comes first and the sequence runs
+on ``sΦ, sg``; then with the pull-back ``θ_pb = θ − αθ(A − I)`` and ``V = θ₊ − θ_pb`` the
+distance of ``θ_pb + tV`` is ``D₀ + tX₁ + t²X₂`` from the n × p matrices (``D₀ = θ_pbᵀθ_pb − I``,
+``X₁ = 2 sym(θ_pbᵀV)``, ``X₂ = VᵀV``), and :func:`.algebra.choose_weight` picks t.
 
 ``variant="paper"`` (Algorithm 1 as printed) moves θ by the tangent part of Φ₊ only:
 ``θ₊ = θ + Φ₊ − θN sym(θᵀΦ₊) − αθ(A − I)``.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .algebra import fallback_distance, sym, trust_scale
+from .algebra import choose_weight, guard_target, store_unit, sym, trust_scale
 from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
@@ -91,20 +91,36 @@ def prepare_reference(
             if variant == "paper":  # the θ step takes Φ₊'s tangent part: − θN sym(θᵀΦ₊)
                 n_inv = eye - a_minus_i  # N = 2I − A
                 theta_new = theta_new - theta @ n_inv @ sym(theta.t() @ phi_new)
-            if predict:  # the distance after the step, exactly, from the candidate θ₊
+            if predict and scale is None:  # the distance after the step, exactly, from the candidate θ₊
                 d_new = torch.linalg.matrix_norm(theta_new.t() @ theta_new - eye).to(torch.float64)
-                fin_new = torch.isfinite(d_new) & torch.isfinite(phi_new).all()
-                if scale is not None:
-                    ok = fin_new & (d_new <= max_distance) if max_distance is not None else fin_new
-                    theta_new = torch.where(ok, theta_new, theta + fb_theta)  # reset: θ₊ = θ − αθ(A − I)
-                    phi_new = torch.where(ok, phi_new, torch.zeros_like(phi_new))  # Φ₊ = 0
-                    reset = fallback_distance(a_minus_i, feedback[i])
-                    d_new = torch.where(ok, d_new, reset)
-                    fin_new = torch.where(ok, fin_new, torch.isfinite(reset))
-                    reset_code = torch.full_like(scale, 2, dtype=torch.int8)  # guards.RESET
-                    guarded.append(torch.where(ok, (scale < 1.0).to(torch.int8), reset_code))
                 dist_next.append(d_new)
-                finite_next.append(fin_new)
+                finite_next.append(torch.isfinite(d_new) & torch.isfinite(phi_new).all())
+            elif predict:  # the guard: θ_pb + tV, t chosen by the one rule of every backend
+                theta_pb = theta + fb_theta  # θ − αθ(A − I)
+                v = theta_new - theta_pb
+                d0 = theta_pb.t() @ theta_pb - eye
+                x1 = 2.0 * sym(theta_pb.t() @ v)
+                x2 = v.t() @ v
+                theta_ns = theta - 0.5 * theta @ a_minus_i  # Newton–Schulz: θ(3I − A)/2
+                ok_in = torch.isfinite(g).all() & (torch.isfinite(phi).all() if phi is not None else True)
+                movable = ok_in & torch.isfinite(phi_new).all() & torch.isfinite(x2).all()
+                blend = choose_weight(
+                    d0[None],
+                    x1[None],
+                    x2[None],
+                    (theta_ns.t() @ theta_ns - eye)[None],
+                    target=guard_target(max_distance, theta.shape[1], store_unit(param.dtype)),
+                    movable=movable.reshape(1),
+                )
+                t = blend.weight[0].to(cdt)
+                at_rest = torch.where(blend.newton[0], theta_ns, theta_pb)
+                theta_new = torch.where(t == 1, theta_new, torch.where(t > 0, theta_pb + t * v, at_rest))
+                phi_new = torch.where(t == 1, phi_new, torch.where(t > 0, t * phi_new, torch.zeros_like(phi_new)))
+                total = scale * blend.weight[0]  # U → tsU
+                code = torch.where(total == 1, 0, torch.where(total > 0, 1, 2))  # guards.KEPT / SCALED / RESET
+                guarded.append(code.to(torch.int8))
+                dist_next.append(blend.dist[0])
+                finite_next.append(torch.isfinite(blend.dist[0]))
             results.append((from_stiefel(theta_new, param.shape), from_stiefel(phi_new, param.shape)))
 
     def apply() -> None:

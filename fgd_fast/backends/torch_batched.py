@@ -57,12 +57,12 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .algebra import join_checks, middle
+from .algebra import join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, fp32_matmuls, full_precision, plan_of
 
 __all__ = ["prepare_torch"]
 
-_MIDDLE_BLOCKS = 24  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, N, S, …, guard: K, T, P)
+_MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, G, H, N, S, …, guard: Δ, D₀, X₁, X₂)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 _HALVES_FROM = 64  # symmetric Grams from this p on as block halves (measured faster on a CPU from p ≈ 96)
 _CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
@@ -93,6 +93,7 @@ class _Bucket:
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi
         self.cdt = compute_dtype(dtype)
+        self.unit = store_unit(dtype)  # the guard's rounding allowance for the stored θ₊
         self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
@@ -211,12 +212,11 @@ class _Bucket:
 
     def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
         """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
-        the guard also the per-column sums of g² (float64, ``(L, p)``) last."""
+        a prediction also ``G = gᵀg`` (and ``H = Φᵀg`` where Φ is read), then the per-column sums
+        of g² (float64, ``(L, p)``) last."""
         s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
-        blocks = [
-            torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device)
-            for _ in range(4 if self.reads_phi else 2)
-        ]
+        count = (4 if self.reads_phi else 2) + ((2 if self.reads_phi else 1) if self.predict else 0)
+        blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(count)]
         a, g_blk = blocks[:2]
         g_sq = torch.empty((e - s, p), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
         for ch in gemm_chunks:
@@ -231,10 +231,14 @@ class _Bucket:
                 self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
+            if self.predict:
+                self._gram(grad, grad, blocks[4 if self.reads_phi else 2][r])  # G = gᵀg
             if self.reads_phi:
                 phi = self._operand(scratch[1], self.bufs, ch)
                 self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
                 self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
+                if self.predict:
+                    self._gram(phi, grad, blocks[5][r])  # H = Φᵀg
         return blocks + ([g_sq] if g_sq is not None else [])
 
     def middle(self, gemm_chunks: list[_Chunk], blocks: list[torch.Tensor]) -> None:
@@ -242,8 +246,11 @@ class _Bucket:
         s, e = gemm_chunks[0].s, gemm_chunks[-1].e
         g_sq = blocks[-1] if self.predict else None
         grams = blocks[:-1] if self.predict else blocks
-        a, g_blk, b, c = grams if self.reads_phi else (*grams, None, None)
-        mid = middle(a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha, g_sq=g_sq, **self.guard)
+        a, g_blk, b, c = grams[:4] if self.reads_phi else (*grams[:2], None, None)
+        gg, h = (grams[4:6] if self.reads_phi else (grams[2], None)) if self.predict else (None, None)
+        mid = middle(
+            a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha, g_sq=g_sq, h=h, gg=gg, unit=self.unit, **self.guard
+        )
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks

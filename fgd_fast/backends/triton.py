@@ -61,7 +61,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from .algebra import grad_sq, scaled_hyper
+from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
     M_THETA,
@@ -166,7 +166,16 @@ def _guard(ops, trust_radius, max_distance, variant) -> dict:
     multi-tensor torch op on the inputs (the Gram kernels do not take it)."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict else None
-    return dict(g_sq=g_sq, trust_radius=trust_radius, max_distance=max_distance, variant=variant)
+    unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
+    return dict(
+        g_sq=g_sq,
+        grads=ops.grad,
+        phis=ops.phi,
+        unit=unit,
+        trust_radius=trust_radius,
+        max_distance=max_distance,
+        variant=variant,
+    )
 
 
 class _Checked:
