@@ -203,7 +203,7 @@ class FGD(StiefelOptimizer):
                 "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
             )
         check_positive(
-            "trust_radius", options["trust_radius"], "the guard's safety radius on ‖Φ‖ + η‖g‖ per layer; 4 is the default"
+            "trust_radius", options["trust_radius"], "the guard's safety radius on ‖Φ‖ + η‖g‖; 4 is the default"
         )
 
     # -- the step ---------------------------------------------------------------------------

@@ -294,10 +294,10 @@ def middle_of_runs(
     θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
     ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
     kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
-    (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ in
-    launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
-    ``trust_radius``, ``max_distance``: the step guard (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in
-    IEEE fp32 whatever the global TF32 setting.
+    (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
+    in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
+    ``trust_radius``, ``max_distance``: the step guard (:func:`.algebra.middle`); ``variant``
+    the update's (:mod:`.algebra`). Products in IEEE fp32 whatever the global TF32 setting.
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """

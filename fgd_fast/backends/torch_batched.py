@@ -62,7 +62,7 @@ from .base import check_precision, compute_dtype, fp32_matmuls, full_precision, 
 
 __all__ = ["prepare_torch"]
 
-_MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of one layer (A, B, C, E, G, H, N, S, …, guard: Δ, D₀, X₁, X₂)
+_MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of a layer (A, B, C, E, G, H, N, S, …, Δ, D₀, X₁, X₂)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 _HALVES_FROM = 64  # symmetric Grams from this p on as block halves (measured faster on a CPU from p ≈ 96)
 _CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
@@ -248,9 +248,8 @@ class _Bucket:
         grams = blocks[:-1] if self.predict else blocks
         a, g_blk, b, c = grams[:4] if self.reads_phi else (*grams[:2], None, None)
         gg, h = (grams[4:6] if self.reads_phi else (grams[2], None)) if self.predict else (None, None)
-        mid = middle(
-            a, b, c, g_blk, lr=self.lr, beta=self.beta, alpha=self.alpha, g_sq=g_sq, h=h, gg=gg, unit=self.unit, **self.guard
-        )
+        hyper = dict(lr=self.lr, beta=self.beta, alpha=self.alpha)
+        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, h=h, gg=gg, unit=self.unit, **self.guard)
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
