@@ -79,7 +79,9 @@ def assert_unchanged(net, opt, snap):
         assert torch.equal(p, q)
     now = opt.state_dict()
     assert now["state"].keys() == state["state"].keys()
+    assert now["param_groups"] == state["param_groups"]
     for k, entry in state["state"].items():
+        assert now["state"][k].keys() == entry.keys()  # no key added or dropped
         for key, value in entry.items():
             now_value = now["state"][k][key]
             assert torch.equal(now_value, value) if isinstance(value, torch.Tensor) else now_value == value

@@ -63,6 +63,7 @@ __all__ = [
     "WEIGHTS",
     "store_unit",
     "guard_target",
+    "storable",
     "choose_weight",
     "pull_back_distances",
     "velocity_gram",
@@ -104,6 +105,12 @@ def all_finite(m: torch.Tensor) -> torch.Tensor:
     return (m * 0).sum((-2, -1)) == 0
 
 
+def inputs_finite(g_norm: torch.Tensor, phi_sq: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Per layer: g and Φ finite, from ‖g‖ (float64: no overflow for a finite float32 g), ‖Φ‖²
+    and E = θᵀg: a float64 g so large that ‖g‖² overflows is still finite when E is."""
+    return (finite_of(g_norm) | (torch.isinf(g_norm) & all_finite(e))) & finite_of(phi_sq)
+
+
 def _per_layer(x: Scalar) -> Scalar:
     """A ``(L, 1, 1)`` hyper-parameter as ``(L,)`` float64; a float stays a float."""
     return x.reshape(-1).to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
@@ -134,6 +141,13 @@ def store_unit(dtype: torch.dtype) -> float:
     return stored + 8.0 * compute
 
 
+def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """θ₊ of distance ``dist_next`` fits ``dtype`` (its largest entry ≤ ‖θ₊‖_F ≤ √(p + √p·d)):
+    a θ₊ finite in float32 can still overflow a float16 parameter."""
+    top = torch.finfo(dtype).max if dtype is not None else float("inf")
+    return finite_of(dist_next) & (dist_next * p**0.5 + p < top * top)
+
+
 def guard_target(limit: float | None, p: int, unit: float) -> float:
     """``limit − margin``: the largest exact distance of the computed θ₊ whose rounded, stored
     value is still within ``limit`` (see the module docstring; ``inf`` for no limit)."""
@@ -141,6 +155,17 @@ def guard_target(limit: float | None, p: int, unit: float) -> float:
         return float("inf")
     err = unit * (p + p**0.5 * limit) ** 0.5  # ‖E‖_F ≤ u‖θ₊‖_F
     return limit - 2.0 * (1.0 + limit) ** 0.5 * err - err * err  # − 2‖θ₊‖₂‖E‖ − ‖E‖²
+
+
+_powers_on: dict[torch.device, torch.Tensor] = {}
+
+
+def _powers(device: torch.device) -> torch.Tensor:
+    """``[1, t, t²]`` for every positive weight of :data:`WEIGHTS` (float64, cached per device)."""
+    if device not in _powers_on:
+        t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64)
+        _powers_on[device] = torch.stack((torch.ones_like(t), t, t * t), 1).to(device)
+    return _powers_on[device]
 
 
 class Blend(NamedTuple):
@@ -154,25 +179,19 @@ def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor)
     ``‖D₀ + tX₁ + t²X₂‖_F ≤ target`` where ``movable`` (the full step is finite), else 0; at 0
     the Newton–Schulz pull-back ``d_newton`` where the α pull-back ``D₀`` is beyond the target
     and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices."""
-    mats = (d0, x1, x2)
-    ip = {(i, j): (mats[i] * mats[j]).sum((-2, -1)).to(torch.float64) for i in range(3) for j in range(i, 3)}
-    t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64, device=d0.device)
-    quartic = (  # ‖D₀ + tX₁ + t²X₂‖² as a polynomial in t
-        ip[0, 0].unsqueeze(1)
-        + t * (2 * ip[0, 1]).unsqueeze(1)
-        + t**2 * (ip[1, 1] + 2 * ip[0, 2]).unsqueeze(1)
-        + t**3 * (2 * ip[1, 2]).unsqueeze(1)
-        + t**4 * ip[2, 2].unsqueeze(1)
-    )
+    stacked = torch.stack((d0, x1, x2), 1).flatten(2)  # (L, 3, p²)
+    inner = (stacked @ stacked.mT).to(torch.float64)  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}
+    powers = _powers(d0.device)  # (k, 3): [1, t, t²] per weight
+    quartic = torch.einsum("lij,ki,kj->lk", inner, powers, powers)  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
     fits = (quartic <= target * target) & movable.unsqueeze(1)  # (L, k); NaN compares False
     first = torch.argmax(fits.to(torch.int8), dim=1)  # the largest t that fits
-    weight = torch.where(fits.any(1), t[first], 0.0)
+    weight = torch.where(fits.any(1), powers[first, 1], 0.0)
     w = weight.to(d0.dtype).view(-1, 1, 1)
     chosen = torch.where(w > 0, d0 + w * x1 + (w * w) * x2, d0)  # (no 0·NaN at t = 0)
     dist = torch.linalg.matrix_norm(chosen).to(torch.float64)
     exact_fits = dist <= target  # the quartic and the direct sum agree but for rounding: re-check
     weight = torch.where(exact_fits | (weight == 0), weight, 0.0)
-    dist = torch.where(exact_fits | (weight > 0), dist, ip[0, 0].sqrt())
+    dist = torch.where(exact_fits | (weight > 0), dist, inner[:, 0, 0].sqrt())
     d_ns = torch.linalg.matrix_norm(d_newton).to(torch.float64)
     newton = (weight == 0) & ~(dist <= target) & (d_ns < dist)
     return Blend(weight, newton, torch.where(newton, d_ns, dist))
@@ -212,6 +231,7 @@ def middle(
     radius: float | None = None,
     limit: float | None = None,
     unit: float = 0.0,
+    stored: torch.dtype | None = None,
     variant: str = "official",
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
@@ -220,8 +240,9 @@ def middle(
     needed for the guard or a prediction. ``radius``: the safety radius ρ, ``None`` for no guard
     (then s = t = 1). ``limit``: ``max_distance``; with ``radius`` it sets the guard's target
     (less the rounding margin of ``unit``, :func:`store_unit`), without it only ``dist_next``
-    is reported. Neither given: the plain update, no prediction. ``variant``: ``"official"``
-    or ``"paper"``. The blocks are scratch of this step: some are scaled in place.
+    is reported; ``stored``: the parameters' dtype, whose range θ₊ must fit. Neither given: the
+    plain update, no prediction. ``variant``: ``"official"`` or ``"paper"``. The blocks are
+    scratch of this step: some are scaled in place.
     """
     p = a.shape[-1]
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
@@ -235,9 +256,7 @@ def middle(
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = c.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        # inputs finite: ‖g‖² in float64 (no overflow for a finite float32 g); a float64 g so
-        # large that ‖g‖² overflows is still finite when E = θᵀg is
-        finite = (finite_of(g_norm) | (torch.isinf(g_norm) & all_finite(e))) & finite_of(phi_sq)
+        finite = inputs_finite(g_norm, phi_sq, e)
         if radius is not None:
             scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
         if scale is not None:  # (in place: the callers' blocks are scratch of this step)
@@ -274,7 +293,7 @@ def middle(
         d1.add_(kt_t).add_(kt_t.transpose(-1, -2)).add_(w)  # + KᵀT + TᵀK + s²UᵀU
         d1.diagonal(dim1=-2, dim2=-1).sub_(1.0)  # − I
         dist_next = torch.linalg.matrix_norm(d1).to(torch.float64)
-        finite_next = finite_of(dist_next) & all_finite(m_phi)
+        finite_next = storable(dist_next, p, stored) & all_finite(m_phi)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
@@ -300,7 +319,7 @@ def middle(
     scale = scale * blend.weight  # U → tsU
     full = scale == 1.0
     guarded = torch.where(full, 0, torch.where(scale > 0, 1, 2)).to(torch.int8)  # KEPT / SCALED / RESET
-    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, finite_of(blend.dist), guarded)
+    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, storable(blend.dist, p, stored), guarded)
 
 
 class Checks(NamedTuple):
@@ -329,12 +348,15 @@ def velocity_blocks(
     grads: list[torch.Tensor], phis: list[torch.Tensor] | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(G, H)``: ``gᵀg`` and ``Φᵀg`` (``None`` without Φ) of layers with one p, stacked
-    ``(L, p, p)`` in ``dtype``, for backends whose Gram kernels do not form them (one IEEE
-    product per layer and block)."""
+    ``(L, p, p)`` in ``dtype``, for backends whose Gram kernels do not form them (a batched
+    product per block where the layers share a shape, else one per layer)."""
     gs = [as_stiefel(g).to(dtype) for g in grads]
-    gg = torch.stack([x.mT @ x for x in gs])  # G = gᵀg
-    h = torch.stack([as_stiefel(f).to(dtype).mT @ x for f, x in zip(phis, gs)]) if phis is not None else None
-    return gg, h  # H = Φᵀg
+    fs = [as_stiefel(f).to(dtype) for f in phis] if phis is not None else None
+    if all(x.shape == gs[0].shape for x in gs):  # one shape: two batched products
+        g3 = torch.stack(gs)
+        return g3.mT @ g3, (torch.stack(fs).mT @ g3 if fs is not None else None)  # G = gᵀg, H = Φᵀg
+    gg = torch.stack([x.mT @ x for x in gs])
+    return gg, (torch.stack([f.mT @ x for f, x in zip(fs, gs)]) if fs is not None else None)
 
 
 def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:

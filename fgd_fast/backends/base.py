@@ -282,6 +282,7 @@ def middle_of_runs(
     grads=None,
     phis=None,
     unit=0.0,
+    stored=None,
     trust_radius=None,
     max_distance=None,
     variant="official",
@@ -296,8 +297,9 @@ def middle_of_runs(
     kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
     (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
     in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
-    ``trust_radius``, ``max_distance``: the step guard (:func:`.algebra.middle`); ``variant``
-    the update's (:mod:`.algebra`). Products in IEEE fp32 whatever the global TF32 setting.
+    ``stored`` (the parameters' dtype), ``trust_radius``, ``max_distance``: the step guard
+    (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in IEEE
+    fp32 whatever the global TF32 setting.
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -328,6 +330,7 @@ def middle_of_runs(
                 h=h_blk,
                 gg=gg,
                 unit=unit,
+                stored=stored,
                 radius=trust_radius,
                 limit=max_distance,
                 variant=variant,

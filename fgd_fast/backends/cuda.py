@@ -233,6 +233,7 @@ class _Class:
             grads=[grads[i] for i in order],
             phis=[bufs[i] for i in order],
             unit=store_unit(params[order[0]].dtype),
+            stored=params[order[0]].dtype,
             trust_radius=trust_radius,
             max_distance=max_distance,
             variant=variant,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .algebra import choose_weight, guard_target, store_unit, sym, trust_scale
+from .algebra import choose_weight, guard_target, storable, store_unit, sym, trust_scale
 from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
@@ -94,7 +94,7 @@ def prepare_reference(
             if predict and scale is None:  # the distance after the step, exactly, from the candidate θ₊
                 d_new = torch.linalg.matrix_norm(theta_new.t() @ theta_new - eye).to(torch.float64)
                 dist_next.append(d_new)
-                finite_next.append(torch.isfinite(d_new) & torch.isfinite(phi_new).all())
+                finite_next.append(storable(d_new, theta.shape[1], param.dtype) & torch.isfinite(phi_new).all())
             elif predict:  # the guard: θ_pb + tV, t chosen by the one rule of every backend
                 theta_pb = theta + fb_theta  # θ − αθ(A − I)
                 v = theta_new - theta_pb
@@ -120,7 +120,7 @@ def prepare_reference(
                 code = torch.where(total == 1, 0, torch.where(total > 0, 1, 2))  # guards.KEPT / SCALED / RESET
                 guarded.append(code.to(torch.int8))
                 dist_next.append(blend.dist[0])
-                finite_next.append(torch.isfinite(blend.dist[0]))
+                finite_next.append(storable(blend.dist[0], theta.shape[1], param.dtype))
             results.append((from_stiefel(theta_new, param.shape), from_stiefel(phi_new, param.shape)))
 
     def apply() -> None:

@@ -93,7 +93,7 @@ class _Bucket:
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi
         self.cdt = compute_dtype(dtype)
-        self.unit = store_unit(dtype)  # the guard's rounding allowance for the stored θ₊
+        self.unit, self.dtype = store_unit(dtype), dtype  # the guard's rounding allowance for the stored θ₊
         self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
@@ -241,6 +241,12 @@ class _Bucket:
                     self._gram(phi, grad, blocks[5][r])  # H = Φᵀg
         return blocks + ([g_sq] if g_sq is not None else [])
 
+    def symmetric_slots(self) -> tuple[int, ...]:
+        """Positions of the symmetric blocks (A, C, G) in what :meth:`grams` returns."""
+        if self.reads_phi:
+            return (0, 3, 4) if self.predict else (0, 3)
+        return (0, 2) if self.predict else (0,)
+
     def middle(self, gemm_chunks: list[_Chunk], blocks: list[torch.Tensor]) -> None:
         """``M_Φ``, ``F`` or ``M_θ`` and ``‖A − I‖_F`` of a middle chunk from its (full) Grams."""
         s, e = gemm_chunks[0].s, gemm_chunks[-1].e
@@ -249,7 +255,7 @@ class _Bucket:
         a, g_blk, b, c = grams[:4] if self.reads_phi else (*grams[:2], None, None)
         gg, h = (grams[4:6] if self.reads_phi else (grams[2], None)) if self.predict else (None, None)
         hyper = dict(lr=self.lr, beta=self.beta, alpha=self.alpha)
-        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, h=h, gg=gg, unit=self.unit, **self.guard)
+        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, h=h, gg=gg, unit=self.unit, stored=self.dtype, **self.guard)
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
@@ -432,7 +438,8 @@ def prepare_torch(
                 b.start(middle_numel, trust_radius, max_distance, variant)
                 held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
-            _reduce_packed(reduce, [chunk for blocks in held for chunk in blocks], bad)
+            chunks = [(chunk, b.symmetric_slots()) for b, blocks in zip(buckets, held) for chunk in blocks]
+            _reduce_packed(reduce, chunks, bad)
             for i, (b, blocks) in enumerate(zip(buckets, held)):
                 for gemm_chunks, chunk in zip(b.plan, blocks):
                     b.middle(gemm_chunks, chunk)
@@ -443,15 +450,15 @@ def prepare_torch(
     return plan
 
 
-def _reduce_packed(reduce, chunks: list[list[torch.Tensor]], extra: list[torch.Tensor]) -> None:
-    """Sum every chunk's ``[A, E(, B, C)]`` and ``extra`` over the ranks in one ``reduce``,
-    the symmetric A and C as their upper triangles (``p(p+1)/2`` numbers instead of ``p²``:
-    the packed blocks shrink from ``4p²`` to ``3p² + p`` per layer); the sums are mirrored
-    back, so A and C come out exactly symmetric."""
+def _reduce_packed(reduce, chunks: list[tuple[list[torch.Tensor], tuple[int, ...]]], extra: list[torch.Tensor]) -> None:
+    """Sum every chunk's blocks (``[A, E(, B, C)(, G(, H))(, ‖g‖²)]``) and ``extra`` over the
+    ranks in one ``reduce``, the symmetric ones (A, C, G: positions given with each chunk) as
+    their upper triangles (``p(p+1)/2`` numbers instead of ``p²``); the sums are mirrored back,
+    so they come out exactly symmetric."""
     sent, symmetric = [], []
-    for chunk in chunks:
+    for chunk, sym_slots in chunks:
         for j, block in enumerate(chunk):
-            if j in (0, 3):  # A, C
+            if j in sym_slots:  # A, C, G
                 p = block.shape[-1]
                 upper = _upper_indices(p, block.device)
                 tri = block[:, upper[0], upper[1]]  # (L, p(p+1)/2)

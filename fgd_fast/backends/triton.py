@@ -172,6 +172,7 @@ def _guard(ops, trust_radius, max_distance, variant) -> dict:
         grads=ops.grad,
         phis=ops.phi,
         unit=unit,
+        stored=ops.theta[0].dtype if ops.theta else None,
         trust_radius=trust_radius,
         max_distance=max_distance,
         variant=variant,

@@ -1,0 +1,114 @@
+"""Planted mutants of the code that protects users (the step guard, the checks, the failed-step
+contract), for ``tests/test_mutants.py``: each must make at least one named test fail.
+
+``FGD_FAST_MUTANT=<name>`` makes ``tests/conftest.py`` call :func:`plant` at collection time;
+the test session then runs against the mutated package. Each entry names the tests expected
+to kill it (the mutation test runs only those, so it stays fast)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from fgd_fast import guards
+from fgd_fast.backends import algebra
+
+RULE = "tests/test_guard_rule.py"
+GUARD = "tests/test_guard.py"
+
+#: mutant → (what it breaks, the tests that must catch it)
+MUTANTS = {
+    "raise_when_guard_binds": (
+        "raise whenever the guard scaled or reset a step",
+        [f"{GUARD}::test_gradient_spike_is_survived_by_default[torch]"],
+    ),
+    "never_reset": (
+        "write the full step where the rule would reset",
+        [f"{RULE}::test_high_feedback_with_spikes_never_raises[0.99]"],
+    ),
+    "target_off": (
+        "no limit on the distance after the step (the old trust region's absence)",
+        [f"{RULE}::test_high_feedback_with_spikes_never_raises[0.99]"],
+    ),
+    "failed_step_adds_state_key": (
+        "a step that then fails leaves a new state key behind",
+        ["tests/test_failed_step_contract.py::test_non_finite_gradient_raises_and_changes_nothing[nan-FGD-torch]"],
+    ),
+    "drop_velocity_gram": (
+        "the prediction without s²UᵀU (the old bound's missing term)",
+        [f"{RULE}::test_prediction_is_the_exact_distance_after_the_step"],
+    ),
+    "no_rounding_margin": (
+        "the prediction made before rounding to the stored dtype",
+        [f"{RULE}::test_16_bit_parameters_are_stored_within_the_limit[dtype0]"],
+    ),
+    "finite_from_norm": (
+        "‖g‖² overflow read as a non-finite gradient",
+        [f"{RULE}::test_a_huge_finite_float64_gradient_is_not_called_non_finite[torch]"],
+    ),
+    "no_newton_reset": (
+        "no Newton–Schulz reset when the α pull-back is beyond the target",
+        [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
+    ),
+}
+
+
+def _replace(name: str, new) -> None:
+    """Rebind ``name`` in every loaded fgd_fast module that imported the original."""
+    old = getattr(algebra, name)
+    for module in list(sys.modules.values()):
+        if module is not None and module.__name__.startswith("fgd_fast") and getattr(module, name, None) is old:
+            setattr(module, name, new)
+
+
+def plant(name: str) -> None:
+    import fgd_fast.backends.reference  # noqa: F401  (loaded, so their imported names get rebound)
+    import fgd_fast.backends.torch_batched  # noqa: F401
+
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
+    if name == "raise_when_guard_binds":
+        original = guards.raise_if_invalid
+
+        def raising(*args, **kwargs):
+            read = original(*args, **kwargs)
+            if read and any(read):
+                raise ValueError("mutant: the guard bound")
+            return read
+
+        import fgd_fast.functional
+
+        fgd_fast.functional.raise_if_invalid = raising
+    elif name in ("never_reset", "no_newton_reset"):
+        original = algebra.choose_weight
+
+        def chooser(d0, x1, x2, d_newton, *, target, movable):
+            blend = original(d0, x1, x2, d_newton, target=target, movable=movable)
+            if name == "no_newton_reset":
+                return blend._replace(newton=torch.zeros_like(blend.newton))
+            full = torch.linalg.matrix_norm(d0 + x1 + x2).to(torch.float64)
+            return blend._replace(weight=torch.where(blend.weight == 0, 1.0, blend.weight), dist=full)
+
+        _replace("choose_weight", chooser)
+    elif name == "target_off":
+        _replace("guard_target", lambda limit, p, unit: float("inf"))
+    elif name == "failed_step_adds_state_key":
+        original = fgd_fast.FGD.step
+
+        def step(self, closure=None):
+            try:
+                return original(self, closure)
+            except (ValueError, FloatingPointError):
+                for group in self.param_groups:
+                    for p in group["params"] if group.get("orthogonal") else []:
+                        self.state[p]["mutant"] = torch.zeros(())
+                raise
+
+        fgd_fast.FGD.step = step
+    elif name == "drop_velocity_gram":
+        _replace("velocity_gram", lambda c, h, gg, beta, lr: torch.zeros_like(gg))
+    elif name == "no_rounding_margin":
+        _replace("store_unit", lambda dtype: 0.0)
+    elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient
+        _replace("inputs_finite", lambda g_norm, phi_sq, e: algebra.finite_of(g_norm) & algebra.finite_of(phi_sq))
