@@ -24,6 +24,7 @@ from .validation import (
     check_positive,
     check_real,
     check_unit_interval,
+    user_stacklevel,
 )
 
 __all__ = ["FGD"]
@@ -218,7 +219,7 @@ class FGD(StiefelOptimizer):
                 eucl.setdefault(id(group), (group, []))[1].append(p)
                 continue
             beta, alpha = float(group["momentum"]), float(group["feedback"])
-            _warn_feedback_once(alpha)
+            self._warn_feedback_once(alpha)
             orth["params"].append(p)
             orth["grads"].append(p.grad)
             orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
@@ -281,11 +282,11 @@ class FGD(StiefelOptimizer):
         if report.read is not None and any(report.read) and not self.__dict__.get("_guard_warned", False):
             self._guard_warned = True
             warnings.warn(
-                "the FGD step guard bound: a step's velocity was scaled into the trust region (or the step was "
-                "reset to the feedback pull-back) to keep the weights near the manifold, likely after a gradient "
-                "or learning-rate spike; opt.guard_stats() counts such steps per parameter",
+                "the FGD step guard bound: a step was written in part (or reset to the feedback pull-back) "
+                "to keep the weights within max_distance of the manifold, likely after a gradient or "
+                "learning-rate spike; opt.guard_stats() counts such steps per parameter",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def guard_stats(self) -> dict[str | int, dict[str, int]]:
@@ -317,6 +318,42 @@ class FGD(StiefelOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per optimizer) of
+        a feedback outside :data:`FEEDBACK_RANGE` and of options this group sets itself that
+        do nothing for orthogonal parameters (nesterov, dampening, weight_decay: FGD's update
+        has no such terms); options inherited from the optimizer-wide defaults stay silent."""
+        own = {k: param_group[k] for k in ("nesterov", "dampening", "weight_decay") if k in param_group}
+        super().add_param_group(param_group)  # (fills the defaults into param_group)
+        group = self.param_groups[-1]
+        if not group["orthogonal"]:
+            return
+        self._warn_feedback_once(float(group["feedback"]))
+        idle = [k for k, v in own.items() if v]
+        warned = self.__dict__.setdefault("_warned_options", set())
+        if idle and not set(idle) <= warned:
+            warned.update(idle)
+            warnings.warn(
+                f"{', '.join(f'{k}={own[k]!r}' for k in idle)} set on an orthogonal=True group does "
+                "nothing there (FGD's update has no such term; they apply to the Euclidean groups); "
+                "drop it from that group's dict",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _warn_feedback_once(self, alpha: float) -> None:
+        lo, hi = FEEDBACK_RANGE
+        warned = self.__dict__.setdefault("_warned_feedback", set())
+        if not lo <= alpha <= hi and alpha not in warned:
+            warned.add(alpha)
+            warnings.warn(
+                f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} "
+                f"per step, and near α = 0 or 1 θ settles many times the per-step drift away (measured 71× the "
+                f"α = 0.4 distance at α = 0.99); use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+
     def _check_saved_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], text: str) -> None:
         super()._check_saved_state(p, group, state, text)
         counts = state.get("guard_count")
@@ -343,22 +380,6 @@ _GROUP_KEYS = ("lr", "momentum", "feedback", "weight_decay", "dampening", "neste
 #: feedback outside this range is accepted with a one-time warning: the drift contracts by
 #: |1 − 2α| per step, so α near 0 or 1 barely pulls θ back (benchmarks/studies/feedback_contraction.py)
 FEEDBACK_RANGE = (0.1, 0.9)
-
-
-def _warn_feedback_once(alpha: float) -> None:
-    lo, hi = FEEDBACK_RANGE
-    if not lo <= alpha <= hi and alpha not in _warned_feedback:
-        _warned_feedback.add(alpha)
-        warnings.warn(
-            f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} per step, "
-            f"and near α = 0 or 1 θ settles many times the per-step drift away (measured 71× the α = 0.4 distance at "
-            f"α = 0.99); use {lo} ≤ feedback ≤ {hi} (0.4 is the paper's)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-_warned_feedback: set[float] = set()
 
 
 def _check_group(group: dict[str, Any]) -> None:

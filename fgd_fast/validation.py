@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -198,3 +200,16 @@ def check_grad(p: torch.Tensor, label: str) -> None:
             f"{label}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the parameter "
             f"{tuple(p.shape)} {p.dtype} on {p.device}"
         )
+
+
+_OURS = (os.path.dirname(os.path.abspath(__file__)), os.path.join("torch", "optim"), os.path.join("torch", "utils"))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` issued by the caller of this function that
+    points at the user's line: the first frame outside this package and torch's optimizer
+    machinery (``Optimizer.__init__``, the step hooks' wrappers)."""
+    frame, level = sys._getframe(2), 2  # the frame that called the function warning
+    while frame is not None and any(part in os.path.abspath(frame.f_code.co_filename) for part in _OURS):
+        frame, level = frame.f_back, level + 1
+    return level

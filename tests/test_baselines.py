@@ -565,11 +565,13 @@ def test_cayley_options_changed_after_construction_are_checked_at_step(cls):
         opt.norm = "one"
     assert opt.norm == "fro" and all(g["norm"] == "fro" for g in opt.param_groups)
     opt.defaults["norm"] = "one"  # behind the setter's back: caught at the next step
+    snap = snapshot(net, opt)  # (the groups as the user left them)
     with pytest.raises(ValueError, match="form='dense'"):
         opt.step()
     assert_unchanged(net, opt, snap)
     opt.defaults["norm"] = "fro"
     opt.param_groups[0]["form"] = "dense"  # a group may not differ from the optimizer
+    snap = snapshot(net, opt)
     with pytest.raises(ValueError, match="optimizer-wide"):
         opt.step()
     assert_unchanged(net, opt, snap)

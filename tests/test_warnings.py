@@ -1,0 +1,50 @@
+"""FGD's warnings point at the user's line, come once per optimizer, and stay silent where the
+README's quick start is (options inherited from the optimizer-wide defaults)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fgd_fast
+
+
+def _group(**extra):
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4, 3, 3)))
+    return dict(params=[w], orthogonal=True, **extra), w
+
+
+def test_feedback_warning_at_construction_points_at_the_caller():
+    group, _ = _group()
+    with pytest.warns(RuntimeWarning, match="feedback=0.97") as caught:
+        fgd_fast.FGD([group], lr=0.1, feedback=0.97)
+    assert caught[0].filename == __file__
+
+
+def test_an_option_that_does_nothing_on_an_orthogonal_group_warns_once():
+    group, _ = _group(weight_decay=5e-4, nesterov=True)
+    with pytest.warns(UserWarning, match="nesterov=True, weight_decay=0.0005 set on an orthogonal") as caught:
+        opt = fgd_fast.FGD([group], lr=0.1)
+    assert caught[0].filename == __file__
+    again, _ = _group(weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.add_param_group(again)  # once per optimizer and option
+
+
+def test_readme_quick_start_is_silent():
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.2, momentum=0.9, feedback=0.4, weight_decay=5e-4)
+
+
+def test_guard_warning_points_at_the_step_call():
+    group, w = _group()
+    opt = fgd_fast.FGD([group], lr=0.01)
+    w.grad = torch.randn_like(w) * 1e6
+    with pytest.warns(RuntimeWarning, match="guard bound") as caught:
+        opt.step()
+    assert caught[0].filename == __file__
