@@ -43,7 +43,9 @@ def remember_names(params: list[torch.Tensor], names: list[str]) -> None:
 
 def label(key: str | int) -> str:
     """How messages name a parameter: ``'layer.weight'`` or ``#3``."""
-    return repr(key) if isinstance(key, str) else f"#{key}"
+    if isinstance(key, str):
+        return key if key.startswith("#") else repr(key)
+    return f"#{key}"
 
 
 def option(name: str, doc: str = "") -> property:
@@ -164,15 +166,19 @@ class StiefelOptimizer(Optimizer):
         parameter in a group with ``names`` / ``param_names`` is its name: the one
         ``stiefel_param_groups`` recorded for the tensor (right even when
         ``ZeroRedundancyOptimizer`` gave this rank a reordered subset of the group), else the
-        list's entry when the list lines up with ``params``; otherwise its flat index."""
+        list's entry when the list lines up with ``params``; otherwise its flat index — as the
+        string ``"#i"`` when any group has names, so that the keys are of one type (also after
+        ``add_param_group``), else the int ``i`` that ``state_dict`` uses."""
+        named = any(g.get("param_names") or g.get("names") for g in self.param_groups)
         flat = 0
         for group in self.param_groups:
             names = group.get("param_names") or group.get("names")
             for j, p in enumerate(group["params"]):
+                index = f"#{flat}" if named else flat
                 if not names:
-                    key = flat
+                    key = index
                 else:
-                    key = _names.get(p, names[j] if len(names) == len(group["params"]) else flat)
+                    key = _names.get(p, names[j] if len(names) == len(group["params"]) else index)
                 yield group, p, key
                 flat += 1
 

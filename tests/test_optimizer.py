@@ -274,6 +274,11 @@ def test_orthogonality_keys_by_name_or_index():
         lr=0.1,
     )
     assert sorted(plain.orthogonality()) == [0, 2]  # the flat indices state_dict uses
+    extra = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 4)))
+    opt.add_param_group(dict(params=[extra], orthogonal=True))  # unnamed, into a named optimizer
+    keys = list(opt.orthogonality())
+    assert all(isinstance(k, str) for k in keys) and keys[-1] == f"#{len(list(net.parameters()))}"
+    assert list(opt.guard_stats()) == keys  # one type of key, also for the guard's counters
 
 
 def test_auto_backend_resolves_to_torch_on_cpu():
