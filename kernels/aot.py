@@ -61,7 +61,7 @@ def configurations():
             if dtype == "float32" and precision in T.PRECISIONS:
                 continue  # the tensor-core kernels below
             common = dict(DTYPE=dtype, ACC=acc, ROWS=rows, PRECISION=precision)
-            for block in (M.SLOT_A, M.SLOT_E, M.SLOT_B, M.SLOT_C):
+            for block in (M.SLOT_A, M.SLOT_E, M.SLOT_B, M.SLOT_C, M.SLOT_G, M.SLOT_H):
                 out.append(("gram_kernel", dict(common, BLOCK=block), K.kernel_config(K.GRAM_CONFIG, dtype, precision)))
             for mode, has_phi in ((M.MODE_PHI, True), (M.MODE_THETA, True), (M.MODE_THETA, False)):
                 config = K.kernel_config(K.UPDATE_CONFIG, dtype, precision)

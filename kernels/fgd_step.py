@@ -14,16 +14,16 @@ memory layout (``ROWS``):
 
 Φ and g have θ's layout. 64-bit offsets throughout (n, p are loaded as int64).
 
-``gram_kernel`` — pass 1, one launch per Gram block (``BLOCK`` = slot A, E, B or C):
+``gram_kernel`` — pass 1, one launch per Gram block (``BLOCK`` = slot A, E, B, C, G or H):
 
-    A = θᵀθ,  E = θᵀg,  B = θᵀΦ,  C = ΦᵀΦ          (each p × p)
+    A = θᵀθ,  E = θᵀg,  B = θᵀΦ,  C = ΦᵀΦ,  G = gᵀg,  H = Φᵀg     (each p × p; G, H for the guard)
 
-Work item = (layer, tile row i, tile col j) of ``BP × BP`` output tiles; A and C are
+Work item = (layer, tile row i, tile col j) of ``BP × BP`` output tiles; A, C and G are
 symmetric, so their work tables hold only i ≤ j and the kernel stores each tile and its
 mirror. ``program_id(1)`` picks a split of the n rows (``rows per split`` each, a multiple of
 ``BK``); split s writes its partial tile into slab ``s`` of the output (``split_stride``
 apart) and the caller sums the slabs in a fixed order: deterministic, no atomics. Output per
-layer: ``[A | E | B | C]``, each p × p row-major, starting at the Gram offset.
+layer: ``[A | E | B | C | G | H]``, each p × p row-major, starting at the Gram offset.
 
 ``update_kernel`` — pass 2. Persistent grid; work item = (layer, block of ``BR`` rows); a
 program owns whole row blocks and sweeps all ``BN``-column blocks of them. ``MODE_PHI``:
@@ -85,14 +85,16 @@ def gram_kernel(
     ti = tl.load(work_ptr + 3 * w + 1)
     tj = tl.load(work_ptr + 3 * w + 2)
     row = meta_ptr + layer * meta.META_FIELDS
-    # left operand: Φ for C, θ otherwise; right: θ for A, Φ for B and C, g for E
-    if BLOCK == meta.SLOT_C:
+    # left operand: Φ for C and H, g for G, θ otherwise; right: θ for A, Φ for B and C, g for E, G, H
+    if BLOCK == meta.SLOT_C or BLOCK == meta.SLOT_H:
         left = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
+    elif BLOCK == meta.SLOT_G:
+        left = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
     else:
         left = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
     if BLOCK == meta.SLOT_A:
         right = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
-    elif BLOCK == meta.SLOT_E:
+    elif BLOCK == meta.SLOT_E or BLOCK == meta.SLOT_G or BLOCK == meta.SLOT_H:
         right = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
     else:
         right = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
@@ -116,7 +118,9 @@ def gram_kernel(
         acc += tl.dot(lt.to(ACC), rt.to(ACC), input_precision=PRECISION)  # X_ij += L_iᵀ R_j
     m = mi[:, None] & mj[None, :]
     tl.store(out + oi[:, None] * p + oj[None, :], acc, mask=m)
-    if BLOCK == meta.SLOT_A or BLOCK == meta.SLOT_C:  # A, C symmetric: the mirror tile is the transpose
+    if (
+        BLOCK == meta.SLOT_A or BLOCK == meta.SLOT_C or BLOCK == meta.SLOT_G
+    ):  # symmetric: the mirror tile is the transpose
         # (not on the diagonal: the same addresses, and (a, b) and (b, a) need not round alike)
         tl.store(out + oj[None, :] * p + oi[:, None], acc, mask=m & (ti != tj))
 

@@ -12,8 +12,8 @@ Plain ``int`` constants: ``@triton.jit`` code reads them as attributes of this m
 the n dimension padded to ``ld`` rows with zeros); the FMA kernels leave them 0.
 
 **Block order** (every fused backend, Triton and CUDA): per layer the Gram blocks
-``[A | E | B | C]`` (+ ``L`` for the split products), each ``p × p`` in the accumulation type,
-and the update matrices ``[M_θ | M_Φ]``.
+``[A | E | B | C]`` (Triton: ``+ G | H`` for the guard, ``+ L`` for the split products), each
+``p × p`` in the accumulation type, and the update matrices ``[M_θ | M_Φ]``.
 """
 
 from __future__ import annotations
@@ -33,14 +33,17 @@ F_CHUNK = 10
 META_FIELDS = 11
 FIELD_NAMES = ("THETA", "PHI", "GRAD", "HI", "LO", "N", "P", "LD", "GRAM", "M", "CHUNK")
 
-# Gram slots: A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ (and L = hiᵀlo, tensor-core tf32x3 only)
+# Gram slots: A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ, and for the guard's UᵀU G = gᵀg, H = Φᵀg
+# (and L = hiᵀlo, tensor-core tf32x3 only)
 SLOT_A = 0
 SLOT_E = 1
 SLOT_B = 2
 SLOT_C = 3
-SLOT_L = 4
-GRAM_SLOTS = 4  # slots of the FMA kernels (A, E, B, C)
-TC_GRAM_SLOTS = 5  # slots of the tensor-core kernels (A, E, B, C, L)
+SLOT_G = 4
+SLOT_H = 5
+SLOT_L = 6
+GRAM_SLOTS = 6  # slots of the FMA kernels (A, E, B, C, G, H)
+TC_GRAM_SLOTS = 7  # slots of the tensor-core kernels (A, E, B, C, G, H, L)
 
 # update matrices: θ₊ = θ + V + θ M_θ-slot, Φ₊ = U + θ M_Φ
 M_THETA = 0

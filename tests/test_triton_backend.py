@@ -28,9 +28,9 @@ def test_kernel_launches_per_step_do_not_grow_with_layers(layers):
         p.grad = g.clone()
     opt.step()
     launched = {k: v - before.get(k, 0) for k, v in tb.launch_counts.items() if v != before.get(k, 0)}
-    # two launch classes (rows / columns layout), each four Gram launches (A, B, C, E) and
-    # two update launches (Φ₊, then θ₊), whatever the number of layers
-    assert launched == {"gram_kernel": 8, "update_kernel": 4}
+    # two launch classes (rows / columns layout), each six Gram launches (A, B, C, E and the
+    # guard's G, H) and two update launches (Φ₊, then θ₊), whatever the number of layers
+    assert launched == {"gram_kernel": 12, "update_kernel": 4}
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])

@@ -5,11 +5,14 @@ Trains a CIFAR-shaped WRN (``benchmarks/models.py``, narrowed for the CPU) on sy
 classes, learnable but not trivially), with the paper's settings: FGD
 on the "paper" selection with lr 0.2, momentum 0.9, feedback 0.4, SGD lr 0.1 and weight decay
 5e-4 on the rest. Before every step it records, per orthogonal layer, the guard's radius
-quantity ``r = ‖Φ‖_F + η‖g‖_F`` (what the trust region compares with ρ) and after it the
-distance ``‖θᵀθ − I‖_F``; it prints the largest ``r``, ``r/ρ`` and distance over the run and
-the guard's counters (``opt.guard_stats()``), which must be zero.
+quantity ``r = ‖Φ‖_F + η‖g‖_F`` (what the safety radius compares with ρ) and after it the
+distance ``‖θᵀθ − I‖_F`` (what the guard's rule keeps within ``max_distance``); it prints the
+largest ``r``, ``r/ρ`` and distance over the run and the guard's counters
+(``opt.guard_stats()``), which must be zero. ``--schedule`` ramps the lrs as a user would:
+``onecycle`` (``OneCycleLR`` to the given lrs, momentum cycled 0.85–0.95) or ``cosine``.
 
     python -m benchmarks.studies.guard_headroom [--steps 150] [--width 1] [--depth 16] [--batch 64]
+        [--schedule none|onecycle|cosine]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule", choices=("none", "onecycle", "cosine"), default="none")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     teacher = torch.randn(10, 3 * 4 * 4)
@@ -43,7 +47,11 @@ def main() -> None:
     groups[1].update(lr=0.1, weight_decay=5e-4)
     opt = fgd_fast.FGD(groups, lr=args.lr, momentum=0.9, feedback=0.4)
     orth = list(zip(groups[0]["names"], groups[0]["params"]))
-    eta = args.lr
+    sched = None
+    if args.schedule == "onecycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[args.lr, 0.1], total_steps=args.steps)
+    elif args.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     worst_r, worst_d, first_loss, t0 = (0.0, ""), (0.0, ""), None, time.time()
     losses = []
     for step in range(args.steps):
@@ -54,9 +62,12 @@ def main() -> None:
         loss.backward()
         for name, p in orth:
             phi = opt.state.get(p, {}).get("momentum_buffer")
+            eta = opt.param_groups[0]["lr"]
             r = (float(phi.norm()) if phi is not None else 0.0) + eta * float(p.grad.norm())
             worst_r = max(worst_r, (r, f"{name} at step {step}"))
         opt.step()
+        if sched is not None:
+            sched.step()
         for name, d in opt.orthogonality().items():
             worst_d = max(worst_d, (d, f"{name} at step {step}"))
         losses.append(float(loss.detach()))
@@ -69,7 +80,7 @@ def main() -> None:
     )
     print(
         f"WRN-{args.depth}-{args.width:g}, {len(orth)} orthogonal layers, {args.steps} steps of batch {args.batch}, "
-        f"lr {args.lr}, momentum 0.9, feedback 0.4"
+        f"lr {args.lr} ({args.schedule} schedule), momentum 0.9, feedback 0.4"
     )
     print(f"loss: first {first_loss:.3f}, mean of the last 10 {sum(losses[-10:]) / 10:.3f}")
     print(

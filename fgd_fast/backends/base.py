@@ -279,6 +279,7 @@ def middle_of_runs(
     feedback_with_phi=False,
     transposed=False,
     g_sq=None,
+    velocity_slots=None,
     grads=None,
     phis=None,
     unit=0.0,
@@ -293,8 +294,10 @@ def middle_of_runs(
     ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
     ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
     θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
-    ``assemble(blocks, a, c) -> (a, c)`` may build A and C from the raw blocks (tensor-core
-    kernels store split products and only the upper tiles of symmetric blocks). ``g_sq``
+    ``assemble(blocks, a, c, gg) -> (a, c, gg)`` may build A, C and G from the raw blocks
+    (tensor-core kernels store split products and only the upper tiles of symmetric blocks).
+    ``velocity_slots``: the slots of ``G = gᵀg`` and ``H = Φᵀg`` where the Gram kernel forms
+    them (else torch forms them from ``grads``, ``phis``). ``g_sq``
     (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
     in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
     ``stored`` (the parameters' dtype), ``trust_radius``, ``max_distance``: the step guard
@@ -310,14 +313,17 @@ def middle_of_runs(
             blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
             a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
             b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
-            if assemble is not None:
-                a, c = assemble(blocks, a, c)
-            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
             gg = h_blk = None
-            if g_sq is not None:  # the guard's UᵀU = β²C − βη(H + Hᵀ) + η²G
+            if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
+                gg = blocks[:, velocity_slots[0]]
+                h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
+            elif g_sq is not None:  # ... or by torch products
                 gg, h_blk = velocity_blocks(
                     grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype
                 )
+            if assemble is not None:
+                a, c, gg = assemble(blocks, a, c, gg)
+            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
             mid = middle(
                 a,
                 b,

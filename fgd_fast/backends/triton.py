@@ -163,14 +163,14 @@ def _order(layers, params):
 
 def _guard(ops, trust_radius, max_distance, variant) -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
-    multi-tensor torch op on the inputs (the Gram kernels do not take it)."""
+    multi-tensor torch op on the inputs (the Gram kernels do not take it); G and H come from
+    the Gram pass."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict else None
     unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
     return dict(
         g_sq=g_sq,
-        grads=ops.grad,
-        phis=ops.phi,
+        velocity_slots=(meta.SLOT_G, meta.SLOT_H),  # the Gram pass forms G = gᵀg, H = Φᵀg
         unit=unit,
         stored=ops.theta[0].dtype if ops.theta else None,
         trust_radius=trust_radius,
@@ -288,8 +288,10 @@ class _Class(_Checked):
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
         partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
         blocks = (SLOT_A, SLOT_E, SLOT_B, SLOT_C) if has_phi else (SLOT_A, SLOT_E)
+        if trust_radius is not None or max_distance is not None:  # the guard's G = gᵀg (and H = Φᵀg)
+            blocks += (meta.SLOT_G, meta.SLOT_H) if has_phi else (meta.SLOT_G,)
         for block in blocks:
-            work = sh.gram_sym if block in (SLOT_A, SLOT_C) else sh.gram_full
+            work = sh.gram_sym if block in (SLOT_A, SLOT_C, meta.SLOT_G) else sh.gram_full
             _launch(
                 K.gram_kernel,
                 (work.shape[0], sh.splits),
@@ -373,7 +375,7 @@ class _TCShapes:
     upper: dict  # p -> bool (p, p) mask of the tiles i <= j (the stored tiles of H and C)
 
 
-def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShapes:
+def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -> _TCShapes:
     bm, bk = cfg["BM"], cfg["BK"]
     ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
     split_off, gram_off, m_off, tiles = [], [], [], []
@@ -393,6 +395,10 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg) -> _TCShap
             products.append((meta.F_HI, meta.F_LO, meta.SLOT_L, full))  # L = hiᵀlo
         if has_phi:
             products += [(meta.F_HI, meta.F_PHI, meta.SLOT_B, full), (meta.F_PHI, meta.F_PHI, meta.SLOT_C, upper)]
+        if predict:  # the guard's G = gᵀg and H = Φᵀg (TF32: relative error ~2⁻¹¹ in UᵀU)
+            products.append((meta.F_GRAD, meta.F_GRAD, meta.SLOT_G, upper))
+            if has_phi:
+                products.append((meta.F_PHI, meta.F_GRAD, meta.SLOT_H, full))
         tiles += [(layer, lf, rf, slot, i, j) for lf, rf, slot, ij in products for i, j in ij]
     # split n when the tiles cannot fill the GPU; the partials stay under the bound
     splits = force_splits or max(1, min(64, _cdiv(wanted, len(tiles)), min(_cdiv(n, 4 * bk) for n, _ in np_list)))
@@ -472,7 +478,18 @@ class _TensorCoreClass(_Checked):
         self.gram_config = TC.GRAM_CONFIG[precision, aligned]
         self.update_config = TC.UPDATE_CONFIG[precision, aligned]
         tiling = (tuple(self.gram_config.items()), tuple(self.update_config.items()), tuple(TC.SPLIT_CONFIG.items()))
-        key = ("tc", device, tuple(np_list), _programs_wanted(device), has_phi, precision, tiling, force_splits)
+        predict = trust_radius is not None or max_distance is not None
+        key = (
+            "tc",
+            device,
+            tuple(np_list),
+            _programs_wanted(device),
+            has_phi,
+            precision,
+            tiling,
+            force_splits,
+            predict,
+        )
         self.shapes = sh = _tables.get_or(
             key,
             lambda: _tc_shapes(
@@ -484,6 +501,7 @@ class _TensorCoreClass(_Checked):
                 self.gram_config,
                 self.update_config,
                 TC.SPLIT_CONFIG,
+                predict,
             ),
         )
         base = self.split.data_ptr()
@@ -540,13 +558,14 @@ class _TensorCoreClass(_Checked):
         )
         gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
 
-        def assemble(blocks, h, c):
+        def assemble(blocks, h, c, gg):
             upper = sh.upper[h.shape[-1]]
-            a = torch.where(upper, h, h.mT)  # the lower tiles of H are the transposes of the upper ones
+            a = torch.where(upper, h, h.mT)  # the lower tiles of hiᵀhi are the transposes of the upper ones
             if self.lo:
                 low = blocks[:, meta.SLOT_L]
-                a = a + (low + low.mT)  # A = H + L + Lᵀ
-            return a, (torch.where(upper, c, c.mT) if c is not None else None)
+                a = a + (low + low.mT)  # A = hiᵀhi + L + Lᵀ
+            mirror = lambda m: torch.where(upper, m, m.mT) if m is not None else None  # noqa: E731
+            return a, mirror(c), mirror(gg)
 
         self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
