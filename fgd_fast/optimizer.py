@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._stiefel_optimizer import StiefelOptimizer, option
-from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
+from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS, compute_dtype
 from .backends.algebra import VARIANTS
 from .functional import GuardReport, backend_for, fgd
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
@@ -57,7 +57,9 @@ class FGD(StiefelOptimizer):
             builds them. A group may override ``lr``, ``momentum``, ``feedback``,
             ``weight_decay``, ``dampening`` and ``nesterov``, and sets ``orthogonal: bool``
             (default ``False``); the other arguments are optimizer-wide.
-        lr: learning rate η (>= 0).
+        lr: learning rate η (>= 0). At lr = 0 an orthogonal group is not stepped at all (its
+            state is created; the feedback term would otherwise still move θ): what
+            ``torch.distributed.checkpoint``'s state initialisation relies on.
         momentum: β in [0, 1) (the paper's γ = 1 − β).
         feedback: α in [0, 1), pull back towards θᵀθ = I: a drift D = θᵀθ − I goes to about
             (1 − 2α)D per step, coupled to the velocity's normal part, so θ settles, to first
@@ -220,6 +222,9 @@ class FGD(StiefelOptimizer):
                 continue
             beta, alpha = float(group["momentum"]), float(group["feedback"])
             self._warn_feedback_once(alpha)
+            if float(group["lr"]) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
+                self._make_state(p, beta)
+                continue
             orth["params"].append(p)
             orth["grads"].append(p.grad)
             orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
@@ -260,6 +265,17 @@ class FGD(StiefelOptimizer):
                 nesterov=group["nesterov"],
             )
         return loss
+
+    def _make_state(self, p: torch.Tensor, beta: float) -> None:
+        """The state a step creates (Φ = 0, the guard's counters), without stepping: what a
+        step at lr = 0 does, so that ``torch.distributed.checkpoint``'s state initialisation
+        (a step at lr = 0 with zero gradients) moves no weight (the feedback term would)."""
+        state = self.state[p]
+        if beta > 0 and "momentum_buffer" not in state:
+            cdt = compute_dtype(p.dtype)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=cdt, memory_format=torch.preserve_format)
+        if self.defaults["guard"] and "guard_count" not in state:
+            state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
 
     def _count_guarded(self, params: list[torch.Tensor], report: GuardReport) -> None:
         """Add this step's guard decisions to ``state[p]["guard_count"]`` = [scaled, reset]

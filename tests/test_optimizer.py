@@ -302,3 +302,22 @@ def test_resolved_backend_defaults_to_the_parameters_device():
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "all"), lr=0.1)
     assert opt.resolved_backend() == opt.resolved_backend(net[0].weight.device)
     assert issubclass(fgd_fast.BackendUnavailable, RuntimeError) and fgd_fast.GuardReport
+
+
+def test_a_step_at_lr_zero_moves_nothing_and_makes_the_state():
+    """torch.distributed.checkpoint initialises a fresh optimizer's state with a step at lr 0
+    and zero gradients (``get_optimizer_state_dict``); FGD's feedback term moved θ by ~1e-3."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3))
+    groups = fgd_fast.stiefel_param_groups(net, "all")
+    with torch.no_grad():
+        net[0].weight.add_(torch.randn_like(net[0].weight) * 1e-3)  # a little off the manifold
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    opt = fgd_fast.FGD(groups, lr=0.1)
+    saved = get_optimizer_state_dict(net, opt)
+    for n, p in net.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert set(saved["state"]["0.weight"]) == {"momentum_buffer", "guard_count"}
+    assert float(saved["state"]["0.weight"]["momentum_buffer"].abs().max()) == 0.0
