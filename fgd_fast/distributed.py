@@ -18,6 +18,10 @@ matrix, and the step is the one a single process would take on the full matrices
   shards over several mesh dimensions) takes an exact fallback: θ, Φ and g are all-gathered, every rank computes the
   same step on the full matrices, and each keeps its own shard of the result. Never a
   per-shard orthonormalisation.
+* The ranks must agree on the step: :func:`agree_across_ranks` runs first (one all-reduce
+  of a few numbers), so different hyper-parameters, flags or backends on some rank raise the
+  same ``ValueError`` on every rank instead of diverging silently or hanging in a collective
+  that the other ranks never call.
 * The step's checks stay collective: the non-finite-gradient counts travel in the same
   all-reduce as the Gram blocks and the distance ‖θᵀθ − I‖_F comes from the summed A, so
   every rank raises the same error before any rank writes anything.
@@ -35,7 +39,16 @@ import torch
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 
-__all__ = ["shard_placement", "is_dtensor", "row_mesh_dim", "full_value", "write_shard", "gram64", "prepare_dtensors"]
+__all__ = [
+    "shard_placement",
+    "is_dtensor",
+    "row_mesh_dim",
+    "full_value",
+    "write_shard",
+    "gram64",
+    "prepare_dtensors",
+    "agree_across_ranks",
+]
 
 #: the packed all-reduce of a step is split into calls of at most this many bytes
 BUCKET_BYTES = 64 << 20
@@ -264,3 +277,35 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
         finite_next=plan.finite_next,
         guarded=plan.guarded,
     )
+
+
+def agree_across_ranks(settings: dict[str, object], device: torch.device) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' ``settings`` differ.
+
+    Each value becomes a float64 (numbers as themselves, other values by a CRC of their
+    ``repr``); one ``all_reduce(MAX)`` of ``[x, −x]`` gives every rank the largest and the
+    smallest of each, so every rank sees the same disagreement. It must be the step's first
+    collective: a rank with another backend or layer count would otherwise call different
+    collectives and hang."""
+    import zlib
+
+    import torch.distributed as dist
+
+    names = list(settings)
+
+    def number(v: object) -> float:
+        if isinstance(v, bool) or v is None or not isinstance(v, (int, float)):
+            return float(zlib.crc32(repr(v).encode()))
+        return float(v)
+
+    x = torch.tensor([number(settings[k]) for k in names], dtype=torch.float64, device=device)
+    both = torch.cat([x, -x])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    hi, lo = both[: len(names)].tolist(), (-both[len(names) :]).tolist()
+    differ = [k for k, a, b in zip(names, hi, lo) if a != b]
+    if differ:
+        raise ValueError(
+            f"the ranks disagree on {', '.join(differ)} of the FGD step; it was not applied on any rank and "
+            "nothing changed. Every rank must build the optimizer with the same options and step the same "
+            "parameters with the same hyper-parameters (a scheduler on every rank)"
+        )

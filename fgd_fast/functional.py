@@ -17,7 +17,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
-from .distributed import is_dtensor, prepare_dtensors
+from .distributed import agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import check_state_tensor
 
@@ -159,6 +159,24 @@ def fgd(
         )
         index.append(idx)
     if sharded:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
+        weights = [float(k + 1) for k in range(len(sharded))]  # a permutation changes the sums too
+        agree_across_ranks(
+            {
+                "the number of sharded orthogonal parameters": len(sharded),
+                "lr": sum(w * lrs[i] for w, i in zip(weights, sharded)),
+                "momentum": sum(w * betas[i] for w, i in zip(weights, sharded)),
+                "feedback": sum(w * alphas[i] for w, i in zip(weights, sharded)),
+                "backend": backend,
+                "precision": precision,
+                "variant": variant,
+                "check_finite": check_finite,
+                "check_manifold": check_manifold,
+                "max_distance": max_distance,
+                "guard": guard,
+                "trust_radius": trust_radius,
+            },
+            params[sharded[0]].device,
+        )
         for idx, plan in prepare_dtensors(
             lambda device_type: _cached_backend(backend, device_type, precision)[1],
             sharded,

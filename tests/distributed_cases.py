@@ -158,7 +158,8 @@ class _CountAllReduce:
         self.count, self.saved = 0, dist.all_reduce
 
         def counting(*args, **kwargs):
-            self.count += 1
+            if kwargs.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:  # (not the ranks' MAX agreement)
+                self.count += 1
             return self.saved(*args, **kwargs)
 
         dist.all_reduce = counting
@@ -230,6 +231,31 @@ def fsdp_refusals(rank, world, out):
         opt.step()
     messages.append(str(info.value))
     unchanged.append(_same(before, _local_state(model, opt)))
+    return dict(messages=messages, unchanged=unchanged)
+
+
+def fsdp_disagreements(rank, world, out):
+    """One rank with another lr, feedback, momentum, check flag or backend: every rank raises
+    the same error naming it, nothing is written, and nothing hangs."""
+    import pytest
+
+    messages, unchanged = [], []
+    for option, mine, theirs in (
+        ("lr", 0.05, 0.1),
+        ("feedback", 0.3, 0.4),
+        ("momentum", 0.5, 0.9),
+        ("check_finite", False, True),
+        ("backend", "reference", "torch"),
+    ):
+        model = _sharded(world)
+        kwargs = dict(HYPER, **{option: mine if rank == world - 1 else theirs})
+        opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **kwargs)
+        _set_grads(model, 0)
+        before = _local_state(model, opt)
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        messages.append(str(info.value))
+        unchanged.append(_same(before, _local_state(model, opt)))
     return dict(messages=messages, unchanged=unchanged)
 
 
@@ -307,7 +333,10 @@ def zero_steps(rank, world, out, *, steps=5):
     )
 
 
-CASES = {f.__name__: f for f in (fsdp_steps, fsdp_train, fsdp_refusals, fsdp_checkpoint, ddp_train, zero_steps)}
+CASES = {
+    f.__name__: f
+    for f in (fsdp_steps, fsdp_train, fsdp_refusals, fsdp_disagreements, fsdp_checkpoint, ddp_train, zero_steps)
+}
 
 
 def entry(rank: int, world: int, init: str, out: str, case: str, kwargs: dict) -> None:

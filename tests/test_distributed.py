@@ -165,6 +165,17 @@ def test_fsdp_refusal_is_collective(world):
     assert "'conv.weight'" in msgs[3] and "from the Stiefel manifold" in msgs[3]
 
 
+def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
+    """Why 5: another lr or feedback on one rank diverged silently, another momentum or check
+    flag aborted, another backend hung to the timeout."""
+    results = run(2, "fsdp_disagreements")
+    for res in results:
+        assert all(res["unchanged"]), res["unchanged"]
+        assert res["messages"] == results[0]["messages"]
+    for msg, what in zip(results[0]["messages"], ("lr", "feedback", "momentum", "check_finite", "backend")):
+        assert f"the ranks disagree on {what}" in msg, msg
+
+
 def test_fsdp_checkpoint_round_trip():
     results = run(2, "fsdp_checkpoint")
     for res in results:
