@@ -44,7 +44,7 @@ decision, as device tensors; ``plan.apply()`` then writes θ₊ into ``params`` 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,6 +66,9 @@ __all__ = [
     "full_precision",
     "in_input_order",
     "plan_of",
+    "layer_classes",
+    "needs_cuda",
+    "device_of",
     "Run",
     "runs_of",
     "middle_of_runs",
@@ -217,6 +220,31 @@ def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.de
     if not parts:
         return torch.zeros(0, device=device)
     return torch.cat(parts)[_inverse_permutation(tuple(order), device)]
+
+
+def device_of(params: Sequence[torch.Tensor]) -> torch.device:
+    """The device of a backend call's tensors (the CPU for an empty call)."""
+    return params[0].device if params else torch.device("cpu")
+
+
+def needs_cuda(backend: str, params: Sequence[torch.Tensor], *, allow: bool = False) -> None:
+    """A fused backend's device check: :class:`BackendUnavailable` when some tensor is not on
+    CUDA (``allow``: the caller can run them anyway, e.g. under Triton's interpreter)."""
+    bad = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+    if bad and not allow:
+        raise BackendUnavailable(
+            f"backend={backend!r} needs CUDA tensors, got tensors on {', '.join(bad)}; use backend='torch'"
+            + (" (or TRITON_INTERPRET=1 before importing fgd_fast, for CPU testing)" if backend == "triton" else "")
+        )
+
+
+def layer_classes(count: int, key: Callable[[int], Hashable]) -> dict[Hashable, list[int]]:
+    """Every backend's prologue: the layers ``0 … count − 1`` grouped by ``key(i)`` (in
+    first-seen order), one launch class or bucket per key."""
+    classes: dict[Hashable, list[int]] = {}
+    for i in range(count):
+        classes.setdefault(key(i), []).append(i)
+    return classes
 
 
 def plan_of(units: list, device: torch.device, check_finite: bool) -> StepPlan:

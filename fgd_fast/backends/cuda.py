@@ -62,7 +62,7 @@ reported at the kernel that caused it.
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 
@@ -76,12 +76,14 @@ from .base import (
     SLOT_B,
     SLOT_C,
     SLOT_E,
-    BackendUnavailable,
     TableCache,
     check_precision,
     compute_dtype,
+    device_of,
     device_table,
+    layer_classes,
     middle_of_runs,
+    needs_cuda,
     plan_of,
     runs_of,
 )
@@ -265,14 +267,6 @@ class _Class:
             dst.copy_(src.view(dst.shape))  # staged copies are contiguous (c_o, m)
 
 
-def _check_devices(params) -> None:
-    bad = {str(p.device) for p in params if p.device.type != "cuda"}
-    if bad:
-        raise BackendUnavailable(
-            f"backend='cuda' needs CUDA tensors, got tensors on {', '.join(sorted(bad))}; use backend='torch'"
-        )
-
-
 def prepare_cuda(
     params,
     grads,
@@ -289,14 +283,13 @@ def prepare_cuda(
     variant="official",
 ):
     check_precision(precision)
-    _check_devices(params)
-    classes: dict[torch.dtype, list[int]] = defaultdict(list)
-    for i, param in enumerate(params):
+    needs_cuda("cuda", params)
+    for param in params:
         if param.dtype not in _CODE:
             raise TypeError(f"backend='cuda' supports float16/bfloat16/float32/float64 parameters, got {param.dtype}")
-        classes[param.dtype].append(i)
+    classes = layer_classes(len(params), lambda i: params[i].dtype)
     built = [
         _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance, variant)
         for dtype, idx in classes.items()
     ]
-    return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)
+    return plan_of(built, device_of(params), check_finite)

@@ -58,7 +58,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from .algebra import join_checks, middle, store_unit
-from .base import check_precision, compute_dtype, fp32_matmuls, full_precision, plan_of
+from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
 
 __all__ = ["prepare_torch"]
 
@@ -402,17 +402,31 @@ def prepare_torch(
     variant="official",
 ):
     check_precision(precision)
-    device = params[0].device if params else torch.device("cpu")
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, param in enumerate(params):
+    device = device_of(params)
+
+    def key(i: int) -> tuple:
+        param = params[i]
         # a row shard has the full parameter's orientation and p, and its own (local) row count
         _, p, rows = stiefel_shape(param.shape if shapes is None else shapes[i])
         n = param.numel() // max(p, 1)
         reads_phi = bufs[i] is not None and not fresh[i]
-        key = (n, p, rows, param.dtype, param.device, lr[i], momentum[i], feedback[i], reads_phi, bufs[i] is not None)
+        bucket = (
+            n,
+            p,
+            rows,
+            param.dtype,
+            param.device,
+            lr[i],
+            momentum[i],
+            feedback[i],
+            reads_phi,
+            bufs[i] is not None,
+        )
         if shapes is not None:  # the full shape keeps the buckets (so the reduced list) alike on every rank
-            key += (tuple(shapes[i]), tuple(param.shape))
-        groups[key].append(i)
+            bucket += (tuple(shapes[i]), tuple(param.shape))
+        return bucket
+
+    groups = layer_classes(len(params), key)
     buckets = [_Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
     for b in buckets:

@@ -49,7 +49,7 @@ in float64 ("ieee"); 16-bit parameters use the CUDA-core kernels with tensor-cor
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -70,12 +70,14 @@ from .base import (
     SLOT_B,
     SLOT_C,
     SLOT_E,
-    BackendUnavailable,
     TableCache,
     check_precision,
     compute_dtype,
+    device_of,
     device_table,
+    layer_classes,
     middle_of_runs,
+    needs_cuda,
     plan_of,
     runs_of,
 )
@@ -617,14 +619,10 @@ def prepare_triton(
     variant="official",
 ):
     check_precision(precision)
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and any(p.device.type != "cuda" for p in params):
-        raise BackendUnavailable(
-            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 before importing fgd_fast, for CPU "
-            "testing); use backend='torch'"
-        )
-    classes: dict[tuple, list[int]] = defaultdict(list)
-    for i, param in enumerate(params):
-        classes[(param.dtype, bufs[i] is not None, stiefel_shape(param.shape).transposed)].append(i)
+    needs_cuda("triton", params, allow=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    classes = layer_classes(
+        len(params), lambda i: (params[i].dtype, bufs[i] is not None, stiefel_shape(params[i].shape).transposed)
+    )
     built = []
     for (dtype, has_phi, rows), idx in classes.items():
         if dtype == torch.float32 and precision in TC.PRECISIONS:
@@ -664,4 +662,4 @@ def prepare_triton(
                     variant,
                 )
             )
-    return plan_of(built, params[0].device if params else torch.device("cpu"), check_finite)
+    return plan_of(built, device_of(params), check_finite)

@@ -297,9 +297,9 @@ def load_backend(ext: EmulatedExtension, sm_count: int = 1) -> ModuleType:
         spec.loader.exec_module(module)
     finally:
         _cuda_build.load = real_load
-    for name in ("_check_devices", "_sm_count", "force_splits", "_ext"):  # what the tests rely on
+    for name in ("needs_cuda", "_sm_count", "force_splits", "_ext"):  # what the tests rely on
         assert hasattr(module, name), f"fgd_fast/backends/cuda.py has no {name}: update tests/cuda_emulation"
     assert module._ext is ext
-    module._check_devices = _require_cpu
+    module.needs_cuda = lambda backend, params, allow=False: _require_cpu(params)
     module._sm_count = lambda device: sm_count
     return module
