@@ -69,9 +69,8 @@ class FGD(StiefelOptimizer):
             warns once.
         weight_decay, dampening, nesterov: as in ``torch.optim.SGD`` (Euclidean groups only).
         backend: ``"auto"`` (fastest available, never fails), ``"reference"``, ``"torch"``,
-            ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run). On an H200
-            Triton's tensor-core step was fastest in ``"tf32x3"`` and ``"tf32"`` and the
-            ``"torch"`` backend in ``"ieee"``; ``"auto"`` follows that.
+            ``"triton"`` or ``"cuda"`` (raise with the reason if they cannot run); see
+            :func:`fgd_fast.backends.resolve_backend` for what ``"auto"`` picks.
         check_finite: raise ``FloatingPointError`` (changing nothing) when an orthogonal
             parameter's gradient or momentum buffer has NaN/Inf, or when the step would write a
             non-finite value (predicted before writing).
@@ -102,9 +101,8 @@ class FGD(StiefelOptimizer):
             (TF32 tensor cores with θᵀθ, which sets the distance to the manifold, at fp32
             accuracy), ``"ieee"`` (IEEE fp32) or ``"tf32"`` (opt-in; ~1e-3 relative error in
             θᵀθ, so θ settles ~1e-3 off the manifold). The default, ``None``, is
-            ``fgd_fast.backends.DEFAULT_PRECISION`` (``"tf32x3"``: measured on an H200 within
-            1.5× of the reference form's distance and twice as fast as ``"ieee"``) for the
-            backends that honour it, ``"ieee"`` for the others. A CPU has no TF32 and computes
+            ``fgd_fast.backends.DEFAULT_PRECISION`` (``"tf32x3"``; the GPU measurements that
+            chose it are in the README) for the backends that honour it, ``"ieee"`` for the others. A CPU has no TF32 and computes
             every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for ``"tf32x3"``
             and ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
             compute in full precision (whatever torch's global TF32 setting), so an explicit one

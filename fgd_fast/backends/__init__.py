@@ -28,10 +28,8 @@ __all__ = [
 
 BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 #: The default ``precision``: the fastest precision whose accuracy is fp32-level as measured on a
-#: GPU (max ‖θᵀθ − I‖_F within 1.5× of the reference form's on every workload measured). On an
-#: H200 (benchmarks/results/gpu-h200-2026-11-26-first.md) ``"tf32x3"`` settled 1.50× (WRN-28-10),
-#: 1.40× (ResNet-50) and 1.14× (Transformer, 25 steps) of the reference form after 500 steps,
-#: where IEEE fp32 through cuBLAS settled 3.0× and 2.7×; it is also 2× faster. On a CPU,
+#: GPU (max ‖θᵀθ − I‖_F within 1.5× of the reference form's on every workload measured; the
+#: numbers are in the README and ``benchmarks/results/gpu-h200-2026-11-26-first.md``). On a CPU,
 #: ``"tf32x3"`` computes exactly what ``"ieee"`` does (a CPU has no TF32).
 DEFAULT_PRECISION = "tf32x3"
 PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
@@ -80,13 +78,10 @@ def _load_cuda(device: torch.device) -> Backend:
 def resolve_backend(name: str, device: torch.device, precision: str = "ieee") -> tuple[str, Backend]:
     """``(resolved name, prepare function)`` for ``name`` on ``device``.
 
-    ``"auto"`` picks the fastest backend that loads and never raises, by the GPU report
-    ``benchmarks/results/gpu-h200-2026-11-26-first.md`` (H200, WRN-28-10, one step, checks
-    off): in IEEE fp32 the ``torch`` backend's cuBLAS products (14.3 ms eager) beat Triton's
-    CUDA-core kernels (18.0 ms); in ``"tf32x3"`` and ``"tf32"`` Triton's tensor-core step
-    (7.1 and 7.0 ms) beats the torch backend's (14.8 and 13.0 ms). So ``"auto"`` is
-    ``torch`` for ``"ieee"`` and on CPUs, and ``triton`` for the TF32 precisions on CUDA
-    devices when it loads (else ``torch``).
+    ``"auto"`` picks the fastest backend that loads and never raises, as measured on a GPU
+    (``benchmarks/results/gpu-h200-2026-11-26-first.md``): ``torch`` for ``"ieee"`` (cuBLAS
+    beat Triton's CUDA-core kernels) and on CPUs, and ``triton`` for the TF32 precisions on
+    CUDA devices when it loads (its tensor-core step beat the torch backend's), else ``torch``.
     An explicit name that cannot run raises :class:`BackendUnavailable` with the reason.
     """
     loaders: dict[str, Callable[[], Backend]] = {

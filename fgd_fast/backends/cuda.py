@@ -2,15 +2,9 @@
 (``csrc/``). Same arithmetic as :mod:`.torch_batched`; IEEE fp32 FMA (fp64 for float64
 parameters) everywhere (the optimizer refuses ``precision`` other than ``"ieee"`` for it).
 
-What it is for: the smallest step memory of the FGD backends on convolution layer sets, with
-no Triton needed. On an H200 (``benchmarks/results/gpu-h200-2026-11-26.md``) its peak extra
-memory per step was 74 MB on ResNet-50 and 102 MB on VGG-16 against 214 MB and 321 MB for
-the ``"torch"`` backend, at the same step time (4.74 and 6.25 ms); on WRN-28-10 202 MB
-against 714 MB (the Triton backend also 202 MB), but 2× slower (15.4 against 7.9 ms); on the
-Transformer set it is slower and larger than ``"torch"`` (56 ms and 2.5 GB against 29 ms
-and 1.8 GB). The ``"torch"`` backend has since been rewritten to work in place with bounded
-scratch, which is not yet measured on a GPU: the memory comparison may have narrowed.
-``"auto"`` never picks it: ask for ``backend="cuda"``.
+What it is for: a small step memory on convolution layer sets with no Triton needed (the
+measured memory and time against the other backends are in the README's GPU section and
+``benchmarks/results/``). ``"auto"`` never picks it: ask for ``backend="cuda"``.
 
 Per step and *launch class* (one per parameter dtype; usually one in all):
 

@@ -35,9 +35,7 @@ stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that small la
 Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ, F`` of every layer,
 plus the scratch (one output slot of the largest layer on a CPU; three stack slots of at most
 ``_STACK_FRACTION`` of the constrained bytes ``P`` each on a GPU), plus the transient blocks of
-one middle chunk (at most ``P``). Measured by the benchmark on the CPU workloads: 1.26–1.95× ``P``,
-against ~5.5× for the previous version that stacked ``[θ | Φ | g]`` and made θ₊, Φ₊ as new
-tensors; on an H200, 168 MiB on WRN-28-10 (1.2× ``P``) in ``"ieee"`` and ``"tf32x3"`` alike.
+one middle chunk (at most ``P``). The benchmark report records the measured peak per workload.
 
 Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
 (``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
