@@ -102,11 +102,12 @@ class FGD(StiefelOptimizer):
             accuracy), ``"ieee"`` (IEEE fp32) or ``"tf32"`` (opt-in; ~1e-3 relative error in
             θᵀθ, so θ settles ~1e-3 off the manifold). The default, ``None``, is
             ``fgd_fast.backends.DEFAULT_PRECISION`` (``"tf32x3"``; the GPU measurements that
-            chose it are in the README) for the backends that honour it, ``"ieee"`` for the others. A CPU has no TF32 and computes
-            every precision in fp32. ``"auto"`` picks Triton on CUDA tensors for ``"tf32x3"``
-            and ``"tf32"`` and the torch backend otherwise. ``"reference"`` and ``"cuda"`` always
-            compute in full precision (whatever torch's global TF32 setting), so an explicit one
-            with a precision other than ``"ieee"`` is refused.
+            chose it are in the README) for the backends that honour it, ``"ieee"`` for the
+            others. A CPU has no TF32 and computes every precision in fp32. ``"auto"`` picks
+            Triton on CUDA tensors for ``"tf32x3"`` and ``"tf32"`` and the torch backend
+            otherwise. ``"reference"`` and ``"cuda"`` always compute in full precision (whatever
+            torch's global TF32 setting), so an explicit one with a precision other than
+            ``"ieee"`` is refused.
         variant: ``"official"`` (default: the authors' code, which produced the paper's
             tables; θ moves by the whole new velocity) or ``"paper"`` (Algorithm 1 as printed:
             θ moves by its tangent part, ``θ ← θ + Φ − θN sym(θᵀΦ) − αθ(A − I)``, one more
