@@ -178,7 +178,9 @@ class StiefelOptimizer(Optimizer):
                 if not names:
                     key = index
                 else:
-                    key = _names.get(p, names[j] if len(names) == len(group["params"]) else index)
+                    listed = names[j] if len(names) == len(group["params"]) else index
+                    # (Dynamo cannot trace the WeakIdKeyDictionary; a compiled step labels by the list)
+                    key = listed if torch.compiler.is_compiling() else _names.get(p, listed)
                 yield group, p, key
                 flat += 1
 
