@@ -238,10 +238,12 @@ def sgd(
     """
     if not params:
         return
+    kinds = {is_dtensor(p) for p in params}
     _torch_sgd(
         params,
         grads,
         momentum_buffers,
+        foreach=False if len(kinds) > 1 else None,  # (CUDA's multi-tensor kernels refuse DTensor and Tensor mixed)
         weight_decay=weight_decay,
         momentum=momentum,
         lr=lr,

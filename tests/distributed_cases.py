@@ -234,6 +234,28 @@ def fsdp_refusals(rank, world, out):
     return dict(messages=messages, unchanged=unchanged)
 
 
+def fsdp_partial(rank, world, out, *, steps=3):
+    """Only ``conv`` sharded (FSDP2 on a submodule): the plain group mixes DTensor and plain
+    biases, which crashed the Euclidean step (``_foreach_add`` got mixed tensor types)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = build()
+    fully_shard(model.conv, mesh=_mesh(world), shard_placement_fn=fgd_fast.shard_placement)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            g = full_grad(name, p.shape, step)
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(
+                    _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+                )
+            p.grad = g
+        opt.step()
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()  # noqa: E731
+    return dict(params={n: full(p) for n, p in model.named_parameters()})
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag or backend: every rank raises
     the same error naming it, nothing is written, and nothing hangs."""
@@ -335,7 +357,16 @@ def zero_steps(rank, world, out, *, steps=5):
 
 CASES = {
     f.__name__: f
-    for f in (fsdp_steps, fsdp_train, fsdp_refusals, fsdp_disagreements, fsdp_checkpoint, ddp_train, zero_steps)
+    for f in (
+        fsdp_steps,
+        fsdp_train,
+        fsdp_refusals,
+        fsdp_disagreements,
+        fsdp_partial,
+        fsdp_checkpoint,
+        ddp_train,
+        zero_steps,
+    )
 }
 
 

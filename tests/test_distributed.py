@@ -176,6 +176,13 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
         assert f"the ranks disagree on {what}" in msg, msg
 
 
+def test_a_group_mixing_dtensor_and_plain_parameters_steps_exactly():
+    results = run(2, "fsdp_partial")
+    params, _, _ = cases.reference(3, 2)
+    for res in results:
+        assert_close(res["params"], params)
+
+
 def test_fsdp_checkpoint_round_trip():
     results = run(2, "fsdp_checkpoint")
     for res in results:
