@@ -449,13 +449,15 @@ def prepare_torch(
             for b in buckets:
                 b.start(middle_numel, trust_radius, max_distance, variant)
                 held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
-            bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if check_finite else []  # non-finite counts
+            # non-finite counts, only without a prediction: with one, the summed ‖g‖², tr C and E say it
+            counted = check_finite and not any(b.predict for b in buckets)
+            bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
             chunks = [(chunk, b.symmetric_slots()) for b, blocks in zip(buckets, held) for chunk in blocks]
             _reduce_packed(reduce, chunks, bad)
             for i, (b, blocks) in enumerate(zip(buckets, held)):
                 for gemm_chunks, chunk in zip(b.plan, blocks):
                     b.middle(gemm_chunks, chunk)
-                b.finish(check_finite, bad[i] == 0 if check_finite else None)
+                b.finish(check_finite, bad[i] == 0 if counted else None)
     step = _Step(buckets, scratch, precision)
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
