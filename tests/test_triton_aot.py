@@ -52,9 +52,10 @@ def _check(results, **selection):
             assert sass[aot.TENSOR_CORE_OP[r["arch"]].lower()] > 0, r
         elif r["kernel"] != "tc_split_kernel" and r["config"]["ACC"] == "fp32":
             assert sass["hgmma"] == sass["hmma"] == 0 and sass["ffma"] > 0, r  # "ieee": CUDA-core FMA
-    # the aligned tensor-core Gram pass loads its operands 16 bytes at a time
-    aligned = [r for r in results if r["kernel"] == "tc_gram_kernel" and r["config"]["ALIGNED"] == "True"]
-    assert aligned and all(r["sass"]["loads_128"] > 0 for r in aligned)
+    # the aligned tensor-core Gram and update passes load their operands 16 bytes at a time
+    for kernel in ("tc_gram_kernel", "tc_update_kernel"):
+        aligned = [r for r in results if r["kernel"] == kernel and r["config"]["ALIGNED"] == "True"]
+        assert aligned and all(r["sass"]["loads_128"] > 0 for r in aligned), kernel
 
 
 def test_every_selectable_configuration_compiles_without_spills(tmp_path):
