@@ -16,7 +16,7 @@ memory layout (``ROWS``):
 
 ``gram_kernel`` — pass 1, one launch per Gram block (``BLOCK`` = slot A, E, B, C, G or H):
 
-    A = θᵀθ,  E = θᵀg,  B = θᵀΦ,  C = ΦᵀΦ,  G = gᵀg,  H = Φᵀg     (each p × p; G, H for the guard)
+    A = θᵀθ,  E = θᵀg,  B = θᵀΦ,  C = ΦᵀΦ,  G = gᵀg,  H = gᵀΦ     (each p × p; G, H for the guard)
 
 Work item = (layer, tile row i, tile col j) of ``BP × BP`` output tiles; A, C and G are
 symmetric, so their work tables hold only i ≤ j and the kernel stores each tile and its
@@ -85,16 +85,18 @@ def gram_kernel(
     ti = tl.load(work_ptr + 3 * w + 1)
     tj = tl.load(work_ptr + 3 * w + 2)
     row = meta_ptr + layer * meta.META_FIELDS
-    # left operand: Φ for C and H, g for G, θ otherwise; right: θ for A, Φ for B and C, g for E, G, H
-    if BLOCK == meta.SLOT_C or BLOCK == meta.SLOT_H:
+    # left operand: Φ for C, g for G and H, θ otherwise; right: θ for A, g for E and G, Φ for B, C, H
+    # (the slot H holds gᵀΦ = (Φᵀg)ᵀ: only H + Hᵀ enters the guard, and this operand order is B's,
+    # which compiles without spilling for 16-bit g)
+    if BLOCK == meta.SLOT_C:
         left = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))
-    elif BLOCK == meta.SLOT_G:
+    elif BLOCK == meta.SLOT_G or BLOCK == meta.SLOT_H:
         left = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
     else:
         left = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
     if BLOCK == meta.SLOT_A:
         right = tl.load(row + meta.F_THETA).to(tl.pointer_type(DTYPE))
-    elif BLOCK == meta.SLOT_E or BLOCK == meta.SLOT_G or BLOCK == meta.SLOT_H:
+    elif BLOCK == meta.SLOT_E or BLOCK == meta.SLOT_G:
         right = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
     else:
         right = tl.load(row + meta.F_PHI).to(tl.pointer_type(ACC))

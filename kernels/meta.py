@@ -33,8 +33,8 @@ F_CHUNK = 10
 META_FIELDS = 11
 FIELD_NAMES = ("THETA", "PHI", "GRAD", "HI", "LO", "N", "P", "LD", "GRAM", "M", "CHUNK")
 
-# Gram slots: A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ, and for the guard's UᵀU G = gᵀg, H = Φᵀg
-# (and L = hiᵀlo, tensor-core tf32x3 only)
+# Gram slots: A = θᵀθ, E = θᵀg, B = θᵀΦ, C = ΦᵀΦ, and for the guard's UᵀU G = gᵀg, H = Φᵀg or
+# its transpose (only H + Hᵀ enters; the kernels store gᵀΦ) (and L = hiᵀlo, tensor-core tf32x3 only)
 SLOT_A = 0
 SLOT_E = 1
 SLOT_B = 2

@@ -208,8 +208,8 @@ def pull_back_distances(a_minus_i: torch.Tensor, alpha: Scalar) -> tuple[torch.T
 
 
 def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
-    """``UᵀU = β²C − βη(H + Hᵀ) + η²G`` for ``U = βΦ − ηg`` from ``C = ΦᵀΦ``, ``H = Φᵀg``,
-    ``G = gᵀg`` (without Φ: ``c = h = None``, ``UᵀU = η²G``)."""
+    """``UᵀU = β²C − βη(H + Hᵀ) + η²G`` for ``U = βΦ − ηg`` from ``C = ΦᵀΦ``, ``H = Φᵀg`` (or
+    its transpose: only H + Hᵀ enters), ``G = gᵀg`` (without Φ: ``c = h = None``, ``UᵀU = η²G``)."""
     w = gg * (lr * lr)  # η²G
     if c is not None:
         w = w + c * (beta * beta) - (h + h.transpose(-1, -2)) * (beta * lr)  # + β²C − βη(H + Hᵀ)

@@ -400,7 +400,7 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
         if predict:  # the guard's G = gᵀg and H = Φᵀg (TF32: relative error ~2⁻¹¹ in UᵀU)
             products.append((meta.F_GRAD, meta.F_GRAD, meta.SLOT_G, upper))
             if has_phi:
-                products.append((meta.F_PHI, meta.F_GRAD, meta.SLOT_H, full))
+                products.append((meta.F_GRAD, meta.F_PHI, meta.SLOT_H, full))  # gᵀΦ = Hᵀ: only H + Hᵀ enters
         tiles += [(layer, lf, rf, slot, i, j) for lf, rf, slot, ij in products for i, j in ij]
     # split n when the tiles cannot fill the GPU; the partials stay under the bound
     splits = force_splits or max(1, min(64, _cdiv(wanted, len(tiles)), min(_cdiv(n, 4 * bk) for n, _ in np_list)))
