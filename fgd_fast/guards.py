@@ -37,7 +37,7 @@ MAX_DISTANCE = 0.5
 #: are scaled into it before the middle, so its fp32 terms stay ≤ ~ρ⁴ and keep the exact
 #: distance accurate to ~1e-5. What decides whether a step is written in full is that distance
 #: (:mod:`fgd_fast.backends.algebra`), not ρ; 4 is far above what training produces (the
-#: largest ``r`` measured is in ``benchmarks/studies/guard_headroom.py``'s report).
+#: largest ``r`` measured: ``benchmarks/results/cpu-2026-11-26-guard-rule.md``).
 TRUST_RADIUS = 4.0
 
 KEPT, SCALED, RESET = 0, 1, 2
