@@ -7,8 +7,3 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-if os.environ.get("FGD_FAST_MUTANT"):  # tests/test_mutants.py: run against a planted mutant
-    from mutants import plant
-
-    plant(os.environ["FGD_FAST_MUTANT"])

@@ -1,13 +1,16 @@
 """Planted mutants of the code that protects users (the step guard, the checks, the failed-step
 contract), for ``tests/test_mutants.py``: each must make at least one named test fail.
 
-``FGD_FAST_MUTANT=<name>`` makes ``tests/conftest.py`` call :func:`plant` at collection time;
-the test session then runs against the mutated package. Each entry names the tests expected
-to kill it (the mutation test runs only those, so it stays fast)."""
+``python tests/mutants.py [--json FILE] [NAME ...]`` plants each mutant in turn (:func:`plant`
+returns the undo), runs the tests named for it in the same process (``pytest.main``, one
+interpreter start for all) and reports each exit status; it exits 0 when every mutant was
+killed (status 1: a test failed). Each entry names the tests expected to kill it, so the run
+stays short."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -54,20 +57,25 @@ MUTANTS = {
 }
 
 
-def _replace(name: str, new) -> None:
+def _replace(name: str, new, undo: list) -> None:
     """Rebind ``name`` in every loaded fgd_fast module that imported the original."""
     old = getattr(algebra, name)
     for module in list(sys.modules.values()):
         if module is not None and module.__name__.startswith("fgd_fast") and getattr(module, name, None) is old:
+            undo.append((module, name, old))
             setattr(module, name, new)
 
 
-def plant(name: str) -> None:
+def plant(name: str) -> Callable[[], None]:
+    """Plant mutant ``name``; returns the function that removes it."""
+    import fgd_fast
     import fgd_fast.backends.reference  # noqa: F401  (loaded, so their imported names get rebound)
     import fgd_fast.backends.torch_batched  # noqa: F401
+    import fgd_fast.functional
 
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
+    undo: list = []
     if name == "raise_when_guard_binds":
         original = guards.raise_if_invalid
 
@@ -77,8 +85,7 @@ def plant(name: str) -> None:
                 raise ValueError("mutant: the guard bound")
             return read
 
-        import fgd_fast.functional
-
+        undo.append((fgd_fast.functional, "raise_if_invalid", original))
         fgd_fast.functional.raise_if_invalid = raising
     elif name in ("never_reset", "no_newton_reset"):
         original = algebra.choose_weight
@@ -90,9 +97,9 @@ def plant(name: str) -> None:
             full = torch.linalg.matrix_norm(d0 + x1 + x2).to(torch.float64)
             return blend._replace(weight=torch.where(blend.weight == 0, 1.0, blend.weight), dist=full)
 
-        _replace("choose_weight", chooser)
+        _replace("choose_weight", chooser, undo)
     elif name == "target_off":
-        _replace("guard_target", lambda limit, p, unit: float("inf"))
+        _replace("guard_target", lambda limit, p, unit: float("inf"), undo)
     elif name == "failed_step_adds_state_key":
         original = fgd_fast.FGD.step
 
@@ -105,10 +112,51 @@ def plant(name: str) -> None:
                         self.state[p]["mutant"] = torch.zeros(())
                 raise
 
+        undo.append((fgd_fast.FGD, "step", original))
         fgd_fast.FGD.step = step
     elif name == "drop_velocity_gram":
-        _replace("velocity_gram", lambda c, h, gg, beta, lr: torch.zeros_like(gg))
+        _replace("velocity_gram", lambda c, h, gg, beta, lr: torch.zeros_like(gg), undo)
     elif name == "no_rounding_margin":
-        _replace("store_unit", lambda dtype: 0.0)
+        _replace("store_unit", lambda dtype: 0.0, undo)
     elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient
-        _replace("inputs_finite", lambda g_norm, phi_sq, e: algebra.finite_of(g_norm) & algebra.finite_of(phi_sq))
+        _replace("inputs_finite", lambda g_norm, phi_sq, e: algebra.finite_of(g_norm) & algebra.finite_of(phi_sq), undo)
+
+    def remove() -> None:
+        for owner, attr, value in reversed(undo):
+            setattr(owner, attr, value)
+
+    return remove
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    import pytest
+
+    ap = argparse.ArgumentParser(description="run every planted mutant against the tests named for it")
+    ap.add_argument("names", nargs="*", default=sorted(MUTANTS))
+    ap.add_argument("--json", help="write {mutant: pytest exit status} here")
+    args = ap.parse_args(argv)
+
+    def run(nodes: list[str]) -> int:
+        return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-k", "not triton", *nodes]))
+
+    # the control: every named test passes unmutated in this same process (so a kill below is
+    # the mutant's doing, not a leftover of an earlier run)
+    status = {"control": run(sorted({n for name in args.names for n in MUTANTS[name][1]}))}
+    for name in args.names:
+        remove = plant(name)
+        try:
+            status[name] = run(MUTANTS[name][1])
+        finally:
+            remove()
+    print(json.dumps(status))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(status, f)
+    return 0 if status.pop("control") == 0 and all(v == 1 for v in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
