@@ -228,6 +228,7 @@ def middle(
     g_sq: torch.Tensor | None = None,
     h: torch.Tensor | None = None,
     gg: torch.Tensor | None = None,
+    uu: torch.Tensor | None = None,
     radius: float | None = None,
     limit: float | None = None,
     unit: float = 0.0,
@@ -236,8 +237,8 @@ def middle(
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
-    ``g_sq``: ``(L, p)`` or ``(L,)`` sums of g² (float64), ``h = Φᵀg`` (with Φ) and ``gg = gᵀg``:
-    needed for the guard or a prediction. ``radius``: the safety radius ρ, ``None`` for no guard
+    ``g_sq``: ``(L, p)`` or ``(L,)`` sums of g² (float64), ``h = Φᵀg`` (with Φ) and ``gg = gᵀg``,
+    or ``uu = UᵀU`` itself: needed for the guard or a prediction. ``radius``: the safety radius ρ, ``None`` for no guard
     (then s = t = 1). ``limit``: ``max_distance``; with ``radius`` it sets the guard's target
     (less the rounding margin of ``unit``, :func:`store_unit`), without it only ``dist_next``
     is reported; ``stored``: the parameters' dtype, whose range θ₊ must fit. Neither given: the
@@ -261,9 +262,11 @@ def middle(
             scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
         if scale is not None:  # (in place: the callers' blocks are scratch of this step)
             s = scale.to(a.dtype).view(-1, 1, 1)  # exactly 1.0 where the radius does not bind
-            e, gg = e.mul_(s), gg.mul_(s * s)  # E → sE, G → s²G (exact when s = 1)
+            e = e.mul_(s)  # E → sE (exact when s = 1)
+            gg, uu = (m.mul_(s * s) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
             if b is not None:
-                b, c, h = b.mul_(s), c.mul_(s * s), h.mul_(s * s)  # B → sB, C → s²C, H → s²H
+                b, c = b.mul_(s), c.mul_(s * s)  # B → sB, C → s²C
+                h = h.mul_(s * s) if h is not None else None  # H → s²H
     inner = lr * sym(e)  # η sym(E)
     if b is not None:
         sb = sym(b)  # S = sym(B)
@@ -283,7 +286,7 @@ def middle(
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
-    w = velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
+    w = uu if uu is not None else velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
     if radius is None:  # only the prediction: θ₊ᵀθ₊ − I = KᵀAK + KᵀT + TᵀK − I + s²UᵀU
         k = m_theta.clone()
         k.diagonal(dim1=-2, dim2=-1).add_(1.0)  # K = I + M_θ

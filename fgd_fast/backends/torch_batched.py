@@ -210,10 +210,11 @@ class _Bucket:
 
     def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
         """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
-        a prediction also ``G = gᵀg`` (and ``H = Φᵀg`` where Φ is read), then the per-column sums
-        of g² (float64, ``(L, p)``) last."""
+        a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg`` formed in the g slot: one Gram
+        instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then the per-column sums of g²
+        (float64, ``(L, p)``) last."""
         s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
-        count = (4 if self.reads_phi else 2) + ((2 if self.reads_phi else 1) if self.predict else 0)
+        count = (4 if self.reads_phi else 2) + (1 if self.predict else 0)
         blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(count)]
         a, g_blk = blocks[:2]
         g_sq = torch.empty((e - s, p), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
@@ -229,18 +230,20 @@ class _Bucket:
                 self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
-            if self.predict:
-                self._gram(grad, grad, blocks[4 if self.reads_phi else 2][r])  # G = gᵀg
+            if self.predict and not self.reads_phi:
+                self._gram(grad, grad, blocks[2][r])  # G = gᵀg (U = −ηg)
             if self.reads_phi:
                 phi = self._operand(scratch[1], self.bufs, ch)
                 self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
                 self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
-                if self.predict:
-                    self._gram(phi, grad, blocks[5][r])  # H = Φᵀg
+                if self.predict:  # U = βΦ − ηg into the g slot (g itself is read again by the update)
+                    u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
+                    torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
+                    self._gram(u, u, blocks[4][r])  # UᵀU
         return blocks + ([g_sq] if g_sq is not None else [])
 
     def symmetric_slots(self) -> tuple[int, ...]:
-        """Positions of the symmetric blocks (A, C, G) in what :meth:`grams` returns."""
+        """Positions of the symmetric blocks (A, C, UᵀU or G) in what :meth:`grams` returns."""
         if self.reads_phi:
             return (0, 3, 4) if self.predict else (0, 3)
         return (0, 2) if self.predict else (0,)
@@ -251,9 +254,10 @@ class _Bucket:
         g_sq = blocks[-1] if self.predict else None
         grams = blocks[:-1] if self.predict else blocks
         a, g_blk, b, c = grams[:4] if self.reads_phi else (*grams[:2], None, None)
-        gg, h = (grams[4:6] if self.reads_phi else (grams[2], None)) if self.predict else (None, None)
+        gg = grams[2] if self.predict and not self.reads_phi else None
+        uu = grams[4] if self.predict and self.reads_phi else None
         hyper = dict(lr=self.lr, beta=self.beta, alpha=self.alpha)
-        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, h=h, gg=gg, unit=self.unit, stored=self.dtype, **self.guard)
+        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, gg=gg, uu=uu, unit=self.unit, stored=self.dtype, **self.guard)
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
