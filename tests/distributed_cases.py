@@ -61,10 +61,12 @@ def rule(name: str, p: torch.Tensor) -> bool:
     return name in ORTHOGONAL
 
 
-def full_grad(name: str, shape, step: int) -> torch.Tensor:
-    """The (mean) gradient of parameter ``name`` at ``step``: the same on every process."""
+def full_grad(name: str, shape, step: int, spike=None) -> torch.Tensor:
+    """The (mean) gradient of parameter ``name`` at ``step``: the same on every process;
+    ``spike = (name, step, factor)`` multiplies one of them (so the guard binds on that layer only)."""
     gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
-    return 0.01 * torch.randn(shape, generator=gen, dtype=DTYPE)
+    g = 0.01 * torch.randn(shape, generator=gen, dtype=DTYPE)
+    return g * spike[2] if spike is not None and (name, step) == tuple(spike[:2]) else g
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -73,20 +75,21 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 # -- the single-process references ------------------------------------------------------------
-def reference(steps: int, world: int, *, mode: str = "grads", backend: str = "torch"):
+def reference(steps: int, world: int, *, mode: str = "grads", backend: str = "torch", spike=None):
     """Full parameters and Φ after ``steps`` steps of one process on the mean gradient."""
     model = build()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     for step in range(steps):
         if mode == "grads":
             for name, p in model.named_parameters():
-                p.grad = full_grad(name, p.shape, step)
+                p.grad = full_grad(name, p.shape, step, spike)
         else:  # the mean of the ranks' losses: what DDP / FSDP average
             opt.zero_grad()
             loss = sum(model(batch(r, step)) for r in range(world)) / world
             loss.backward()
         opt.step()
     bufs = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters() if p in opt.state}
+    reference.guard_stats = opt.guard_stats()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, bufs, opt.orthogonality()
 
 
@@ -113,12 +116,12 @@ def _sharded(world, placement=True, seed=0, hsdp=False):
     return model
 
 
-def _set_grads(model, step, *, poison=None):
+def _set_grads(model, step, *, poison=None, spike=None):
     """Each parameter's gradient: this rank's shard of ``full_grad`` (as FSDP2 would leave the mean)."""
     from torch.distributed.tensor import DTensor
 
     for name, p in model.named_parameters():
-        g = full_grad(name, p.shape, step)
+        g = full_grad(name, p.shape, step, spike)
         part = _shard_of(p, g)
         if poison == name:
             part = part.clone()
@@ -170,14 +173,14 @@ class _CountAllReduce:
 
 
 # -- the cases ----------------------------------------------------------------------------------
-def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False):
+def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None):
     model = _sharded(world, placement, hsdp=hsdp)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
     reduces = []
     for step in range(steps):
-        _set_grads(model, step)
+        _set_grads(model, step, spike=spike)
         with _CountAllReduce() as counter:
             opt.step()
         reduces.append(counter.count)
@@ -190,6 +193,7 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
         orth=opt.orthogonality(),
         dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
         reduces=reduces,
+        guard=opt.guard_stats(),
     )
 
 

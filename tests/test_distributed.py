@@ -120,6 +120,22 @@ def test_fsdp_matches_one_process(world, placement):
         assert set(placements.values()) == {0}
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_guard_binding_on_one_row_sharded_layer_matches_one_process(world):
+    """A ×3000 gradient on ``conv`` (row-sharded) at step 2: the guard binds there and nowhere
+    else, from reduced inputs (‖g‖², tr C, E and UᵀU all summed over the ranks); a missing
+    reduction of any of them would move the ranks off the single process."""
+    spike = ("conv.weight", 2, 3000.0)
+    results = run(world, "fsdp_steps", spike=spike)
+    params, bufs, _ = cases.reference(5, world, spike=spike)
+    want = cases.reference.guard_stats
+    assert sum(v["scaled"] + v["reset"] for v in want.values()) == want["conv.weight"]["scaled"] >= 1
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert res["guard"] == want
+
+
 def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)
