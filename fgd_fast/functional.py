@@ -29,6 +29,7 @@ class GuardReport(NamedTuple):
 
     guarded: list[torch.Tensor | None]  # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None
     read: list[int] | None  # the same, read at the checks' host synchronisation (None: no check ran)
+    distance: list[torch.Tensor | None] | None = None  # per parameter: ‖θ₊ᵀθ₊ − I‖_F the step computed (0-d)
 
 
 _resolved: dict[tuple[str, str, str], tuple[str, Backend]] = {}
@@ -211,11 +212,15 @@ def fgd(
         if bufs[i] is not None:
             momentum_buffers[i] = bufs[i]
     per_param: list[torch.Tensor | None] = [None] * count
+    distance: list[torch.Tensor | None] = [None] * count
     for pl, idx in zip(plans, index):
         if pl.guarded is not None:
             for i, t in zip(idx, pl.guarded.unbind(0)):
                 per_param[i] = t
-    return GuardReport(per_param, read)
+        if pl.dist_next is not None:
+            for i, t in zip(idx, pl.dist_next.unbind(0)):
+                distance[i] = t
+    return GuardReport(per_param, read, distance)
 
 
 def sgd(

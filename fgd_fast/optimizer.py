@@ -7,13 +7,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._stiefel_optimizer import StiefelOptimizer, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS, compute_dtype
 from .backends.algebra import VARIANTS
+from .distributed import is_dtensor
 from .functional import GuardReport, backend_for, fgd
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
-from .manifold import orthogonalize_
+from .manifold import orthogonalize_, stiefel_distance
 from .validation import (
     check_bool,
     check_choice,
@@ -255,6 +257,13 @@ class FGD(StiefelOptimizer):
                 if buf is not None:
                     self.state[p]["momentum_buffer"] = buf
             self._count_guarded(orth["params"], report)
+            if not torch.compiler.is_compiling() and any(is_dtensor(p) for p in orth["params"]):
+                last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
+                for p, d in zip(orth["params"], report.distance or []):  # for orthogonality() on sharded θ
+                    if d is not None and is_dtensor(p):
+                        last[p] = d  # (a device tensor: no synchronisation here)
+                    else:
+                        last.pop(p, None)
         for group, ps in eucl.values():
             self._sgd(
                 ps,
@@ -327,11 +336,33 @@ class FGD(StiefelOptimizer):
                     raise ValueError("reset_parameter is for parameters of an orthogonal=True group")
                 orthogonalize_(p)
                 self.state.get(p, {}).pop("momentum_buffer", None)
+                self.__dict__.get("_last_distance", {}).pop(p, None)
                 return
         raise ValueError("reset_parameter: this tensor is not a parameter of the optimizer")
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.__dict__.pop("_last_distance", None)  # (the model is usually reloaded with it)
+
+    def orthogonality(self, *, fresh: bool = False) -> dict[str | int, float]:
+        """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed as ``guard_stats``.
+
+        A sharded (DTensor) parameter answers with the distance its last step computed (exact
+        to rounding, from that step's reduced Gram blocks): no collective, so one rank alone may
+        call it (``if rank == 0: log(opt.orthogonality())``). ``fresh=True``, or a parameter not
+        stepped with a prediction yet (or only by a compiled step), or one written since
+        outside ``step`` (call ``fresh`` then), measures the whole matrix: a collective, every rank must call it. Other
+        parameters are always measured (locally)."""
+        last = self.__dict__.get("_last_distance", {})
+        out = {}
+        for group, p, key in self._keyed():
+            if group["orthogonal"]:
+                known = not fresh and is_dtensor(p) and p in last
+                out[key] = float(last[p]) if known else stiefel_distance(p)
+        return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per optimizer) of

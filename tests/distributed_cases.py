@@ -260,6 +260,17 @@ def fsdp_partial(rank, world, out, *, steps=3):
     return dict(params={n: full(p) for n, p in model.named_parameters()})
 
 
+def fsdp_orthogonality_on_one_rank(rank, world, out):
+    """``if rank == 0: opt.orthogonality()`` after a step: no collective (it used to abort)."""
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    _set_grads(model, 0)
+    opt.step()
+    one = opt.orthogonality() if rank == 0 else None  # the other ranks go on
+    fresh = opt.orthogonality(fresh=True)  # a collective: every rank
+    return dict(one=one, fresh=fresh)
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag or backend: every rank raises
     the same error naming it, nothing is written, and nothing hangs."""
@@ -366,6 +377,7 @@ CASES = {
         fsdp_train,
         fsdp_refusals,
         fsdp_disagreements,
+        fsdp_orthogonality_on_one_rank,
         fsdp_partial,
         fsdp_checkpoint,
         ddp_train,

@@ -199,6 +199,15 @@ def test_a_group_mixing_dtensor_and_plain_parameters_steps_exactly():
         assert_close(res["params"], params)
 
 
+def test_orthogonality_on_one_rank_needs_no_collective():
+    results = run(2, "fsdp_orthogonality_on_one_rank")
+    one, fresh = results[0]["one"], results[0]["fresh"]
+    assert one.keys() == fresh.keys() == set(cases.ORTHOGONAL)
+    for name in one:  # the step's exact distance against a fresh measurement of the stored θ
+        assert abs(one[name] - fresh[name]) <= 1e-12
+    assert results[1]["one"] is None and results[1]["fresh"] == fresh
+
+
 def test_fsdp_checkpoint_round_trip():
     results = run(2, "fsdp_checkpoint")
     for res in results:
