@@ -84,10 +84,11 @@ def fgd(
     into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
     step raises ``FloatingPointError``/``ValueError`` **before** writing anything if a
     gradient or Φ is not finite or a θ is more than ``max_distance`` from the manifold, or if
-    the step would write a non-finite value or a θ beyond ``max_distance`` (predicted from
-    the ``p × p`` blocks). With ``guard`` (default) the step's inputs Φ, g are scaled into
-    the trust region ``‖Φ‖ + η‖g‖ ≤ trust_radius`` and a step still predicted beyond
-    ``max_distance`` is replaced by the feedback pull-back with Φ₊ = 0; all on the device.
+    the step would write a non-finite value or a θ beyond ``max_distance`` (computed exactly
+    from the ``p × p`` blocks). With ``guard`` (default) the step written is the largest
+    fraction of the update whose θ₊ stays within ``max_distance`` (down to the feedback
+    pull-back with Φ₊ = 0), after Φ, g are scaled into the safety radius
+    ``‖Φ‖ + η‖g‖ ≤ trust_radius``; all on the device (:mod:`fgd_fast.backends.algebra`).
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
     authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`).
 

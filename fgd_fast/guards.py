@@ -6,11 +6,12 @@ returns, per orthogonal layer, device tensors (no host synchronisation):
 
 * ``dist`` — ``‖θᵀθ − I‖_F`` of the parameter now (from the Gram block ``A``);
 * ``finite`` — the step's inputs g and Φ are finite (with ``check_finite``);
-* ``dist_next`` — an upper bound of ``‖θ₊ᵀθ₊ − I‖_F`` after the step, predicted from the
+* ``dist_next`` — ``‖θ₊ᵀθ₊ − I‖_F`` after the step, computed exactly (to rounding) from the
   ``p × p`` blocks before anything is written (:func:`fgd_fast.backends.algebra.middle`);
 * ``finite_next`` — θ₊ and Φ₊ will be finite;
 * ``guarded`` — what the guard did: :data:`KEPT` (the authors' update), :data:`SCALED`
-  (trust region: the step's inputs scaled) or :data:`RESET` (the step replaced by the
+  (a fraction of the update written, or the inputs scaled into the safety radius) or
+  :data:`RESET` (the step replaced by the
   feedback pull-back with Φ₊ = 0).
 
 :func:`raise_if_invalid` reads them with **one** ``.tolist()`` per device (the only host
@@ -129,7 +130,8 @@ def raise_if_invalid(
     if check_manifold:
         for i, dv in enumerate(dist_next_all):  # a non-finite prediction too (check_finite off: overflow)
             if not dv <= max_distance:
-                where = f"‖θᵀθ − I‖_F ≤ {dv:.4g} (predicted bound)" if math.isfinite(dv) else "a non-finite distance"
+                finite_dv = math.isfinite(dv)
+                where = f"‖θᵀθ − I‖_F = {dv:.4g} (computed before writing)" if finite_dv else "a non-finite distance"
                 raise ValueError(
                     f"this step would move orthogonal parameter {labels[i]} to {where}, beyond "
                     f"max_distance={max_distance}; it was not applied and nothing changed. {_RESET_ADVICE}"

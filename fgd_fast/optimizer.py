@@ -181,7 +181,7 @@ class FGD(StiefelOptimizer):
     check_finite = option("check_finite", "Raise on non-finite inputs or outputs of a step (optimizer-wide).")
     check_manifold = option("check_manifold", "Raise on a θ beyond ``max_distance``, before or after (optimizer-wide).")
     max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
-    guard = option("guard", "Whether the step guard (trust region + reset) is on (optimizer-wide).")
+    guard = option("guard", "Whether the step guard (exact distance, partial step or reset) is on (optimizer-wide).")
     trust_radius = option("trust_radius", "ρ of the guard's safety radius on ‖Φ‖ + η‖g‖ (optimizer-wide).")
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
@@ -315,7 +315,8 @@ class FGD(StiefelOptimizer):
 
     def guard_stats(self) -> dict[str | int, dict[str, int]]:
         """Per orthogonal parameter (by name, else flat index): how many steps the guard
-        ``"scaled"`` into its trust region and how many it ``"reset"`` (pull-back, Φ₊ = 0).
+        ``"scaled"`` (a fraction of the update written) and how many it ``"reset"``
+        (pull-back, Φ₊ = 0).
         Reads device counters (synchronises with the device)."""
         out = {}
         for group, p, key in self._keyed():

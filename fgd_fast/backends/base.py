@@ -94,7 +94,7 @@ class StepPlan:
     dist: torch.Tensor  # (L,) ‖θᵀθ − I‖_F per layer, in input order
     finite: torch.Tensor | None  # (L,) bool: gradient (and Φ) finite; None when not checked
     apply: Callable[[], None]  # performs every write of the step
-    dist_next: torch.Tensor | None = None  # (L,) predicted bound of ‖θ₊ᵀθ₊ − I‖_F
+    dist_next: torch.Tensor | None = None  # (L,) ‖θ₊ᵀθ₊ − I‖_F of the step, computed before writing
     finite_next: torch.Tensor | None = None  # (L,) bool: θ₊ and Φ₊ finite
     guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
 

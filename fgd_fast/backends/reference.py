@@ -80,7 +80,7 @@ def prepare_reference(
                 ok = torch.isfinite(grads[i]).all()
                 finite.append(ok if phi is None else ok & torch.isfinite(phi).all())
             scale = None
-            if trust_radius is not None:  # the guard's trust region: run the sequence on sΦ, sg
+            if trust_radius is not None:  # the guard's safety radius: run the sequence on sΦ, sg
                 scale, _ = trust_scale(_norm64(phi, g), _norm64(g, g), lr[i], trust_radius)
                 s = scale.to(cdt)
                 g = g * s
