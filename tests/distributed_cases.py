@@ -211,7 +211,6 @@ def fsdp_train(rank, world, out, *, steps=5):
 def fsdp_refusals(rank, world, out):
     """A NaN gradient / a shard off the manifold on the last rank only: every rank raises the
     same error and no rank writes anything."""
-    import pytest
 
     model = _sharded(world)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
@@ -221,21 +220,24 @@ def fsdp_refusals(rank, world, out):
     messages, unchanged = [], []
     for poison in ("conv.weight", "expand.weight", "stem.weight"):  # row shards (even, uneven), gathered
         _set_grads(model, 2, poison=poison if rank == world - 1 else None)
-        before = _local_state(model, opt)
-        with pytest.raises(FloatingPointError) as info:
-            opt.step()
-        messages.append(str(info.value))
-        unchanged.append(_same(before, _local_state(model, opt)))
+        _record_refusal(model, opt, FloatingPointError, messages, unchanged)
     _set_grads(model, 2)
     if rank == world - 1:
         with torch.no_grad():
             model.conv.weight.to_local().mul_(1.5)  # this rank's rows leave the manifold
+    _record_refusal(model, opt, ValueError, messages, unchanged)
+    return dict(messages=messages, unchanged=unchanged)
+
+
+def _record_refusal(model, opt, error, messages, unchanged):
+    """Step, which must raise ``error``; record its message and whether this rank's state is unchanged."""
+    import pytest
+
     before = _local_state(model, opt)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(error) as info:
         opt.step()
     messages.append(str(info.value))
     unchanged.append(_same(before, _local_state(model, opt)))
-    return dict(messages=messages, unchanged=unchanged)
 
 
 def fsdp_partial(rank, world, out, *, steps=3):
@@ -274,7 +276,6 @@ def fsdp_orthogonality_on_one_rank(rank, world, out):
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag or backend: every rank raises
     the same error naming it, nothing is written, and nothing hangs."""
-    import pytest
 
     messages, unchanged = [], []
     for option, mine, theirs in (
@@ -288,11 +289,7 @@ def fsdp_disagreements(rank, world, out):
         kwargs = dict(HYPER, **{option: mine if rank == world - 1 else theirs})
         opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **kwargs)
         _set_grads(model, 0)
-        before = _local_state(model, opt)
-        with pytest.raises(ValueError) as info:
-            opt.step()
-        messages.append(str(info.value))
-        unchanged.append(_same(before, _local_state(model, opt)))
+        _record_refusal(model, opt, ValueError, messages, unchanged)
     return dict(messages=messages, unchanged=unchanged)
 
 
