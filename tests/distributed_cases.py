@@ -173,7 +173,9 @@ class _CountAllReduce:
 
 
 # -- the cases ----------------------------------------------------------------------------------
-def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None):
+def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None, dtype=None):
+    global DTYPE
+    DTYPE = dtype or DTYPE  # (this rank's process only)
     model = _sharded(world, placement, hsdp=hsdp)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)

@@ -136,6 +136,20 @@ def test_the_guard_binding_on_one_row_sharded_layer_matches_one_process(world):
         assert res["guard"] == want
 
 
+def test_float32_row_shards_match_one_process(monkeypatch):
+    """float32 parameters: the same step as one process to float32 rounding (the partial Grams
+    and UᵀU summed in another order), the guard's inputs reduced alike."""
+    results = run(2, "fsdp_steps", dtype=torch.float32)
+    monkeypatch.setattr(cases, "DTYPE", torch.float32)
+    params, bufs, orth = cases.reference(5, 2)
+    for res in results:
+        assert_close(res["params"], params, tol=2e-6)
+        assert_close(res["bufs"], bufs, tol=2e-6)
+        assert all(v == {"scaled": 0, "reset": 0} for v in res["guard"].values())
+        # the float32 blocks and the float64 ‖g‖² sums travel in two all-reduces (one per dtype)
+        assert all(count == 2 for count in res["reduces"])
+
+
 def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)
