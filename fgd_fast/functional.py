@@ -50,6 +50,13 @@ def backend_for(name: str, device: torch.device | str, precision: str = "ieee") 
     return _cached_backend(name, torch.device(device).type, precision)[0]
 
 
+def zero_momentum(p: torch.Tensor) -> torch.Tensor:
+    """A first step's Φ = 0 for ``p``: float32 for float16/bfloat16 parameters, else ``p``'s
+    dtype; a DTensor parameter's Φ is a DTensor with its placement."""
+    cdt = compute_dtype(p.dtype)
+    return torch.zeros_like(p, dtype=cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
+
+
 def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:
     if not isinstance(value, (list, tuple)):
         return [float(value)] * count
@@ -119,9 +126,8 @@ def fgd(
             fresh.append(True)
             continue
         cdt = compute_dtype(p.dtype)
-        if buf is None:  # Φ = 0: first step (a DTensor parameter's Φ is a DTensor with its placement)
-            zero = torch.zeros_like(p, dtype=cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
-            bufs.append(zero)
+        if buf is None:  # Φ = 0: first step
+            bufs.append(zero_momentum(p))
             fresh.append(True)
             continue
         check_state_tensor(buf, p, cdt, labels[i], "momentum_buffer")

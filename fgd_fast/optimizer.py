@@ -10,10 +10,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._stiefel_optimizer import StiefelOptimizer, option
-from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS, compute_dtype
+from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
 from .backends.algebra import VARIANTS
 from .distributed import is_dtensor
-from .functional import GuardReport, backend_for, fgd
+from .functional import GuardReport, backend_for, fgd, zero_momentum
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
 from .manifold import orthogonalize_, stiefel_distance
 from .validation import (
@@ -280,10 +280,9 @@ class FGD(StiefelOptimizer):
         (a step at lr = 0 with zero gradients) moves no weight (the feedback term would)."""
         state = self.state[p]
         if beta > 0 and "momentum_buffer" not in state:
-            cdt = compute_dtype(p.dtype)
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=cdt, memory_format=torch.preserve_format)
-        if self.defaults["guard"] and "guard_count" not in state:
-            state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
+            state["momentum_buffer"] = zero_momentum(p)
+        if self.defaults["guard"]:
+            _guard_counts(state, p)
 
     def _count_guarded(self, params: list[torch.Tensor], report: GuardReport) -> None:
         """Add this step's guard decisions to ``state[p]["guard_count"]`` = [scaled, reset]
@@ -293,11 +292,8 @@ class FGD(StiefelOptimizer):
         for p, code in zip(params, report.guarded):
             if code is None:
                 continue
-            state = self.state[p]
-            if "guard_count" not in state:
-                state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
             counts, codes = by_device.setdefault(p.device, ([], []))
-            counts.append(state["guard_count"])
+            counts.append(_guard_counts(self.state[p], p))
             codes.append(code)
         for counts, codes in by_device.values():
             stacked = torch.stack(codes)
@@ -420,6 +416,13 @@ class FGD(StiefelOptimizer):
                 (p.device for g in self.param_groups if g["orthogonal"] for p in g["params"]), torch.device("cpu")
             )
         return backend_for(self.defaults["backend"], device, self.defaults["precision"])
+
+
+def _guard_counts(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+    """``state["guard_count"]`` = [scaled, reset] steps of ``p``, created at zero if missing."""
+    if "guard_count" not in state:
+        state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
+    return state["guard_count"]
 
 
 _GROUP_KEYS = ("lr", "momentum", "feedback", "weight_decay", "dampening", "nesterov", "orthogonal")
