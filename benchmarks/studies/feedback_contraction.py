@@ -20,22 +20,14 @@ import warnings
 import torch
 
 import fgd_fast
+from benchmarks.studies.unit_layer import unit_layer
 
 ALPHAS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
 
 
 def settle(alpha: float, steps: int = 400, seed: int = 0) -> tuple[float, float]:
     torch.manual_seed(seed)
-    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3, dtype=torch.float64)))
-    opt = fgd_fast.FGD(
-        [dict(params=[w], orthogonal=True)],
-        lr=0.01,
-        momentum=0.9,
-        feedback=alpha,
-        backend="torch",
-        check_finite=False,
-        check_manifold=False,
-    )
+    w, opt = unit_layer(alpha, "torch")
     dists, drifts = [], []
     for k in range(steps):
         g = torch.randn_like(w)

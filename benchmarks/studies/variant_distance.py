@@ -19,23 +19,13 @@ import statistics
 
 import torch
 
-import fgd_fast
+from benchmarks.studies.unit_layer import unit_layer
 
 
 def settle(variant: str, alpha: float, steps: int, seed: int = 0) -> tuple[float, float]:
     """(mean ‖θᵀθ − I‖_F, mean tr(θᵀθ − I)/p) over the last quarter of ``steps``."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3, dtype=torch.float64, generator=gen)))
-    opt = fgd_fast.FGD(
-        [dict(params=[w], orthogonal=True)],
-        lr=0.01,
-        momentum=0.9,
-        feedback=alpha,
-        backend="reference",
-        variant=variant,
-        check_finite=False,
-        check_manifold=False,
-    )
+    w, opt = unit_layer(alpha, "reference", variant=variant, generator=gen)
     dists, traces = [], []
     for k in range(steps):
         g = torch.randn(w.shape, dtype=w.dtype, generator=gen)
