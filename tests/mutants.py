@@ -50,6 +50,10 @@ MUTANTS = {
         "‖g‖² overflow read as a non-finite gradient",
         [f"{RULE}::test_a_huge_finite_float64_gradient_is_not_called_non_finite[torch]"],
     ),
+    "full_step_unchecked": (
+        "the full-step-first path (CPU) writes the full step without checking its distance",
+        [f"{RULE}::test_backends_decide_alike_when_the_guard_binds[torch]"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -116,6 +120,8 @@ def plant(name: str) -> Callable[[], None]:
         fgd_fast.FGD.step = step
     elif name == "drop_velocity_gram":
         _replace("velocity_gram", lambda c, h, gg, beta, lr: torch.zeros_like(gg), undo)
+    elif name == "full_step_unchecked":
+        _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":
         _replace("store_unit", lambda dtype: 0.0, undo)
     elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient

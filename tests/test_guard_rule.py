@@ -232,3 +232,28 @@ def test_ordinary_training_never_binds_the_guard():
             opt.step()
             sched.step()
     assert all(v == {"scaled": 0, "reset": 0} for v in opt.guard_stats().values()), opt.guard_stats()
+
+
+@pytest.mark.parametrize("spikes", [(1e-2,) * 5, (1e-2, 30.0, 1e-2, 1e3, 1.0)])
+def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch):
+    """On a CPU the guard first checks every layer's full step alone and blends only when one
+    leaves the target (``FULL_STEP_FIRST``); elsewhere it always blends. Both are one rule: the
+    same matrices, scales, distances and decisions, whether no layer binds or some do."""
+    rng = np.random.default_rng(11)
+    cases = [_case(rng, 21, 6, spike=s) for s in spikes]
+    t = lambda m: torch.from_numpy(np.stack(m))  # noqa: E731
+    theta, mom, g = (t([c[k] for c in cases]) for k in range(3))
+    mt = theta.mT
+
+    def run(devices):
+        monkeypatch.setattr(algebra, "FULL_STEP_FIRST", devices)
+        hyper = dict(lr=0.2, beta=0.9, alpha=0.4, radius=4.0, limit=0.05)
+        blocks = dict(h=mom.mT @ g, gg=g.mT @ g, g_sq=(g * g).sum(1))
+        return algebra.middle(mt @ theta, mt @ mom, mom.mT @ mom, mt @ g, **hyper, **blocks)
+
+    first, blended = run(("cpu",)), run(())
+    binds = any(s > 1 for s in spikes)
+    assert bool((first.guarded != 0).any()) == binds
+    for name in ("m_theta", "m_phi", "feedback", "scale", "dist_next"):
+        assert torch.allclose(getattr(first, name), getattr(blended, name), rtol=1e-12, atol=1e-14), name
+    assert torch.equal(first.guarded, blended.guarded) and torch.equal(first.finite_next, blended.finite_next)

@@ -2,7 +2,8 @@
 place, staged stacks, symmetric Grams as block halves) matches the float64 oracle; ``apply``
 allocates nothing (all scratch is made in ``prepare``, so running out of memory happens before
 any write); and a step's extra memory stays within 3× the constrained parameters' bytes
-(deterministic byte accounting of the aten ops, not timing)."""
+or, on a CPU, a fixed allowance of 36 MB (deterministic byte accounting of the aten ops, not
+timing)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from fgd_fast.backends.torch_batched import prepare_torch
 from helpers import device_for_tests, fgd_steps, stiefel_problem
 from test_fgd_oracle import _rel_err, _run
 
+GPU_BOUNDS = {"_CPU_MIDDLE_FLOOR": 0, "_CPU_STACK_FLOOR": 0}  # the chunk and stack sizes from the model's bytes alone
 # staging rule, halves rule: the CPU default, everything staged (the GPU's stacks), halves for every p
 MODES = {
     "default": {},
-    "staged": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1 / 6},
+    "staged": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1 / 6, **GPU_BOUNDS},
     "in-place": {"_CPU_STACK_BELOW": 0},
     "halves": {"_HALVES_FROM": 2},
     "staged-halves": {"_CPU_STACK_BELOW": 1 << 62, "_HALVES_FROM": 2},
-    "one-layer-stacks": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1e-9},
+    "one-layer-stacks": {"_CPU_STACK_BELOW": 1 << 62, "_STACK_FRACTION": 1e-9, **GPU_BOUNDS},
 }
 
 
@@ -142,7 +144,9 @@ def test_extra_memory_of_a_step_is_at_most_three_times_the_parameters(mode, work
         opt.step()
     constrained = sum(p.numel() * p.element_size() for p in params)
     peak, _ = peak_extra_bytes(opt.step, torch.device("cpu"))
-    assert 0 < peak <= 3 * constrained, peak / constrained
+    # on a CPU the chunks may hold a fixed allowance whatever the model's size (36 MB in fp32)
+    allowance = 0 if mode == "staged" else 4 * (torch_batched._CPU_MIDDLE_FLOOR + torch_batched._CPU_STACK_FLOOR)
+    assert 0 < peak <= max(3 * constrained, allowance), peak / constrained
 
 
 def test_unknown_precision_is_refused_by_the_backend():

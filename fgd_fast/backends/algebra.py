@@ -67,6 +67,9 @@ __all__ = [
     "choose_weight",
     "pull_back_distances",
     "velocity_gram",
+    "step_distance",
+    "full_steps_fit",
+    "FULL_STEP_FIRST",
     "join_checks",
     "grad_sq",
     "velocity_blocks",
@@ -128,6 +131,12 @@ def trust_scale(
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
     return torch.where(finite_of(r), s, 0.0), r
 
+
+#: Devices on which the guard first computes every full step's distance alone and blends only
+#: when one leaves the target (the common case costs two products instead of five, for one host
+#: read); elsewhere (CUDA: no host read, the step stays capturable) and under ``torch.compile``
+#: every layer is blended. Both give the same rule, to rounding.
+FULL_STEP_FIRST = ("cpu",)
 
 #: The blend weights the guard tries, largest first (2^(−k/2), k = 0…14), and 0.
 WEIGHTS = tuple(2.0 ** (-k / 2) for k in range(15)) + (0.0,)
@@ -216,6 +225,22 @@ def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
     return w
 
 
+def full_steps_fit(dist_full: torch.Tensor, movable: torch.Tensor, target: float) -> bool:
+    """Whether every layer's full step (t = 1) is finite and within ``target`` (a host read)."""
+    return bool((movable & (dist_full <= target)).all())
+
+
+def step_distance(a_minus_i, m, t, w) -> torch.Tensor:
+    """``θ₊ᵀθ₊ − I`` of ``θ₊ = θK + sU`` (``K = I + M``, ``M = M_θ``), exactly: ``KᵀAK + KᵀT + TᵀK
+    − I + s²UᵀU = D + 2 sym(M + T + DM) + sym(Mᵀ(AM + 2T)) + s²UᵀU`` with ``AM = M + DM``, ``T =
+    θᵀ(sU)``, ``w = s²UᵀU``: two products, and no ``I`` cancelled against ``KᵀAK`` (whose rounding
+    would be ~u·p where the distance may be 1e-6)."""
+    dm = a_minus_i @ m  # DM
+    first = sym(dm.add(m).add_(t)).mul_(2.0).add_(a_minus_i)  # D + 2 sym(M + T + DM)
+    second = sym(m.transpose(-1, -2) @ dm.add_(m).add_(t, alpha=2.0))  # sym(Mᵀ(AM + 2T))
+    return first.add_(second).add_(w)
+
+
 def middle(
     a,
     b,
@@ -270,8 +295,10 @@ def middle(
     inner = lr * sym(e)  # η sym(E)
     if b is not None:
         sb = sym(b)  # S = sym(B)
-        inner = inner - c - (beta - 1.0) * sb + n_inv @ b @ sb  # −C − (β−1)S + η sym(E) + NBS
-        inner = inner - alpha * (b.transpose(-1, -2) @ n_inv + b)  # − α(BᵀN + B)
+        nb = n_inv @ b  # NB (and BᵀN = (NB)ᵀ: N is symmetric)
+        inner = inner - c - (beta - 1.0) * sb + nb @ sb  # −C − (β−1)S + η sym(E) + NBS
+        inner = inner - alpha * (nb.transpose(-1, -2) + b)  # − α(BᵀN + B)
+        del nb
     m_phi = n_inv @ inner  # M_Φ = N[…]
     pull_back = -alpha * a_minus_i  # F₀ = −α(A − I)
     feedback = pull_back  # F = −α(A − I)
@@ -287,30 +314,30 @@ def middle(
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
     w = uu if uu is not None else velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
-    if radius is None:  # only the prediction: θ₊ᵀθ₊ − I = KᵀAK + KᵀT + TᵀK − I + s²UᵀU
-        k = m_theta.clone()
-        k.diagonal(dim1=-2, dim2=-1).add_(1.0)  # K = I + M_θ
-        kt_t = k.transpose(-1, -2) @ t
-        d1 = k.transpose(-1, -2) @ (a @ k)  # KᵀAK
-        del k
-        d1.add_(kt_t).add_(kt_t.transpose(-1, -2)).add_(w)  # + KᵀT + TᵀK + s²UᵀU
-        d1.diagonal(dim1=-2, dim2=-1).sub_(1.0)  # − I
-        dist_next = torch.linalg.matrix_norm(d1).to(torch.float64)
+    if radius is None:  # only the prediction
+        dist_next = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next)
+
+    target = guard_target(limit, p, unit)
+    movable = finite & all_finite(m_phi)
+    if a.device.type in FULL_STEP_FIRST and not torch.compiler.is_compiling():
+        dist_full = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
+        if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
+            guarded = torch.where(scale == 1.0, 0, 1).to(torch.int8)  # KEPT / SCALED (by the radius)
+            fits = storable(dist_full, p, stored)
+            return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guarded)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
     d0, d_newton = pull_back_distances(a_minus_i, alpha)
-    a_delta = a @ delta  # AΔ
-    y = a_delta + t  # Y = AΔ + T = θᵀ(θΔ + sU)
+    y = (a @ delta).add_(t)  # Y = AΔ + T = θᵀ(θΔ + sU)
     x1 = 2.0 * sym(y - (a_minus_i @ y) * alpha)  # X₁ = 2 sym(K₀Y), K₀ = I − αD
-    del y
-    dt_t = delta.transpose(-1, -2) @ t
-    x2 = (delta.transpose(-1, -2) @ a_delta).add_(dt_t).add_(dt_t.transpose(-1, -2)).add_(w)  # ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU
-    del a_delta, dt_t, t, w
-    movable = finite & all_finite(m_phi) & all_finite(x2)
-    blend = choose_weight(d0, x1, x2, d_newton, target=guard_target(limit, p, unit), movable=movable)
+    # X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU  (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
+    x2 = sym(delta.transpose(-1, -2) @ y.add_(t)).add_(w)
+    del y, t, w
+    movable = movable & all_finite(x2)
+    blend = choose_weight(d0, x1, x2, d_newton, target=target, movable=movable)
     del x1, x2, d0, d_newton
     weight = blend.weight.to(a.dtype).view(-1, 1, 1)
     alpha_m = alpha.to(a.dtype) if isinstance(alpha, torch.Tensor) else torch.full_like(weight, alpha)

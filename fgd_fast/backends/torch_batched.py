@@ -10,8 +10,8 @@ Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, wri
    inputs and still biased; see ``_ieee_gram``).
 2. O(p³) middle (:mod:`.algebra`; the math: docs/algorithm.md §3): ``M_Φ``,
    ``F = −α(A − I)`` and ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
-   guard also its per-layer scale ``s`` (inputs from ``‖g‖²``, the per-column sums of g² in
-   float64 taken in the Gram pass, reduced with the Grams under row shards) and its
+   guard also its per-layer scale ``s`` (inputs from ``‖g‖²`` per layer in
+   float64, taken in the Gram pass, reduced with the Grams under row shards) and its
    prediction of the step's outcome.
 
 and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
@@ -35,7 +35,9 @@ stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that small la
 Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ, F`` of every layer,
 plus the scratch (one output slot of the largest layer on a CPU; three stack slots of at most
 ``_STACK_FRACTION`` of the constrained bytes ``P`` each on a GPU), plus the transient blocks of
-one middle chunk (at most ``P``). The benchmark report records the measured peak per workload.
+one middle chunk (at most ``P``; on a CPU the chunks may hold ``2²³`` elements and the stacks
+``2²⁰`` whatever P, so that a small model's middle runs in one chunk per bucket). The benchmark
+report records the measured peak per workload.
 
 Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
 (``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
@@ -63,6 +65,9 @@ __all__ = ["prepare_torch"]
 _MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of a layer (A, B, C, E, G, H, N, S, …, Δ, D₀, X₁, X₂)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 _HALVES_FROM = 64  # symmetric Grams from this p on as block halves (measured faster on a CPU from p ≈ 96)
+# on a CPU (memory is plentiful, each call costs host time) a middle chunk may hold this many
+# elements and a stack slot this many, even for a model whose bytes would allow less (32 + 4 MB in fp32)
+_CPU_MIDDLE_FLOOR, _CPU_STACK_FLOOR = 1 << 23, 1 << 20
 _CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
 
 
@@ -115,8 +120,9 @@ class _Bucket:
         for s in range(0, count, per_middle):
             e = min(count, s + per_middle)
             gemm = []
-            if stack_numel:
+            if stack_numel:  # (a chunk of one layer is staged only if its tensors cannot be viewed)
                 gemm = [_Chunk(a, min(e, a + per_stack), True) for a in range(s, e, per_stack)]
+                gemm = [_Chunk(c.s, c.e, c.e - c.s > 1 or not self.viewable[c.s]) for c in gemm]
             else:
                 gemm = [_Chunk(a, a + 1, not self.viewable[a]) for a in range(s, e)]
             out.append(gemm)
@@ -211,20 +217,20 @@ class _Bucket:
     def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
         """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
         a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg`` formed in the g slot: one Gram
-        instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then the per-column sums of g²
-        (float64, ``(L, p)``) last."""
+        instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then ``‖g‖²`` per layer
+        (float64, ``(L,)``) last."""
         s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
         count = (4 if self.reads_phi else 2) + (1 if self.predict else 0)
         blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(count)]
         a, g_blk = blocks[:2]
-        g_sq = torch.empty((e - s, p), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
+        g_sq = torch.empty((e - s,), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
         for ch in gemm_chunks:
             r = slice(ch.s - s, ch.e - s)
             theta = self._operand(scratch[0], self.params, ch)
             grad = self._operand(scratch[2], self.grads, ch)
             self._gram(theta, grad, g_blk[r])  # E = θᵀg
-            if g_sq is not None:  # Σ_rows g² per column, accumulated in float64 (no overflow for a finite g)
-                torch.linalg.vector_norm(self._col(grad), dim=1, dtype=torch.float64, out=g_sq[r])
+            if g_sq is not None:  # ‖g‖² per layer, accumulated in float64 (no overflow for a finite g)
+                torch.linalg.vector_norm(grad, dim=(1, 2), dtype=torch.float64, out=g_sq[r])
                 g_sq[r].square_()
             if self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
                 self._ieee_gram(theta, a[r])
@@ -433,9 +439,11 @@ def prepare_torch(
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
     for b in buckets:
         stacks = len(b.layers) > 1 and (device.type == "cuda" or b.numel < _CPU_STACK_BELOW)
-        b.stack_numel = int(total * _STACK_FRACTION) if stacks else 0
+        floor = _CPU_STACK_FLOOR if device.type == "cpu" else 0
+        b.stack_numel = max(int(total * _STACK_FRACTION), floor) if stacks else 0
     # middle chunks from the full sizes with row shards: the same chunks (so reduced list) on every rank
     middle_numel = total if shapes is None else sum(math.prod(s) for s in shapes)
+    middle_numel = max(middle_numel, _CPU_MIDDLE_FLOOR if device.type == "cpu" else 0)
     scratch = _scratch(buckets, middle_numel, device)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:

@@ -1,0 +1,67 @@
+"""FGD's step time next to other contenders', measured interleaved (issue: the torch backend
+at ≤ 0.75× the low-rank Cayley SGD on every CPU workload).
+
+Every round steps each contender once, in turn, on the main job's gradient stream (so load
+drifts hit all alike); the median over rounds is printed per workload with each contender's
+ratio to ``--base`` (default: the low-rank Cayley SGD). On a CPU it uses one torch thread by default, like the main job.
+
+    python -m benchmarks.studies.step_ratio [--scale cpu] [--rounds 30] [--threads 1]
+        [--contenders fgd-torch cayley-sgd-lowrank ...] [--base cayley-sgd-lowrank]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.contenders import contender, unavailable
+from benchmarks.machine import environment
+from benchmarks.measure import LR, gradient_pool, synchronizer
+from benchmarks.workloads import weight_shapes, workloads
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", default="cpu")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (the main job uses 1)")
+    ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank", "sgd"])
+    ap.add_argument("--base", default="cayley-sgd-lowrank", help="the contender the ratios are taken to")
+    args = ap.parse_args(argv)
+    if args.base not in args.contenders:
+        ap.error(f"--base {args.base} is not among --contenders")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    env = environment(device)
+    where = env.get("gpu") or env.get("cpu")
+    print(
+        f"{where} | {torch.get_num_threads()} threads | load {env['load_average']} | torch {torch.__version__} | "
+        f"commit {env['commit']['id'][:7]} | {args.rounds} interleaved rounds, median (ratio to {args.base})"
+    )
+    sync = synchronizer(device)
+    names = [n for n in args.contenders if unavailable(contender(n), device) is None]
+    for w in workloads(args.scale):
+        pool = gradient_pool(weight_shapes(w), device)
+        cases = {n: contender(n).make(w.model(device), w.rule, LR) for n in names}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds + 3):
+            for n, case in cases.items():
+                case.set_grads(pool[r % len(pool)])
+                sync()
+                t0 = time.perf_counter()
+                case.step()
+                sync()
+                if r >= 3:  # warm-up: momentum exists, tables built
+                    times[n].append(time.perf_counter() - t0)
+        medians = {n: statistics.median(t) for n, t in times.items()}
+        base = medians.get(args.base, float("nan"))
+        cells = ", ".join(f"{n} {m * 1e3:.2f} ms ({m / base:.2f}×)" for n, m in medians.items())
+        print(f"{w.description}: {cells}")
+
+
+if __name__ == "__main__":
+    main()
