@@ -57,7 +57,7 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .algebra import join_checks, middle, store_unit
+from .algebra import Middle, join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
 
 __all__ = ["prepare_torch"]
@@ -183,22 +183,6 @@ class _Bucket:
             torch.baddbmm(y, a, b, beta=beta, out=out)
 
     # -- prepare: Gram pass and middle ----------------------------------------------------
-    def prepare(
-        self,
-        scratch: list[torch.Tensor],
-        check_finite: bool,
-        middle_numel: int,
-        trust_radius: float | None = None,
-        max_distance: float | None = None,
-        variant: str = "official",
-    ) -> None:
-        """Gram pass and middle, chunk by chunk (the Grams of one middle chunk alive at once)."""
-        self.start(middle_numel, trust_radius, max_distance, variant)
-        for gemm_chunks in self.plan:
-            self.middle(gemm_chunks, self.grams(scratch, gemm_chunks))
-        # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
-        self.finish(check_finite, self.finite_flags() if check_finite and not self.predict else None)
-
     def start(
         self,
         middle_numel: int,
@@ -214,16 +198,19 @@ class _Bucket:
         self.predict = trust_radius is not None or max_distance is not None
         self.mids = []
 
-    def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk]) -> list[torch.Tensor]:
-        """``[A, E]`` or ``[A, E, B, C]`` of a middle chunk: sums over the (local) rows of θ; with
-        a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg`` formed in the g slot: one Gram
-        instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then ``‖g‖²`` per layer
-        (float64, ``(L,)``) last."""
-        s, e, p = gemm_chunks[0].s, gemm_chunks[-1].e, self.p
-        count = (4 if self.reads_phi else 2) + (1 if self.predict else 0)
-        blocks = [torch.empty((e - s, p, p), dtype=self.cdt, device=self.m_phi.device) for _ in range(count)]
+    def block_count(self) -> int:
+        """How many ``(p, p)`` Gram blocks :meth:`grams` fills per layer."""
+        return (4 if self.reads_phi else 2) + (1 if self.predict else 0)
+
+    def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: list[torch.Tensor]) -> None:
+        """Into ``out``: ``[A, E]`` or ``[A, E, B, C]`` of a middle chunk (``(c, p, p)`` each), sums
+        over the (local) rows of θ; with a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg``
+        formed in the g slot: one Gram instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then
+        ``‖g‖²`` per layer (float64, ``(c,)``) last."""
+        s = gemm_chunks[0].s
+        blocks = out[: self.block_count()]
         a, g_blk = blocks[:2]
-        g_sq = torch.empty((e - s,), dtype=torch.float64, device=self.m_phi.device) if self.predict else None
+        g_sq = out[-1] if self.predict else None
         for ch in gemm_chunks:
             r = slice(ch.s - s, ch.e - s)
             theta = self._operand(scratch[0], self.params, ch)
@@ -246,7 +233,6 @@ class _Bucket:
                     u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
                     torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
                     self._gram(u, u, blocks[4][r])  # UᵀU
-        return blocks + ([g_sq] if g_sq is not None else [])
 
     def symmetric_slots(self) -> tuple[int, ...]:
         """Positions of the symmetric blocks (A, C, UᵀU or G) in what :meth:`grams` returns."""
@@ -254,16 +240,9 @@ class _Bucket:
             return (0, 3, 4) if self.predict else (0, 3)
         return (0, 2) if self.predict else (0,)
 
-    def middle(self, gemm_chunks: list[_Chunk], blocks: list[torch.Tensor]) -> None:
-        """``M_Φ``, ``F`` or ``M_θ`` and ``‖A − I‖_F`` of a middle chunk from its (full) Grams."""
+    def take(self, gemm_chunks: list[_Chunk], mid: Middle) -> None:
+        """Keep a middle chunk's ``M_Φ`` and ``F`` (or ``M_θ``) and its per-layer checks."""
         s, e = gemm_chunks[0].s, gemm_chunks[-1].e
-        g_sq = blocks[-1] if self.predict else None
-        grams = blocks[:-1] if self.predict else blocks
-        a, g_blk, b, c = grams[:4] if self.reads_phi else (*grams[:2], None, None)
-        gg = grams[2] if self.predict and not self.reads_phi else None
-        uu = grams[4] if self.predict and self.reads_phi else None
-        hyper = dict(lr=self.lr, beta=self.beta, alpha=self.alpha)
-        mid = middle(a, b, c, g_blk, **hyper, g_sq=g_sq, gg=gg, uu=uu, unit=self.unit, stored=self.dtype, **self.guard)
         self.m_phi[s:e] = mid.m_phi
         self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
@@ -379,6 +358,79 @@ def _zero_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.masked_fill_(mask.reshape((mask.shape[0],) + (1,) * (x.dim() - 1)), 0.0)
 
 
+class _Group:
+    """Middle chunks of buckets that share ``p`` and the block layout (compute and stored dtype,
+    Φ read and written): their Grams go into one set of ``(L, p, p)`` blocks and one middle
+    call serves them all (per-layer η, β, α where the buckets differ)."""
+
+    def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]]):
+        self.members = members
+        self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
+        self.first = members[0][0]
+
+    def symmetric_slots(self) -> tuple[int, ...]:
+        return self.first.symmetric_slots()
+
+    def grams(self, scratch: dict[torch.dtype, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` of ``(L, p, p)``."""
+        b, count = self.first, sum(self.sizes)
+        blocks = [torch.empty((count, b.p, b.p), dtype=b.cdt, device=b.m_phi.device) for _ in range(b.block_count())]
+        if b.predict:
+            blocks.append(torch.empty((count,), dtype=torch.float64, device=b.m_phi.device))
+        at = 0
+        for (member, gemm_chunks), size in zip(self.members, self.sizes):
+            member.grams(scratch[member.cdt], gemm_chunks, [blk[at : at + size] for blk in blocks])
+            at += size
+        return blocks
+
+    def _hyper(self, name: str):
+        """η, β or α: a float where every member has the same, else ``(L, 1, 1)`` per layer."""
+        values = [getattr(m, name) for m, _ in self.members]
+        if all(v == values[0] for v in values):
+            return values[0]
+        per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
+        return torch.tensor(per_layer, dtype=self.first.cdt, device=self.first.m_phi.device).view(-1, 1, 1)
+
+    def middle(self, blocks: list[torch.Tensor]) -> None:
+        """One middle over every member's layers (:func:`.algebra.middle`), handed back per member."""
+        b = self.first
+        g_sq = blocks[-1] if b.predict else None
+        grams = blocks[:-1] if b.predict else blocks
+        a, g_blk, phi_b, c = grams[:4] if b.reads_phi else (*grams[:2], None, None)
+        gg = grams[2] if b.predict and not b.reads_phi else None
+        uu = grams[4] if b.predict and b.reads_phi else None
+        hyper = {k: self._hyper(name) for k, name in (("lr", "lr"), ("beta", "beta"), ("alpha", "alpha"))}
+        mid = middle(a, phi_b, c, g_blk, **hyper, g_sq=g_sq, gg=gg, uu=uu, unit=b.unit, stored=b.dtype, **b.guard)
+        at = 0
+        for (member, gemm_chunks), size in zip(self.members, self.sizes):
+            r = slice(at, at + size)
+            member.take(gemm_chunks, Middle(*(f[r] if f is not None else None for f in mid)))
+            at += size
+
+
+def _groups(buckets: list[_Bucket], middle_numel: int) -> list[_Group]:
+    """The buckets' middle chunks, packed into groups of one block layout and at most
+    ``middle_numel`` elements of live ``p × p`` blocks (as a bucket's middle chunks are), in a
+    fixed order (the same on every rank)."""
+    by_layout: dict[tuple, list[tuple[_Bucket, list[_Chunk]]]] = defaultdict(list)
+    for b in buckets:
+        for gemm_chunks in b.plan:
+            by_layout[(b.p, b.cdt, b.dtype, b.reads_phi, b.writes_phi)].append((b, gemm_chunks))
+    groups = []
+    for (p, *_), members in by_layout.items():
+        cap = max(1, middle_numel // max(1, _MIDDLE_BLOCKS * p * p))
+        current, size = [], 0
+        for b, gemm_chunks in members:
+            c = gemm_chunks[-1].e - gemm_chunks[0].s
+            if current and size + c > cap:
+                groups.append(_Group(current))
+                current, size = [], 0
+            current.append((b, gemm_chunks))
+            size += c
+        groups.append(_Group(current))
+    return groups
+
+
 class _Step:
     """The buckets of one device, the scratch they share, and the precision of their products."""
 
@@ -445,30 +497,25 @@ def prepare_torch(
     middle_numel = total if shapes is None else sum(math.prod(s) for s in shapes)
     middle_numel = max(middle_numel, _CPU_MIDDLE_FLOOR if device.type == "cpu" else 0)
     scratch = _scratch(buckets, middle_numel, device)
+    for b in buckets:
+        b.start(middle_numel, trust_radius, max_distance, variant)
+    groups = _groups(buckets, middle_numel)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
+            for g in groups:  # the Grams of one group alive at once
+                g.middle(g.grams(scratch))
+            # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
             for b in buckets:
-                b.prepare(
-                    scratch[b.cdt],
-                    check_finite,
-                    middle_numel=middle_numel,
-                    trust_radius=trust_radius,
-                    max_distance=max_distance,
-                    variant=variant,
-                )
-        else:  # two phases around one reduce: every bucket's partial Grams, Σ over ranks, every middle
-            held = []
-            for b in buckets:
-                b.start(middle_numel, trust_radius, max_distance, variant)
-                held.append([b.grams(scratch[b.cdt], gemm_chunks) for gemm_chunks in b.plan])
+                b.finish(check_finite, b.finite_flags() if check_finite and not b.predict else None)
+        else:  # two phases around one reduce: every group's partial Grams, Σ over ranks, every middle
+            held = [g.grams(scratch) for g in groups]
             # non-finite counts, only without a prediction: with one, the summed ‖g‖², tr C and E say it
             counted = check_finite and not any(b.predict for b in buckets)
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
-            chunks = [(chunk, b.symmetric_slots()) for b, blocks in zip(buckets, held) for chunk in blocks]
-            _reduce_packed(reduce, chunks, bad)
-            for i, (b, blocks) in enumerate(zip(buckets, held)):
-                for gemm_chunks, chunk in zip(b.plan, blocks):
-                    b.middle(gemm_chunks, chunk)
+            _reduce_packed(reduce, [(blocks, g.symmetric_slots()) for g, blocks in zip(groups, held)], bad)
+            for g, blocks in zip(groups, held):
+                g.middle(blocks)
+            for i, b in enumerate(buckets):
                 b.finish(check_finite, bad[i] == 0 if counted else None)
     step = _Step(buckets, scratch, precision)
     plan = plan_of(buckets, device, check_finite)
