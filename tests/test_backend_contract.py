@@ -105,8 +105,8 @@ def test_step_without_checks_never_reads_device_values(monkeypatch, backend):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     # the guard's full-step-first read is a CPU-only shortcut (free there); on CUDA it always blends
-    assert "cuda" not in algebra.FULL_STEP_FIRST
-    monkeypatch.setattr(algebra, "FULL_STEP_FIRST", ())
+    assert "cuda" not in algebra.HOST_READ_DEVICES
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
     for name in ("item", "tolist", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     if device_for_tests().type == "cuda":

@@ -237,7 +237,7 @@ def test_ordinary_training_never_binds_the_guard():
 @pytest.mark.parametrize("spikes", [(1e-2,) * 5, (1e-2, 30.0, 1e-2, 1e3, 1.0)])
 def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch):
     """On a CPU the guard first checks every layer's full step alone and blends only when one
-    leaves the target (``FULL_STEP_FIRST``); elsewhere it always blends. Both are one rule: the
+    leaves the target (``HOST_READ_DEVICES``); elsewhere it always blends. Both are one rule: the
     same matrices, scales, distances and decisions, whether no layer binds or some do."""
     rng = np.random.default_rng(11)
     cases = [_case(rng, 21, 6, spike=s) for s in spikes]
@@ -246,7 +246,7 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
     mt = theta.mT
 
     def run(devices):
-        monkeypatch.setattr(algebra, "FULL_STEP_FIRST", devices)
+        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", devices)
         hyper = dict(lr=0.2, beta=0.9, alpha=0.4, radius=4.0, limit=0.05)
         blocks = dict(h=mom.mT @ g, gg=g.mT @ g, g_sq=(g * g).sum(1))
         return algebra.middle(mt @ theta, mt @ mom, mom.mT @ mom, mt @ g, **hyper, **blocks)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import torch_batched
+from fgd_fast.backends import algebra, torch_batched
 from fgd_fast.backends.torch_batched import prepare_torch
 from helpers import device_for_tests, fgd_steps, stiefel_problem
 from test_fgd_oracle import _rel_err, _run
@@ -34,6 +34,8 @@ def mode(request, monkeypatch):
         pytest.skip("the staging knobs are the CPU's; a GPU always stages")
     for name, value in MODES[request.param].items():
         monkeypatch.setattr(torch_batched, name, value)
+    if request.param == "staged":  # as on a GPU: no host reads (every layer blended, every mask applied)
+        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
     return request.param
 
 

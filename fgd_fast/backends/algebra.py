@@ -69,7 +69,8 @@ __all__ = [
     "velocity_gram",
     "step_distance",
     "full_steps_fit",
-    "FULL_STEP_FIRST",
+    "HOST_READ_DEVICES",
+    "host_reads_free",
     "join_checks",
     "grad_sq",
     "velocity_blocks",
@@ -132,11 +133,18 @@ def trust_scale(
     return torch.where(finite_of(r), s, 0.0), r
 
 
-#: Devices on which the guard first computes every full step's distance alone and blends only
-#: when one leaves the target (the common case costs two products instead of five, for one host
-#: read); elsewhere (CUDA: no host read, the step stays capturable) and under ``torch.compile``
-#: every layer is blended. Both give the same rule, to rounding.
-FULL_STEP_FIRST = ("cpu",)
+#: Devices on which a host read costs nothing (a CPU): there the guard first computes every full
+#: step's distance alone and blends only when one leaves the target (the common case costs two
+#: products instead of five), and the update skips masks that select nothing. Elsewhere (CUDA:
+#: no host read, the step stays capturable) and under ``torch.compile`` every layer is blended
+#: and every mask applied. Both give the same step, to rounding.
+HOST_READ_DEVICES = ("cpu",)
+
+
+def host_reads_free(device: torch.device) -> bool:
+    """Whether the step may read device values on the host here (see :data:`HOST_READ_DEVICES`)."""
+    return device.type in HOST_READ_DEVICES and not torch.compiler.is_compiling()
+
 
 #: The blend weights the guard tries, largest first (2^(−k/2), k = 0…14), and 0.
 WEIGHTS = tuple(2.0 ** (-k / 2) for k in range(15)) + (0.0,)
@@ -321,7 +329,7 @@ def middle(
 
     target = guard_target(limit, p, unit)
     movable = finite & all_finite(m_phi)
-    if a.device.type in FULL_STEP_FIRST and not torch.compiler.is_compiling():
+    if host_reads_free(a.device):
         dist_full = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
         if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
             guarded = torch.where(scale == 1.0, 0, 1).to(torch.int8)  # KEPT / SCALED (by the radius)

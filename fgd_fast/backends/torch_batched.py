@@ -57,7 +57,7 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .algebra import Middle, join_checks, middle, store_unit
+from .algebra import Middle, host_reads_free, join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
 
 __all__ = ["prepare_torch"]
@@ -284,6 +284,8 @@ class _Bucket:
         # a reset (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
         self.zero_g = self.coef[:, 1] == 0  # (count, 1, 1): −sη = 0
         self.zero_u = self.zero_g & (self.coef[:, 0] == 0)  # and sβ = 0: U = 0, and M_Φ = 0, so Φ₊ = 0
+        if host_reads_free(self.coef.device) and not bool(self.zero_g.any()):
+            self.zero_g = self.zero_u = None  # no layer resets: no masks to apply
 
     def _ieee_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A = θᵀθ`` in IEEE fp32 while the other products of ``"tf32x3"`` run in TF32.
@@ -309,7 +311,7 @@ class _Bucket:
         out = scratch[2][: c * self.numel].view(c, self.c_o, self.m)
         grads, params = self.grads[i], self.params[i]
         beta_s, eta_s = self.coef[i, 0], self.coef[i, 1]  # (c, 1, 1): sβ and −sη
-        skip_g, skip_u = self.zero_g[i], self.zero_u[i]  # (see finish)
+        skip_g, skip_u = (m[i] if m is not None else None for m in (self.zero_g, self.zero_u))  # (see finish)
         if ch.staged:
             g_views = None  # g is added layer by layer, in its own shape
         else:
@@ -354,7 +356,9 @@ class _Bucket:
 
 def _zero_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x[k] ← 0`` where the ``(c, 1, 1)`` per-layer ``mask`` holds (``x``: ``(c, …)``, or one
-    layer's 2-D view when ``c = 1``); in place, returns ``x``."""
+    layer's 2-D view when ``c = 1``); in place, returns ``x`` (``mask=None``: nothing to zero)."""
+    if mask is None:
+        return x
     return x.masked_fill_(mask.reshape((mask.shape[0],) + (1,) * (x.dim() - 1)), 0.0)
 
 
