@@ -48,6 +48,9 @@ __all__ = [
     "gram64",
     "prepare_dtensors",
     "agree_across_ranks",
+    "summing_over",
+    "fold_float64",
+    "unfold_float64",
 ]
 
 #: the packed all-reduce of a step is split into calls of at most this many bytes
@@ -138,15 +141,46 @@ def _local_theta(t) -> torch.Tensor:
     return w2.t() if transposed else w2
 
 
+#: float64 sums that ride in a float32 all-reduce are scaled by this power of two (exact), so
+#: that values up to ~6e57 fit float32's range (‖g‖² of a gradient up to ‖g‖ ≈ 8e28)
+_FOLD_SCALE = 2.0**-64
+
+
+def fold_float64(values: torch.Tensor) -> torch.Tensor:
+    """float64 ``values`` as float32 pairs ``[hi, lo]`` (scaled by :data:`_FOLD_SCALE`), so that
+    they can be summed over ranks in a float32 all-reduce: ``Σ hi + Σ lo`` keeps ~1e-7 of the
+    sum (float32 adds). A value beyond float32's range after scaling becomes ``inf`` (an
+    overflowing ‖g‖²: the guard resets, as for a float64 overflow), NaN stays NaN."""
+    x = values.reshape(-1) * _FOLD_SCALE
+    hi = x.to(torch.float32)
+    lo = torch.where(torch.isfinite(hi), x - hi.to(torch.float64), 0.0).to(torch.float32)  # (no inf − inf)
+    return torch.cat((hi, lo))
+
+
+def unfold_float64(pairs: torch.Tensor) -> torch.Tensor:
+    """The float64 values of :func:`fold_float64`'s (summed) pairs."""
+    hi, lo = pairs.to(torch.float64).chunk(2)
+    return (hi + lo) / _FOLD_SCALE
+
+
 def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
     """``reduce(tensors)``: sum the tensors in place over ``group``'s ranks, packed into as
-    few all-reduce calls as :data:`BUCKET_BYTES` allows (one per dtype for most models)."""
+    few all-reduce calls as :data:`BUCKET_BYTES` allows: one for most models, as float64
+    tensors next to float32 ones (the guard's ‖g‖² of a float32 model) travel folded into the
+    float32 call (:func:`fold_float64`)."""
     import torch.distributed as dist
 
     def reduce(tensors: list[torch.Tensor]) -> None:
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
+        folded = []  # (float64 tensors, their pairs) riding in a float32 call
+        for (dtype, device), same in list(by_kind.items()):
+            if dtype == torch.float64 and (torch.float32, device) in by_kind:
+                pairs = fold_float64(torch.cat([t.reshape(-1) for t in same]))
+                by_kind[(torch.float32, device)].append(pairs)
+                folded.append((same, pairs))
+                del by_kind[(dtype, device)]
         for same in by_kind.values():
             start = 0
             while start < len(same):
@@ -162,6 +196,11 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
                     t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
                 start = stop
+        for same, pairs in folded:
+            values, offset = unfold_float64(pairs), 0
+            for t in same:
+                t.copy_(values[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
 
     return reduce
 

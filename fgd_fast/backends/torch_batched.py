@@ -41,9 +41,10 @@ report records the measured peak per workload.
 
 Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
 (``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
-bucket first (partial blocks of the local rows, held: ``4·Σp²`` numbers), one ``reduce`` call
-sums all of them — A and C as upper triangles, ``3p² + p`` numbers per layer — and the
-per-layer non-finite-gradient counts over the ranks, and then runs
+bucket first (partial blocks of the local rows, held: ``4·Σp²`` numbers, ``5·Σp²`` with the
+guard's UᵀU), one ``reduce`` call sums all of them — A, C and UᵀU as upper triangles: ``3p² +
+p`` numbers per layer, ``3.5p² + 1.5p + 1`` with the guard's UᵀU and ‖g‖² — and, without a
+prediction, the per-layer non-finite-gradient counts over the ranks, and then runs
 the middle on the summed blocks; ``apply`` updates the local rows as above (the update of a
 row of θ needs only that row of θ, Φ and g). Middle chunks then follow the full parameters'
 sizes, so that every rank packs the same list.
