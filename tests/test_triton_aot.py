@@ -1,6 +1,7 @@
 """Every Triton kernel configuration the backend can select compiles ahead of time for real
 GPUs (sm_80, sm_90) without spilling, with the Triton of this environment (3.8) and with the
-GPU machine's Triton 3.6; and the backend never launches a configuration outside that set."""
+GPU machine's Triton 3.6; and the backend never launches a configuration outside that set.
+(In CI, sm_80 gets the smoke set with Triton 3.8: see :data:`FULL`.)"""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
 
 
-def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
-    out = tmp_path / "aot.json"
+def _compile_all(python: str, tmp_path: Path, extra=(), archs=("80", "90")) -> list[dict]:
+    out = tmp_path / f"aot-{'-'.join(archs)}.json"
     run = subprocess.run(
-        [python, str(AOT), "--arch", "80", "90", "--json", str(out), *extra],
+        [python, str(AOT), "--arch", *archs, "--json", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=3000,
@@ -42,8 +43,8 @@ def _compile_all(python: str, tmp_path: Path, extra=()) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def _check(results, **selection):
-    assert len(results) == 2 * len(aot.select(aot.configurations(), **selection))
+def _check(results, archs=2, **selection):
+    assert len(results) == archs * len(aot.select(aot.configurations(), **selection))
     assert all(r["stack"] == 0 and "error" not in r for r in results)
     for r in results:
         sass = r["sass"]
@@ -58,8 +59,18 @@ def _check(results, **selection):
         assert aligned and all(r["sass"]["loads_128"] > 0 for r in aligned), kernel
 
 
+#: every configuration for both architectures on a GPU machine (its session runs this file) or
+#: with FGD_AOT_FULL=1; elsewhere (CI) every configuration for sm_90 — the GPU machine's
+#: architecture, where the one spill this check has found was — and the smoke set for sm_80
+FULL = torch.cuda.is_available() or os.environ.get("FGD_AOT_FULL") == "1"
+
+
 def test_every_selectable_configuration_compiles_without_spills(tmp_path):
-    _check(_compile_all(sys.executable, tmp_path))
+    if FULL:
+        _check(_compile_all(sys.executable, tmp_path))
+        return
+    _check(_compile_all(sys.executable, tmp_path, archs=("90",)), archs=1)
+    _check(_compile_all(sys.executable, tmp_path, ["--smoke"], archs=("80",)), archs=1, smoke=True)
 
 
 @pytest.mark.skipif(not TRITON36.exists(), reason="no .venv-triton36 (bash .ci/setup-env creates it)")
