@@ -36,7 +36,9 @@ Scratch, bounded: Gram partials ``splits × Σ slots·p²`` (only when splitting
 tensor-core step hi and lo (``2 × Σ p·ld`` floats, ld = n rounded up to 128), besides the Gram
 blocks and M matrices ``Σ 2p²`` the algorithm needs. For WRN-28-10 ("official", Σp² = 3.76e6):
 60 MB of Gram blocks (75 MB with L), 30 MB of M; the tensor-core step adds 270 MB of hi/lo
-next to 135 MB of constrained parameters. Parameters whose memory is not a dense ``(c_o, m)``
+next to 135 MB of constrained parameters, kept from step to step (one buffer per set of
+parameters, the last few kept), because the metadata table holds its address: a steady or
+captured step rebuilds nothing. Parameters whose memory is not a dense ``(c_o, m)``
 matrix (e.g. channels_last convolution weights) are staged through a contiguous copy.
 
 Precision (``precision=``): ``"tf32x3"`` (default; tensor cores; A in 3×TF32 with every
@@ -125,6 +127,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 _tables = TableCache()
+# the tensor-core split pass's hi/lo buffers (the size of θ, twice): few kept, so that models
+# made and dropped in one process (a sweep) do not pin old ones
+_split_buffers = TableCache(capacity=8)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -474,7 +479,13 @@ class _TensorCoreClass(_Checked):
         # hi (and lo) of every layer: scratch written by the split pass (ld = n rounded up, 16-byte aligned)
         ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
         split_total = sum(p * d for (_, p), d in zip(np_list, ld))
-        self.split = torch.empty((2 if self.lo else 1) * split_total, dtype=torch.float32, device=device)
+        # one buffer per set of parameters, kept from step to step: its address is in the metadata
+        # table, so a steady step (and a captured one) reuses both and builds nothing
+        numel = (2 if self.lo else 1) * split_total
+        owners = tuple(params[i].data_ptr() for i in self.layers)  # the parameters' own addresses
+        self.split = _split_buffers.get_or(
+            ("tc-split", device, owners, numel), lambda: torch.empty(numel, dtype=torch.float32, device=device)
+        )
         aligned = _aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list, rows)
         self.consts = dict(ROWS=rows, ALIGNED=aligned)
         self.gram_config = TC.GRAM_CONFIG[precision, aligned]
