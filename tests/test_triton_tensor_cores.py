@@ -252,3 +252,35 @@ def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch)
     # step 0 creates Φ (another class: no Φ read); steps 1 and 2 are the steady state
     assert seen[1] == seen[2]
     assert seen[3][0] == seen[2][0]
+
+
+def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypatch):
+    """ResNet-50's 147-row stem (θ's contiguous dimension not a multiple of 4) used to drop its
+    whole launch class to the unaligned tiles and 4-byte loads: aligned layers now form their
+    own class, and both classes compute the step."""
+    from fgd_fast.backends import triton as tb
+
+    aligned = []
+    real = tb._launch
+
+    def launch(kernel, grid, *args, **kwargs):
+        if "gram" in str(getattr(kernel, "fn", kernel)):
+            aligned.append(kwargs["ALIGNED"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    shapes = [(16, 8, 3, 3), (8, 3, 7, 7), (16, 8, 3, 3)]  # the second: n = 147 (a stem's)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="triton", precision="tf32x3")
+    ref = fgd_fast.FGD([dict(params=twins, orthogonal=True)], lr=0.05, backend="reference")
+    for _ in range(2):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen) * 0.01
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert sorted(set(aligned)) == [False, True]
+    for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
+        assert (p - t).abs().max() < 1e-3

@@ -28,7 +28,9 @@ target ``limit − margin``.
   square is a quartic in t from six inner products), else 0: KEPT (``t = s = 1``), SCALED, or
   RESET (``t = 0``). A reset whose pull-back is itself beyond the target takes ``α = ½``
   instead, ``θ₊ = θ(3I − A)/2`` (Newton–Schulz: distance ``‖¾D² − ¼D³‖``, second order), when
-  that is nearer. So with the guard on, a finite step never needs to raise.
+  that is nearer. So with the guard on, a finite step never needs to raise. Where a host read
+  is free (:data:`HOST_READ_DEVICES`: a CPU) the full step's distance (:func:`step_distance`,
+  two products) is computed first and the blend only when some layer's leaves the target.
 * Margin. The parameter is stored after rounding; with the unit roundoff ``u`` of its dtype
   (and a few of the compute dtype), ``θ̃ = θ₊ + E``, ``‖E‖_F ≤ u‖θ₊‖_F``, moves the distance by
   at most ``2‖θ₊‖₂‖E‖_F + ‖E‖²_F`` with ``‖θ₊‖₂² ≤ 1 + L``, ``‖θ₊‖²_F ≤ p + √p·L`` (L the

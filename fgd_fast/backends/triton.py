@@ -631,12 +631,23 @@ def prepare_triton(
 ):
     check_precision(precision)
     needs_cuda("triton", params, allow=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-    classes = layer_classes(
-        len(params), lambda i: (params[i].dtype, bufs[i] is not None, stiefel_shape(params[i].shape).transposed)
-    )
+    tensor_cores = precision in TC.PRECISIONS
+
+    def key(i: int) -> tuple:
+        shape = stiefel_shape(params[i].shape)
+        dtype, has_phi = params[i].dtype, bufs[i] is not None
+        # the tensor-core kernels' 16-byte loads and larger tiles are chosen per class: aligned
+        # layers form their own class, so that one odd layer does not slow the others down
+        aligned = None
+        if dtype == torch.float32 and tensor_cores:
+            own = (params[i], grads[i]) + ((bufs[i],) if has_phi else ())
+            aligned = _aligned(own, [(shape.n, shape.p)], shape.transposed)
+        return dtype, has_phi, shape.transposed, aligned
+
+    classes = layer_classes(len(params), key)
     built = []
-    for (dtype, has_phi, rows), idx in classes.items():
-        if dtype == torch.float32 and precision in TC.PRECISIONS:
+    for (dtype, has_phi, rows, _), idx in classes.items():
+        if dtype == torch.float32 and tensor_cores:
             built.append(
                 _TensorCoreClass(
                     idx,
