@@ -15,8 +15,9 @@ matrix, and the step is the one a single process would take on the full matrices
   dimension's process group; the replicas compute the same step.
 * A DTensor parameter whose placement is not a row shard (the default ``Shard(0)`` of a wide
   convolution shards θ's *columns*; an uneven dimension FSDP2 cannot shard; a placement that
-  shards over several mesh dimensions) takes an exact fallback: θ, Φ and g are all-gathered, every rank computes the
-  same step on the full matrices, and each keeps its own shard of the result. Never a
+  shards over several mesh dimensions) takes an exact fallback: θ, Φ and g are all-gathered
+  (:func:`full_values`: one packed all-gather per dtype on a 1-D mesh), every rank computes
+  the same step on the full matrices, and each keeps its own shard of the result. Never a
   per-shard orthonormalisation.
 * The ranks must agree on the step: :func:`agree_across_ranks` runs first (one all-reduce
   of a few numbers), so different hyper-parameters, flags or backends on some rank raise the
@@ -44,6 +45,7 @@ __all__ = [
     "is_dtensor",
     "row_mesh_dim",
     "full_value",
+    "full_values",
     "write_shard",
     "gram64",
     "prepare_dtensors",
@@ -114,6 +116,69 @@ def _same_layout(a, b) -> bool:
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (an all-gather for a sharded DTensor; ``t`` if plain)."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def _one_dim_shard(t) -> int | None:
+    """The dimension a DTensor on a 1-D mesh is sharded along (``Shard(d)``), else ``None``."""
+    if not is_dtensor(t) or t.device_mesh.ndim != 1 or len(t.placements) != 1:
+        return None
+    return getattr(t.placements[0], "dim", None) if t.placements[0].is_shard() else None
+
+
+def _shard_extent(size: int, world: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s part of a dimension of ``size`` split over
+    ``world`` ranks as DTensor's ``Shard`` splits it (``torch.chunk``: ceil-sized parts, the
+    last ones possibly short or empty)."""
+    part = -(-size // world)
+    start = min(size, rank * part)
+    return start, max(0, min(size, start + part) - start)
+
+
+def _part(t, world: int, rank: int) -> tuple[int, int, int]:
+    """``(d, length, numel)`` of rank ``rank``'s shard of DTensor ``t`` (``Shard(d)``, 1-D mesh)."""
+    d = _one_dim_shard(t)
+    _, length = _shard_extent(t.shape[d], world, rank)
+    return d, length, t.numel() // max(1, t.shape[d]) * length
+
+
+def full_values(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """:func:`full_value` of each tensor, with one all-gather per (process group, dtype, device)
+    for the DTensors sharded along one dimension of a 1-D mesh (FSDP2's placements): every
+    rank's shards packed into one message, padded to the longest; other DTensors take
+    ``full_tensor()`` each, plain tensors and ``None`` pass through."""
+    import torch.distributed as dist
+
+    out: list[torch.Tensor | None] = list(tensors)
+    kinds: dict[tuple, list[int]] = {}
+    for k, t in enumerate(tensors):
+        if t is None or not is_dtensor(t):
+            continue
+        d = _one_dim_shard(t)
+        group = t.device_mesh.get_group(0) if d is not None else None
+        if d is None or _part(t, t.device_mesh.size(), t.device_mesh.get_local_rank())[1] != t.to_local().shape[d]:
+            out[k] = t.full_tensor()  # (another placement, or shards not split as torch.chunk splits)
+            continue
+        kinds.setdefault((group, t.dtype, t.device), []).append(k)
+    for (group, dtype, device), members in kinds.items():
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        sizes = [sum(_part(tensors[k], world, r)[2] for k in members) for r in range(world)]
+        longest = max(sizes)
+        message = torch.zeros(longest, dtype=dtype, device=device)
+        if sizes[me]:
+            torch.cat([tensors[k].to_local().reshape(-1) for k in members], out=message[: sizes[me]])
+        gathered = torch.empty(world * longest, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, message, group=group)
+        at = [r * longest for r in range(world)]  # each rank's read position in the gathered messages
+        for k in members:
+            t, parts = tensors[k], []
+            for r in range(world):
+                d, length, numel = _part(t, world, r)
+                shape = list(t.shape)
+                shape[d] = length
+                parts.append(gathered[at[r] : at[r] + numel].view(shape))
+                at[r] += numel
+            out[k] = torch.cat(parts, dim=_one_dim_shard(t))
+    return out
 
 
 def write_shard(t: torch.Tensor, full: torch.Tensor) -> None:
@@ -277,11 +342,13 @@ def prepare_dtensors(
             )
             out.append((layers, plan))
         for device, layers in whole.items():
-            full_p = [full_value(params[i]) for i in layers]  # every rank gets the same whole matrices
-            full_b = [full_value(bufs[i]) if bufs[i] is not None else None for i in layers]
+            # every rank gets the same whole matrices: θ, Φ and g of these layers in one all-gather per dtype
+            count = len(layers)
+            gathered = full_values([params[i] for i in layers] + [bufs[i] for i in layers] + [grads[i] for i in layers])
+            full_p, full_b, full_g = gathered[:count], gathered[count : 2 * count], gathered[2 * count :]
             plan = resolve(device.type)(
                 full_p,
-                [full_value(grads[i]) for i in layers],
+                full_g,
                 full_b,
                 [fresh[i] for i in layers],
                 **{k: [v[i] for i in layers] for k, v in kwargs.items()},

@@ -172,6 +172,33 @@ class _CountAllReduce:
         dist.all_reduce = self.saved
 
 
+class _CountGathers:
+    """Counts the step's all-gathers: packed ones (``dist.all_gather_into_tensor``) and
+    ``DTensor.full_tensor`` calls (one gather per tensor)."""
+
+    def __enter__(self):
+        from torch.distributed.tensor import DTensor
+
+        self.packed = self.whole = 0
+        self.saved = dist.all_gather_into_tensor, DTensor.full_tensor
+
+        def packed(*args, **kwargs):
+            self.packed += 1
+            return self.saved[0](*args, **kwargs)
+
+        def whole(t, *args, **kwargs):
+            self.whole += 1
+            return self.saved[1](t, *args, **kwargs)
+
+        dist.all_gather_into_tensor, DTensor.full_tensor = packed, whole
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor import DTensor
+
+        dist.all_gather_into_tensor, DTensor.full_tensor = self.saved
+
+
 # -- the cases ----------------------------------------------------------------------------------
 def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None, dtype=None):
     global DTYPE
@@ -180,12 +207,13 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
-    reduces = []
+    reduces, gathers = [], []
     for step in range(steps):
         _set_grads(model, step, spike=spike)
-        with _CountAllReduce() as counter:
+        with _CountAllReduce() as counter, _CountGathers() as gathered:
             opt.step()
         reduces.append(counter.count)
+        gathers.append((gathered.packed, gathered.whole))
     params, bufs = _full_state(model, opt)
     return dict(
         params=params,
@@ -195,6 +223,7 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
         orth=opt.orthogonality(),
         dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
         reduces=reduces,
+        gathers=gathers,
         guard=opt.guard_stats(),
     )
 

@@ -118,6 +118,9 @@ def test_fsdp_matches_one_process(world, placement):
         assert all(count == 1 for res in results for count in res["reduces"])
     else:
         assert set(placements.values()) == {0}
+    # the gathered layers' θ, Φ and g (all float64) travel in one packed all-gather per step
+    # (they took three full_tensor() gathers each before); no per-tensor gathers in the step
+    assert all(gathers == (1, 0) for res in results for gathers in res["gathers"]), results[0]["gathers"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
