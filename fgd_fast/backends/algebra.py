@@ -176,14 +176,17 @@ def guard_target(limit: float | None, p: int, unit: float) -> float:
     return limit - 2.0 * (1.0 + limit) ** 0.5 * err - err * err  # − 2‖θ₊‖₂‖E‖ − ‖E‖²
 
 
-_powers_on: dict[torch.device, torch.Tensor] = {}
+_powers_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _powers(device: torch.device) -> torch.Tensor:
-    """``[1, t, t²]`` for every positive weight of :data:`WEIGHTS` (float64, cached per device)."""
+def _powers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, Q)`` for the positive weights of :data:`WEIGHTS` (float64, cached per device): the
+    weights, and per weight the 9 coefficients ``[1, t, t²]ᵢ[1, t, t²]ⱼ`` that turn the inner
+    products ``⟨Dᵢ, Dⱼ⟩`` into ``‖D₀ + tX₁ + t²X₂‖²`` (one product for every weight)."""
     if device not in _powers_on:
         t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64)
-        _powers_on[device] = torch.stack((torch.ones_like(t), t, t * t), 1).to(device)
+        v = torch.stack((torch.ones_like(t), t, t * t), 1)  # (k, 3)
+        _powers_on[device] = (t.to(device), (v[:, :, None] * v[:, None, :]).reshape(-1, 9).to(device))
     return _powers_on[device]
 
 
@@ -200,11 +203,11 @@ def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor)
     and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices."""
     stacked = torch.stack((d0, x1, x2), 1).flatten(2)  # (L, 3, p²)
     inner = (stacked @ stacked.mT).to(torch.float64)  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}
-    powers = _powers(d0.device)  # (k, 3): [1, t, t²] per weight
-    quartic = torch.einsum("lij,ki,kj->lk", inner, powers, powers)  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
+    weights, coef = _powers(d0.device)
+    quartic = inner.view(-1, 9) @ coef.T  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
     fits = (quartic <= target * target) & movable.unsqueeze(1)  # (L, k); NaN compares False
-    first = torch.argmax(fits.to(torch.int8), dim=1)  # the largest t that fits
-    weight = torch.where(fits.any(1), powers[first, 1], 0.0)
+    first = torch.argmax(fits.to(torch.int8), dim=1)  # the largest t that fits (argmax: the first maximum)
+    weight = torch.where(fits.any(1), weights[first], 0.0)
     w = weight.to(d0.dtype).view(-1, 1, 1)
     chosen = torch.where(w > 0, d0 + w * x1 + (w * w) * x2, d0)  # (no 0·NaN at t = 0)
     dist = torch.linalg.matrix_norm(chosen).to(torch.float64)
