@@ -322,6 +322,8 @@ def prepare_dtensors(
             rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
         else:
             whole.setdefault(p.device, []).append(i)
+    if whole:
+        _say_gathered([params[i] for layers in whole.values() for i in layers])
     kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
     out = []
     with torch.no_grad():
@@ -362,6 +364,34 @@ def prepare_dtensors(
                 (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
             )
     return out
+
+
+_said: set[tuple] = set()
+
+
+def _say_gathered(params: list) -> None:
+    """Warn once per process and set of layers that these DTensor parameters are gathered
+    whole every step (no silent fallback), with what it costs and how to avoid it."""
+    what = tuple((tuple(p.shape), str(p.placements), p.device_mesh.ndim) for p in params)
+    if what in _said:
+        return
+    _said.add(what)
+    import warnings
+
+    from .validation import user_stacklevel
+
+    moved = sum(3 * p.numel() * p.element_size() for p in params if is_dtensor(p))  # θ, Φ, g
+    listed = ", ".join(f"{tuple(p.shape)} {tuple(p.placements)}" for p in params[:6])
+    listed += f" and {len(params) - 6} more" if len(params) > 6 else ""
+    warnings.warn(
+        f"FGD all-gathers {len(params)} sharded parameter(s) whole every step, because their "
+        f"placement does not shard θ's rows ({listed}): θ, Φ and g, ~{moved / 2**20:.1f} MiB "
+        "received per rank and step, and each rank computes their whole step. Row shards avoid "
+        "it: fully_shard(..., shard_placement_fn=fgd_fast.shard_placement) (a dimension no rank "
+        "count divides, tensor-parallel and multi-dimensional placements stay gathered).",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepPlan:

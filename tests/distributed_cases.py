@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -207,13 +208,15 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
-    reduces, gathers = [], []
+    reduces, gathers, said = [], [], []
     for step in range(steps):
         _set_grads(model, step, spike=spike)
-        with _CountAllReduce() as counter, _CountGathers() as gathered:
+        with _CountAllReduce() as counter, _CountGathers() as gathered, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             opt.step()
         reduces.append(counter.count)
         gathers.append((gathered.packed, gathered.whole))
+        said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
     params, bufs = _full_state(model, opt)
     return dict(
         params=params,
@@ -224,6 +227,7 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
         dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
         reduces=reduces,
         gathers=gathers,
+        said=said,
         guard=opt.guard_stats(),
     )
 

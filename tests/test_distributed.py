@@ -121,6 +121,11 @@ def test_fsdp_matches_one_process(world, placement):
     # the gathered layers' θ, Φ and g (all float64) travel in one packed all-gather per step
     # (they took three full_tensor() gathers each before); no per-tensor gathers in the step
     assert all(gathers == (1, 0) for res in results for gathers in res["gathers"]), results[0]["gathers"]
+    # and it is said once per process, with the advice (not a silent whole-matrix gather)
+    gathered = {(True, 2): 1, (True, 4): 2, (False, 2): 3, (False, 4): 3}[placement, world]
+    for res in results:
+        assert len(res["said"]) == 1 and "shard_placement" in res["said"][0], res["said"]
+        assert f"all-gathers {gathered} sharded" in res["said"][0], res["said"][0]
 
 
 @pytest.mark.parametrize("world", WORLDS)
