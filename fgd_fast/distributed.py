@@ -228,14 +228,16 @@ def unfold_float64(pairs: torch.Tensor) -> torch.Tensor:
     return (hi + lo) / _FOLD_SCALE
 
 
-def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
+def summing_over(group) -> Callable[[list[torch.Tensor]], Callable[[], None]]:
     """``reduce(tensors)``: sum the tensors in place over ``group``'s ranks, packed into as
-    few all-reduce calls as :data:`BUCKET_BYTES` allows: one for most models, as float64
-    tensors next to float32 ones (the guard's ‖g‖² of a float32 model) travel folded into the
-    float32 call (:func:`fold_float64`)."""
+    few all-reduce calls as :data:`BUCKET_BYTES` allows (one for most models; float64 tensors
+    next to float32 ones, the guard's ‖g‖² of a float32 model, travel folded into the float32
+    call: :func:`fold_float64`). The all-reduces are asynchronous: ``reduce`` returns ``wait()``,
+    after which the sums are in the tensors (the backend computes more Grams meanwhile).
+    ``reduce.bucket_bytes`` tells the backend how much to send per call."""
     import torch.distributed as dist
 
-    def reduce(tensors: list[torch.Tensor]) -> None:
+    def reduce(tensors: list[torch.Tensor]) -> Callable[[], None]:
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
@@ -246,6 +248,7 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
                 by_kind[(torch.float32, device)].append(pairs)
                 folded.append((same, pairs))
                 del by_kind[(dtype, device)]
+        issued = []  # (work, flat, tensors)
         for same in by_kind.values():
             start = 0
             while start < len(same):
@@ -255,18 +258,26 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], None]:
                     stop += 1
                 chunk = same[start:stop]
                 flat = torch.cat([t.reshape(-1) for t in chunk])
-                dist.all_reduce(flat, group=group)  # Σ over ranks; bitwise the same result on every rank
+                # Σ over ranks, bitwise the same result on every rank; asynchronous
+                issued.append((dist.all_reduce(flat, group=group, async_op=True), flat, chunk))
+                start = stop
+
+        def wait() -> None:
+            for work, flat, chunk in issued:
+                work.wait()
                 offset = 0
                 for t in chunk:
                     t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
-                start = stop
-        for same, pairs in folded:
-            values, offset = unfold_float64(pairs), 0
-            for t in same:
-                t.copy_(values[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
+            for same, pairs in folded:
+                values, offset = unfold_float64(pairs), 0
+                for t in same:
+                    t.copy_(values[offset : offset + t.numel()].view(t.shape))
+                    offset += t.numel()
 
+        return wait
+
+    reduce.bucket_bytes = BUCKET_BYTES
     return reduce
 
 
@@ -277,7 +288,7 @@ def gram64(t: torch.Tensor) -> torch.Tensor:
     if is_dtensor(t) and row_mesh_dim(t) is not None:
         theta = _local_theta(t).to(torch.float64)
         gram = theta.t() @ theta
-        summing_over(t.device_mesh.get_group(row_mesh_dim(t)))([gram])
+        summing_over(t.device_mesh.get_group(row_mesh_dim(t)))([gram])()  # (and wait for it)
         return gram
     theta = as_stiefel(full_value(t)).to(torch.float64)
     return theta.t() @ theta

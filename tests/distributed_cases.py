@@ -156,7 +156,11 @@ def _local_state(model, opt):
 
 
 class _CountAllReduce:
-    """Counts ``dist.all_reduce`` calls (the step's packed Gram reduction)."""
+    """Counts ``dist.all_reduce`` calls (the step's packed Gram reduction); with ``events``,
+    appends ``("reduce", asynchronous)`` to it at each."""
+
+    def __init__(self, events: list | None = None):
+        self.events = events
 
     def __enter__(self):
         self.count, self.saved = 0, dist.all_reduce
@@ -164,6 +168,8 @@ class _CountAllReduce:
         def counting(*args, **kwargs):
             if kwargs.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:  # (not the ranks' MAX agreement)
                 self.count += 1
+                if self.events is not None:
+                    self.events.append(("reduce", kwargs.get("async_op", False)))
             return self.saved(*args, **kwargs)
 
         dist.all_reduce = counting
@@ -201,9 +207,24 @@ class _CountGathers:
 
 
 # -- the cases ----------------------------------------------------------------------------------
-def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None, dtype=None):
+def fsdp_steps(
+    rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None, dtype=None, bucket_bytes=None
+):
     global DTYPE
     DTYPE = dtype or DTYPE  # (this rank's process only)
+    events: list = []  # with bucket_bytes: the order of the last step's Gram groups and all-reduces
+    if bucket_bytes is not None:
+        import fgd_fast.distributed as fd
+        from fgd_fast.backends import torch_batched as tb
+
+        fd.BUCKET_BYTES = bucket_bytes
+        real = tb._Group.grams
+
+        def grams(self, scratch):
+            events.append(("gram", None))
+            return real(self, scratch)
+
+        tb._Group.grams = grams
     model = _sharded(world, placement, hsdp=hsdp)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
@@ -211,7 +232,9 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
     reduces, gathers, said = [], [], []
     for step in range(steps):
         _set_grads(model, step, spike=spike)
-        with _CountAllReduce() as counter, _CountGathers() as gathered, warnings.catch_warnings(record=True) as seen:
+        events.clear()
+        counter, gathered = _CountAllReduce(events), _CountGathers()
+        with counter, gathered, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             opt.step()
         reduces.append(counter.count)
@@ -228,6 +251,7 @@ def fsdp_steps(rank, world, out, *, steps=5, placement=True, backend="torch", hs
         reduces=reduces,
         gathers=gathers,
         said=said,
+        events=events,
         guard=opt.guard_stats(),
     )
 

@@ -158,6 +158,21 @@ def test_float32_row_shards_match_one_process(monkeypatch):
         assert all(count == 1 for count in res["reduces"])
 
 
+def test_buckets_of_gram_blocks_are_summed_while_the_next_grams_are_made():
+    """With a bucket size below one group's blocks, every Gram group's blocks leave in their own
+    asynchronous all-reduce(s) as soon as they are made, before the next group's Grams: the
+    communication overlaps the Gram pass, and the step is still the single process's."""
+    results = run(2, "fsdp_steps", bucket_bytes=1)
+    params, bufs, orth = cases.reference(5, 2)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        kinds = [kind for kind, _ in res["events"]]
+        assert kinds.count("reduce") >= kinds.count("gram") >= 2, kinds  # a call (or more: 1-byte buckets) per group
+        assert kinds.index("reduce") < len(kinds) - 1 - kinds[::-1].index("gram"), kinds  # before the last Grams
+        assert all(asynchronous for kind, asynchronous in res["events"] if kind == "reduce")
+
+
 def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)

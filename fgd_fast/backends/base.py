@@ -28,11 +28,15 @@ others only ever see whole matrices):
   ``bufs[i]``) holds some of θ's rows: θ's orientation and ``p`` come from ``shapes[i]``,
   the local row count from the tensor (possibly 0);
 * ``reduce(tensors)`` — sums a list of tensors in place over the ranks holding the other
-  rows. The backend calls it exactly once per ``prepare`` (on every rank alike, even with
-  an empty list), between the Gram pass — the partial Gram blocks of the local rows, and
-  the per-layer count of non-finite gradient entries as a floating tensor — and the O(p³)
-  middle, which then runs on the full blocks; every rank gets the same ``dist`` and
-  ``finite`` and updates its own rows.
+  rows; it may return a ``wait()`` callable (an asynchronous collective: the sums are in
+  place once it returns), and may carry ``reduce.bucket_bytes``. The backend calls it at
+  least once per ``prepare``, the same calls on every rank (even with an empty list):
+  once, or, with ``bucket_bytes``, once per that many bytes of blocks as the Gram pass makes
+  them (computing the next Grams while they travel); it sends the partial Gram blocks of the
+  local rows (and, where checked without a prediction, the per-layer count of non-finite
+  gradient entries as a floating tensor) and waits for every call before the O(p³) middle,
+  which then runs on the full blocks; every rank gets the same ``dist`` and ``finite`` and
+  updates its own rows.
 
 ``prepare`` must not write any parameter or buffer. It returns a :class:`StepPlan` with the
 per-layer distance ``‖θᵀθ − I‖_F`` (and input finiteness when ``check_finite``), and with a

@@ -42,7 +42,8 @@ report records the measured peak per workload.
 Row shards (``reduce=``, see :mod:`.base`): each ``params[i]`` holds some rows of a larger θ
 (``shapes[i]`` is the full parameter's shape). ``prepare`` then runs the Gram pass of every
 bucket first (partial blocks of the local rows, held: ``4·Σp²`` numbers, ``5·Σp²`` with the
-guard's UᵀU), one ``reduce`` call sums all of them — A, C and UᵀU as upper triangles: ``3p² +
+guard's UᵀU), ``reduce`` sums them — in buckets of ``reduce.bucket_bytes`` sent while the next
+Grams are computed, one call for a small model — A, C and UᵀU as upper triangles: ``3p² +
 p`` numbers per layer, ``3.5p² + 1.5p + 1`` with the guard's UᵀU and ‖g‖² — and, without a
 prediction, the per-layer non-finite-gradient counts over the ranks, and then runs
 the middle on the summed blocks; ``apply`` updates the local rows as above (the update of a
@@ -512,12 +513,16 @@ def prepare_torch(
             # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
             for b in buckets:
                 b.finish(check_finite, b.finite_flags() if check_finite and not b.predict else None)
-        else:  # two phases around one reduce: every group's partial Grams, Σ over ranks, every middle
-            held = [g.grams(scratch) for g in groups]
+        else:  # every group's partial Grams, summed over the ranks as they are made, then every middle
+            sums = _Overlapped(reduce)
+            held = []
+            for g in groups:
+                held.append(g.grams(scratch))
+                sums.add(held[-1], g.symmetric_slots())  # (sent once a bucket is full; the next Grams meanwhile)
             # non-finite counts, only without a prediction: with one, the summed ‖g‖², tr C and E say it
             counted = check_finite and not any(b.predict for b in buckets)
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
-            _reduce_packed(reduce, [(blocks, g.symmetric_slots()) for g, blocks in zip(groups, held)], bad)
+            sums.finish(bad)
             for g, blocks in zip(groups, held):
                 g.middle(blocks)
             for i, b in enumerate(buckets):
@@ -528,11 +533,42 @@ def prepare_torch(
     return plan
 
 
-def _reduce_packed(reduce, chunks: list[tuple[list[torch.Tensor], tuple[int, ...]]], extra: list[torch.Tensor]) -> None:
+class _Overlapped:
+    """Sums Gram blocks over the ranks as they are made: the pending blocks go out in one
+    ``reduce`` call once they hold ``reduce.bucket_bytes`` (when the reducer has it; else all in
+    one call at the end), and the next Grams are computed while they travel (the reducer may
+    return a ``wait`` callable: an asynchronous collective). :meth:`finish` sends the rest (and
+    ``extra``) and waits for every call. The calls depend only on the blocks' sizes, so every
+    rank makes the same ones."""
+
+    def __init__(self, reduce):
+        self.reduce, self.limit = reduce, getattr(reduce, "bucket_bytes", None)
+        self.pending: list = []
+        self.bytes = 0
+        self.waits: list = []
+
+    def add(self, blocks: list[torch.Tensor], sym_slots: tuple[int, ...]) -> None:
+        self.pending.append((blocks, sym_slots))
+        self.bytes += sum(b.nbytes for b in blocks)
+        if self.limit is not None and self.bytes >= self.limit:
+            self._send([])
+
+    def _send(self, extra: list[torch.Tensor]) -> None:
+        self.waits.append(_reduce_packed(self.reduce, self.pending, extra))
+        self.pending, self.bytes = [], 0
+
+    def finish(self, extra: list[torch.Tensor]) -> None:
+        if self.pending or extra or not self.waits:  # (at least one call: every rank makes it)
+            self._send(extra)
+        for wait in self.waits:
+            wait()
+
+
+def _reduce_packed(reduce, chunks: list[tuple[list[torch.Tensor], tuple[int, ...]]], extra: list[torch.Tensor]):
     """Sum every chunk's blocks (``[A, E(, B, C)(, G(, H))(, ‖g‖²)]``) and ``extra`` over the
     ranks in one ``reduce``, the symmetric ones (A, C, G: positions given with each chunk) as
-    their upper triangles (``p(p+1)/2`` numbers instead of ``p²``); the sums are mirrored back,
-    so they come out exactly symmetric."""
+    their upper triangles (``p(p+1)/2`` numbers instead of ``p²``). Returns ``wait()``: once it
+    returns, the sums are in the blocks, mirrored back (so exactly symmetric)."""
     sent, symmetric = [], []
     for chunk, sym_slots in chunks:
         for j, block in enumerate(chunk):
@@ -544,10 +580,16 @@ def _reduce_packed(reduce, chunks: list[tuple[list[torch.Tensor], tuple[int, ...
                 sent.append(tri)
             else:
                 sent.append(block)
-    reduce(sent + extra)  # in place
-    for block, upper, tri in symmetric:
-        block[:, upper[0], upper[1]] = tri
-        block[:, upper[1], upper[0]] = tri  # the mirror
+    pending = reduce(sent + extra)  # in place; an asynchronous reducer returns its wait
+
+    def wait() -> None:
+        if callable(pending):
+            pending()
+        for block, upper, tri in symmetric:
+            block[:, upper[0], upper[1]] = tri
+            block[:, upper[1], upper[0]] = tri  # the mirror
+
+    return wait
 
 
 _upper = {}
