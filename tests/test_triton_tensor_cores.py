@@ -284,3 +284,13 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
     assert sorted(set(aligned)) == [False, True]
     for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
         assert (p - t).abs().max() < 1e-3
+
+
+def test_every_row_tile_divides_the_padding_of_hi_and_lo():
+    """hi and lo rows are padded to ``LD_ALIGN``; the Gram pass walks them in ``BK`` steps and
+    the update in ``BR`` rows, unmasked inside the padding: every such tile must divide it."""
+    from fgd_fast.kernels import tc_step as TC
+
+    configs = [*TC.GRAM_CONFIG.values(), *TC.UPDATE_CONFIG.values()]
+    tiles = [cfg[name] for cfg in configs for name in ("BK", "BR") if name in cfg]
+    assert tiles and all(TC.LD_ALIGN % t == 0 for t in tiles), (TC.LD_ALIGN, tiles)
