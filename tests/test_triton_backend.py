@@ -33,17 +33,27 @@ def test_kernel_launches_per_step_do_not_grow_with_layers(layers):
     assert launched == {"gram_kernel": 12, "update_kernel": 4}
 
 
+_SPLIT_SHAPES = [(16, 8, 3, 3), (33, 70), (9, 130)]
+
+
+@pytest.fixture(scope="module")
+def unsplit_run():
+    """The unsplit reference of the split-K tests, run once for all of them."""
+    params, grads = _problem(_SPLIT_SHAPES, dtype=torch.float64)
+    start = [p.detach().clone() for p in params]
+    _steps(params, grads, "triton", steps=3)
+    return start, grads, [p.detach().clone() for p in params]
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
-def test_split_k_gram_matches_unsplit(splits, monkeypatch):
+def test_split_k_gram_matches_unsplit(splits, monkeypatch, unsplit_run):
     from fgd_fast.backends import triton as tb
 
-    shapes = [(16, 8, 3, 3), (33, 70), (9, 130)]
-    p1, g1 = _problem(shapes, dtype=torch.float64)
-    p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
-    _steps(p1, g1, "triton", steps=3)
+    start, grads, unsplit = unsplit_run
+    params = [torch.nn.Parameter(p.clone()) for p in start]
     monkeypatch.setattr(tb, "force_splits", splits)
-    _steps(p2, g1, "triton", steps=3)
-    for a, b in zip(p1, p2):
+    _steps(params, grads, "triton", steps=3)
+    for a, b in zip(unsplit, params):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
 
 
