@@ -55,7 +55,8 @@ __all__ = [
     "unfold_float64",
 ]
 
-#: the packed all-reduce of a step is split into calls of at most this many bytes
+#: the packed all-reduces of a step (and the fallback's packed all-gathers, counted in whole
+#: tensors) are split into calls of at most this many bytes
 BUCKET_BYTES = 64 << 20
 
 
@@ -143,9 +144,10 @@ def _part(t, world: int, rank: int) -> tuple[int, int, int]:
 
 def full_values(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """:func:`full_value` of each tensor, with one all-gather per (process group, dtype, device)
-    for the DTensors sharded along one dimension of a 1-D mesh (FSDP2's placements): every
-    rank's shards packed into one message, padded to the longest; other DTensors take
-    ``full_tensor()`` each, plain tensors and ``None`` pass through."""
+    and :data:`BUCKET_BYTES` of whole tensors for the DTensors sharded along one dimension of
+    a 1-D mesh (FSDP2's placements): every rank's shards packed into one message, padded to the
+    longest; other DTensors take ``full_tensor()`` each, plain tensors and ``None`` pass
+    through."""
     import torch.distributed as dist
 
     out: list[torch.Tensor | None] = list(tensors)
@@ -159,7 +161,18 @@ def full_values(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]
             out[k] = t.full_tensor()  # (another placement, or shards not split as torch.chunk splits)
             continue
         kinds.setdefault((group, t.dtype, t.device), []).append(k)
+    buckets = []  # at most BUCKET_BYTES of whole tensors per all-gather (at least one tensor)
     for (group, dtype, device), members in kinds.items():
+        current, size = [], 0
+        for k in members:
+            nbytes = tensors[k].numel() * tensors[k].element_size()
+            if current and size + nbytes > BUCKET_BYTES:
+                buckets.append((group, dtype, device, current))
+                current, size = [], 0
+            current.append(k)
+            size += nbytes
+        buckets.append((group, dtype, device, current))
+    for group, dtype, device, members in buckets:
         world, me = dist.get_world_size(group), dist.get_rank(group)
         sizes = [sum(_part(tensors[k], world, r)[2] for k in members) for r in range(world)]
         longest = max(sizes)

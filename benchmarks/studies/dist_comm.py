@@ -5,14 +5,17 @@
     python -m benchmarks.studies.dist_comm --model-only     # the model table only (seconds)
 
 **Model** — bytes each rank sends per optimizer step for the constrained layers of the
-full-size benchmark workloads (:mod:`workloads`), float32, ring collectives, at 8 and 64
-ranks; with ``R`` ranks, a layer θ of ``n × p``, ``s`` bytes per number:
+full-size benchmark workloads (:mod:`workloads`) and of a Llama-style 7B block set (32 blocks
+of q, k, v, o 4096 × 4096, gate and up 11008 × 4096, down 4096 × 11008), float32, ring
+collectives, at 8, 64 and 512 ranks; with ``R`` ranks, a layer θ of ``n × p``, ``s`` bytes
+per number:
 
-* *row shards + one all-reduce of the packed blocks A, B, C, E*: ``2(R−1)/R · 4p² · s`` per
-  row-sharded layer; a layer that ``shard_placement`` cannot row-shard at ``R`` (no input
-  dimension divisible by ``R``) is counted with the all-gather fallback below;
-* *same, A and C as triangles* (what fgd_fast does with ``fgd_fast.shard_placement``):
-  ``2(R−1)/R · (2p² + p(p+1)) · s``;
+* *row shards + one all-reduce of every block* (A, E, B, C and the guard's UᵀU, plus ‖g‖²):
+  ``2(R−1)/R · (5p² + 1) · s`` per row-sharded layer; a layer that ``shard_placement``
+  cannot row-shard at ``R`` (no input dimension divisible by ``R``) is counted with the
+  all-gather fallback below;
+* *same, A, C and UᵀU as triangles* (what fgd_fast does with ``fgd_fast.shard_placement``):
+  ``2(R−1)/R · (2p² + 3p(p+1)/2 + 1) · s``;
 * *all-gather θ, Φ, g, compute redundantly* (fgd_fast's fallback for layers that are not row
   shards, e.g. under FSDP2's default placement): ``(R−1)/R · 3np · s``;
 * *owner per matrix, all-to-all* (as dion's distributed Muon): θ and g go to the matrix's
@@ -47,7 +50,14 @@ import fgd_fast
 from fgd_fast._matrix import stiefel_shape
 
 FLOAT32 = 4
-SCHEMES = ("rows, 4p²", "rows, triangles (fgd_fast)", "all-gather", "owner all-to-all", "FSDP2 params+grads")
+SCHEMES = ("rows, all blocks", "rows, triangles (fgd_fast)", "all-gather", "owner all-to-all", "FSDP2 params+grads")
+RANKS = (8, 64, 512)
+
+
+def llama_7b_blocks(blocks: int = 32, d: int = 4096, hidden: int = 11008) -> list[tuple[int, int]]:
+    """The weight shapes of a Llama-style 7B model's blocks (attention q, k, v, o; MLP gate, up,
+    down), every one constrained."""
+    return [(d, d)] * 4 * blocks + [(hidden, d)] * 2 * blocks + [(d, hidden)] * blocks
 
 
 def _row_sharded(shape, ranks: int) -> bool:
@@ -64,10 +74,10 @@ def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
         n, p, _ = stiefel_shape(shape)
         gathered = ring * 3 * n * p * s
         if _row_sharded(shape, ranks):
-            out["rows, 4p²"] += 2 * ring * 4 * p * p * s
-            out["rows, triangles (fgd_fast)"] += 2 * ring * (2 * p * p + p * (p + 1)) * s
+            out["rows, all blocks"] += 2 * ring * (5 * p * p + 1) * s
+            out["rows, triangles (fgd_fast)"] += 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * s
         else:
-            out["rows, 4p²"] += gathered
+            out["rows, all blocks"] += gathered
             out["rows, triangles (fgd_fast)"] += gathered
         out["all-gather"] += gathered
         out["FSDP2 params+grads"] += 3 * ring * n * p * s
@@ -78,52 +88,64 @@ def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
     return out
 
 
-def model_table(rank_counts=(8, 64)) -> str:
+def model_table(rank_counts=RANKS) -> str:
     from benchmarks.workloads import workloads
 
-    lines = ["| workload | layers | ranks | " + " | ".join(SCHEMES) + " |", "|---|---:|---:|" + "---:|" * len(SCHEMES)]
+    sets = []
     for w in workloads("full"):
         with torch.device("meta"):
             torch.manual_seed(0)
             model = w.build()
-        shapes = [p.shape for _, p in fgd_fast.select_stiefel(model, w.rule)]
+        sets.append((w.name, [p.shape for _, p in fgd_fast.select_stiefel(model, w.rule)]))
+    sets.append(("llama-7b blocks", llama_7b_blocks()))
+    lines = ["| workload | layers | ranks | " + " | ".join(SCHEMES) + " |", "|---|---:|---:|" + "---:|" * len(SCHEMES)]
+    for name, shapes in sets:
         for ranks in rank_counts:
             v = volume(shapes, ranks)
-            cells = " | ".join(f"{v[k] / 1e6:.1f}" for k in SCHEMES)
-            lines.append(f"| {w.name} | {len(shapes)} | {ranks} | {cells} |")
+            cells = " | ".join(f"{v[k] / 1e6:,.1f}" for k in SCHEMES)
+            lines.append(f"| {name} | {len(shapes)} | {ranks} | {cells} |")
     return "\n".join(lines)
 
 
 # -- the measured run ---------------------------------------------------------------------------
 class _Bytes:
-    """Bytes per rank the FGD step's collectives carry: all-reduce payloads (ring: 2(R−1)/R of
-    them sent) and the tensors the fallback all-gathers (ring: (R−1)/R of them sent)."""
+    """Bytes per rank the FGD step's collectives carry — all-reduce payloads (ring: 2(R−1)/R of
+    them sent), the fallback's packed all-gathers and per-tensor ``full_tensor()`` gathers
+    (ring: (R−1)/R of the gathered bytes) — and the seconds spent in them (an asynchronous
+    all-reduce counts its ``wait()``)."""
 
     def __init__(self, world):
         import torch.distributed as dist
-
-        import fgd_fast.distributed as fd
+        from torch.distributed.tensor import DTensor
 
         self.total, self.seconds, self.world = 0.0, 0.0, world
         ring = (world - 1) / world
-        all_reduce, full_value = dist.all_reduce, fd.full_value
+        all_reduce, all_gather, full_tensor = dist.all_reduce, dist.all_gather_into_tensor, DTensor.full_tensor
+        counter = self
 
-        def counting_all_reduce(t, *args, **kwargs):
-            self.total += 2 * ring * t.nbytes
-            t0 = time.perf_counter()
-            out = all_reduce(t, *args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            return out
+        class Timed:
+            def __init__(self, work):
+                self.work = work
 
-        def counting_full_value(t):
-            t0 = time.perf_counter()
-            full = full_value(t)
-            self.seconds += time.perf_counter() - t0
-            if fd.is_dtensor(t):
-                self.total += ring * full.nbytes
-            return full
+            def wait(self, *args, **kwargs):
+                t0 = time.perf_counter()
+                out = self.work.wait(*args, **kwargs)
+                counter.seconds += time.perf_counter() - t0
+                return out
 
-        dist.all_reduce, fd.full_value = counting_all_reduce, counting_full_value
+        def timed(call, nbytes):
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = call(*args, **kwargs)
+                self.seconds += time.perf_counter() - t0
+                self.total += nbytes(*args)
+                return Timed(out) if kwargs.get("async_op") else out
+
+            return run
+
+        dist.all_reduce = timed(all_reduce, lambda t, *a: 2 * ring * t.nbytes)
+        dist.all_gather_into_tensor = timed(all_gather, lambda out, *a: ring * out.nbytes)
+        DTensor.full_tensor = timed(full_tensor, lambda t, *a: ring * t.numel() * t.element_size())
 
 
 def _rank_main(rank, world, init, steps, queue):
