@@ -153,3 +153,19 @@ def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, 
         if "skipped" not in r:  # the Triton case runs where Triton (or its interpreter) does
             assert r["max_vs_reference"] == pytest.approx(r["max"] / ref["max"])
     assert "| vgg-16 | fgd-reference |" in data["table"]
+
+
+def test_communication_model_counts_what_the_row_all_reduce_sends():
+    """The distributed report's model (benchmarks/studies/dist_comm.py): per row-sharded layer
+    the all-reduce carries A, C and UᵀU as triangles, E and B whole and ‖g‖² (ring: 2(R−1)/R);
+    the gather fallback (R−1)/R of θ, Φ and g; a layer no rank count divides is gathered."""
+    from benchmarks.studies.dist_comm import llama_7b_blocks, volume
+
+    ranks, p, n = 8, 64, 64 * 9
+    v = volume([(p, p, 3, 3)], ranks)  # θ = W2ᵀ: n = 576, p = 64; dim 1 (64) divisible by 8
+    ring = (ranks - 1) / ranks
+    assert v["rows, triangles (fgd_fast)"] == 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * 4
+    assert v["all-gather"] == ring * 3 * n * p * 4
+    odd = volume([(16, 3, 3, 3)], ranks)  # θ = W2ᵀ, no input dimension divisible by 8: gathered
+    assert odd["rows, triangles (fgd_fast)"] == odd["all-gather"]
+    assert len(llama_7b_blocks()) == 224
