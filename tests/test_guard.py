@@ -14,6 +14,9 @@ from fgd_fast.guards import MAX_DISTANCE
 from helpers import backend_params
 
 BACKENDS = backend_params(("reference", "torch", "triton"))
+# the 80-step spike runs: Triton's guard under spikes is proven against the reference in
+# tests/test_guard_rule.py (same decisions, |Δθ| ≤ 1e-9); its interpreter is too slow to repeat it here
+SPIKE_BACKENDS = backend_params(("reference", "torch"))
 
 
 def _spike_run(backend="torch", *, spike=300.0, lr_spike=1.0, guard=True, steps=80, recover=False, seed=0):
@@ -47,7 +50,7 @@ def calm_distance():
     return _spike_run(spike=1.0)[0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SPIKE_BACKENDS)
 def test_gradient_spike_is_survived_by_default(backend, calm_distance):
     """Why 1: a ×300 gradient at step 20 used to write θ 2.2 off the manifold and end in NaN.
     Now every step stays within max_distance and 60 steps later θ is back near the calm run."""
@@ -65,7 +68,7 @@ def test_lr_spike_is_survived_by_default(calm_distance):
     assert raises == [] and final <= 3 * calm_distance
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SPIKE_BACKENDS)
 def test_without_guard_the_spike_raises_before_writing_and_the_advice_recovers(backend, calm_distance):
     """Why 1: the error came one step late and its advice (orthogonalise) left the runaway Φ."""
     torch.manual_seed(0)
