@@ -46,6 +46,8 @@ __all__ = [
     "row_mesh_dim",
     "full_value",
     "full_values",
+    "SHARDINGS",
+    "gathering_is_cheaper",
     "write_shard",
     "gram64",
     "prepare_dtensors",
@@ -54,6 +56,12 @@ __all__ = [
     "fold_float64",
     "unfold_float64",
 ]
+
+#: how row-sharded layers step (``FGD(sharding=...)``): see :func:`gathering_is_cheaper`
+SHARDINGS = ("auto", "rows", "gather")
+#: "auto" gathers a row-sharded layer only when that sends at least this many fewer bytes (one
+#: more collective in the step costs about as much as a megabyte on a fast interconnect)
+GATHER_MARGIN = 1 << 20
 
 #: the packed all-reduces of a step (and the fallback's packed all-gathers, counted in whole
 #: tensors) are split into calls of at most this many bytes
@@ -307,6 +315,20 @@ def gram64(t: torch.Tensor) -> torch.Tensor:
     return theta.t() @ theta
 
 
+def gathering_is_cheaper(param, buf) -> bool:
+    """Whether gathering θ, Φ and g whole (``(R−1)/R · 3np`` numbers) sends at least
+    :data:`GATHER_MARGIN` bytes less per rank than summing the partial Gram blocks of a row
+    shard (``2(R−1)/R · (2p² + 3p(p+1)/2 + 1)``: E, B whole, A, C, UᵀU as triangles, ‖g‖²),
+    the common ``(R−1)/R`` left out: true for square and wide θ (``n ≲ 2.3p``), false for tall."""
+    n, p, _ = stiefel_shape(param.shape)
+    item = param.element_size()
+    phi_item = buf.element_size() if buf is not None else item
+    compute = 8 if param.dtype == torch.float64 else 4  # the blocks are float32 (float64 for float64)
+    rows = 2 * (2 * p * p + 1.5 * p * (p + 1) + 1) * compute
+    gather = n * p * (2 * item + phi_item)
+    return rows - gather >= GATHER_MARGIN
+
+
 def prepare_dtensors(
     resolve,
     idx,
@@ -323,31 +345,39 @@ def prepare_dtensors(
     trust_radius=None,
     max_distance=None,
     variant="official",
+    sharding="auto",
 ):
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
     ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
     and Φ share θ's layout go to one ``prepare`` per (mesh, sharded mesh dimension) with
     ``reduce`` (over that dimension's process group) and ``shapes`` when the backend supports
-    row shards; every other layer is gathered and stepped whole (exact). ``trust_radius``,
-    ``max_distance``: the step guard, ``variant``: the update's, passed on to the backend.
+    row shards, unless ``sharding`` says to gather them (``"gather"``, or ``"auto"`` where
+    :func:`gathering_is_cheaper`); every other layer is gathered and stepped whole (exact).
+    ``trust_radius``, ``max_distance``: the step guard, ``variant``: the update's, passed on to
+    the backend.
     """
     rows: dict[tuple, list[int]] = {}
     whole: dict[torch.device, list[int]] = {}
+    forced = []  # gathered because they are not row shards
     for i in idx:
         p, g, b = params[i], grads[i], bufs[i]
         prepare = resolve(p.device.type)
-        if (
+        shardable = (
             getattr(prepare, "row_shards", False)
             and row_mesh_dim(p) is not None
             and _same_layout(p, g)
             and (b is None or _same_layout(p, b))
-        ):
+        )
+        summed = sharding == "rows" or (sharding == "auto" and not gathering_is_cheaper(p, b))
+        if shardable and summed:
             rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
         else:
             whole.setdefault(p.device, []).append(i)
-    if whole:
-        _say_gathered([params[i] for layers in whole.values() for i in layers])
+            if not shardable:
+                forced.append(p)
+    if forced:  # (gathered by choice, by sharding=, is not worth a warning)
+        _say_gathered(forced)
     kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
     out = []
     with torch.no_grad():
@@ -409,7 +439,8 @@ def _say_gathered(params: list) -> None:
     listed += f" and {len(params) - 6} more" if len(params) > 6 else ""
     warnings.warn(
         f"FGD all-gathers {len(params)} sharded parameter(s) whole every step, because their "
-        f"placement does not shard θ's rows ({listed}): θ, Φ and g, ~{moved / 2**20:.1f} MiB "
+        "placement does not shard θ's rows (or the backend takes no row shards: only 'torch' "
+        f"and 'auto' do) ({listed}): θ, Φ and g, ~{moved / 2**20:.1f} MiB "
         "received per rank and step, and each rank computes their whole step. Row shards avoid "
         "it: fully_shard(..., shard_placement_fn=fgd_fast.shard_placement) (a dimension no rank "
         "count divides, tensor-parallel and multi-dimensional placements stay gathered).",

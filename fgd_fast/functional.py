@@ -17,7 +17,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
-from .distributed import agree_across_ranks, is_dtensor, prepare_dtensors
+from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import check_state_tensor
 
@@ -83,6 +83,7 @@ def fgd(
     guard: bool = True,
     trust_radius: float = TRUST_RADIUS,
     variant: str = "official",
+    sharding: str = "auto",
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -97,7 +98,8 @@ def fgd(
     pull-back with Φ₊ = 0), after Φ, g are scaled into the safety radius
     ``‖Φ‖ + η‖g‖ ≤ trust_radius``; all on the device (:mod:`fgd_fast.backends.algebra`).
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
-    authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`).
+    authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`);
+    ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -105,6 +107,8 @@ def fgd(
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
         raise ValueError("params, grads and momentum_buffers must have the same length")
@@ -177,6 +181,7 @@ def fgd(
                 "backend": backend,
                 "precision": precision,
                 "variant": variant,
+                "sharding": sharding,
                 "check_finite": check_finite,
                 "check_manifold": check_manifold,
                 "max_distance": max_distance,
@@ -197,6 +202,7 @@ def fgd(
             feedback=alphas,
             check_finite=check_finite,
             precision=precision,
+            sharding=sharding,
             **steering,
         ):
             plans.append(plan)

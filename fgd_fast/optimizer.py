@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._stiefel_optimizer import StiefelOptimizer, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
 from .backends.algebra import VARIANTS
-from .distributed import is_dtensor
+from .distributed import SHARDINGS, is_dtensor
 from .functional import GuardReport, backend_for, fgd, zero_momentum
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
 from .manifold import orthogonalize_, stiefel_distance
@@ -118,6 +118,12 @@ class FGD(StiefelOptimizer):
             in ``docs/algorithm.md``.
         maximize: maximise the objective instead (the gradient negated for every parameter,
             as ``torch.optim.SGD(maximize=True)``); optimizer-wide.
+        sharding: how a DTensor (FSDP2) layer whose rows are sharded is stepped: ``"auto"``
+            (default) sums its partial Gram blocks over the ranks (``2·(3.5p² + 1.5p + 1)``
+            numbers sent per layer) unless gathering θ, Φ and g whole (``3np``) sends at least
+            1 MiB less (square and wide matrices); ``"rows"`` always sums, ``"gather"`` always
+            gathers. Layers that are not row-sharded are gathered whatever this says; every
+            rank must use the same (checked). Exact either way.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class FGD(StiefelOptimizer):
         trust_radius: float = TRUST_RADIUS,
         variant: str = "official",
         maximize: bool = False,
+        sharding: str = "auto",
     ) -> None:
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
@@ -159,6 +166,7 @@ class FGD(StiefelOptimizer):
             trust_radius=trust_radius,
             variant=variant,
             maximize=maximize,
+            sharding=sharding,
         )
         self._validate_options(defaults)
         _check_group(defaults)
@@ -174,6 +182,7 @@ class FGD(StiefelOptimizer):
         trust_radius=TRUST_RADIUS,
         variant="official",
         maximize=False,
+        sharding="auto",
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
@@ -185,10 +194,12 @@ class FGD(StiefelOptimizer):
     trust_radius = option("trust_radius", "ρ of the guard's safety radius on ‖Φ‖ + η‖g‖ (optimizer-wide).")
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
+    sharding = option("sharding", '``"auto"``, ``"rows"`` or ``"gather"``: how row-sharded DTensor layers step.')
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         check_choice("backend", options["backend"], BACKENDS)
         check_choice("variant", options["variant"], VARIANTS)
+        check_choice("sharding", options["sharding"], SHARDINGS)
         check_bool("maximize", options["maximize"])
         precision, backend = options["precision"], options["backend"]
         check_choice("precision", precision, PRECISIONS)
@@ -252,6 +263,7 @@ class FGD(StiefelOptimizer):
                 guard=opts["guard"],
                 trust_radius=float(opts["trust_radius"]),
                 variant=opts["variant"],
+                sharding=opts["sharding"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

@@ -208,7 +208,18 @@ class _CountGathers:
 
 # -- the cases ----------------------------------------------------------------------------------
 def fsdp_steps(
-    rank, world, out, *, steps=5, placement=True, backend="torch", hsdp=False, spike=None, dtype=None, bucket_bytes=None
+    rank,
+    world,
+    out,
+    *,
+    steps=5,
+    placement=True,
+    backend="torch",
+    hsdp=False,
+    spike=None,
+    dtype=None,
+    bucket_bytes=None,
+    sharding="auto",
 ):
     global DTYPE
     DTYPE = dtype or DTYPE  # (this rank's process only)
@@ -226,7 +237,7 @@ def fsdp_steps(
 
         tb._Group.grams = grams
     model = _sharded(world, placement, hsdp=hsdp)
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, **HYPER)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, sharding=sharding, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
     reduces, gathers, said = [], [], []
@@ -343,6 +354,7 @@ def fsdp_disagreements(rank, world, out):
         ("momentum", 0.5, 0.9),
         ("check_finite", False, True),
         ("backend", "reference", "torch"),
+        ("sharding", "gather", "rows"),
     ):
         model = _sharded(world)
         kwargs = dict(HYPER, **{option: mine if rank == world - 1 else theirs})

@@ -280,6 +280,22 @@ def test_variant_is_an_option_validated_and_carried():
         fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, variant="nope")
 
 
+def test_sharding_is_an_option_validated_and_carried():
+    net = _net()
+    with pytest.raises(ValueError, match="'auto', 'rows', 'gather'"):
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, sharding="owner")
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, sharding="gather")
+    with pytest.raises(ValueError, match="sharding"):
+        opt.sharding = "Rows"
+    assert opt.sharding == "gather"
+    other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
+    assert other.sharding == "auto"
+    other.load_state_dict(opt.state_dict())
+    assert other.sharding == "gather" and all(g["sharding"] == "gather" for g in other.param_groups)
+    with pytest.raises(ValueError, match="sharding"):
+        fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, sharding="nope")
+
+
 def test_a_one_element_tensor_lr_steps_both_group_kinds():
     """Issue: lr=torch.tensor([0.1]) wrote the orthogonal parameters, then the Euclidean step
     raised TypeError (every step). It is a real number: both kinds step as with lr=0.1."""

@@ -173,6 +173,19 @@ def test_buckets_of_gram_blocks_are_summed_while_the_next_grams_are_made():
         assert all(asynchronous for kind, asynchronous in res["events"] if kind == "reduce")
 
 
+def test_sharding_gather_steps_row_shards_whole_and_exactly():
+    """``sharding="gather"``: even the row-sharded layers are gathered (one packed all-gather,
+    no Gram all-reduce) and stepped whole; the step is still the single process's, and no
+    warning (gathering was asked for; the stem is gathered by its placement and said once)."""
+    results = run(2, "fsdp_steps", sharding="gather")
+    params, bufs, orth = cases.reference(5, 2)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert all(count == 0 for count in res["reduces"]) and all(g == (1, 0) for g in res["gathers"])
+        assert len(res["said"]) == 1 and "all-gathers 1 sharded" in res["said"][0]
+
+
 def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)
@@ -225,7 +238,7 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
     for res in results:
         assert all(res["unchanged"]), res["unchanged"]
         assert res["messages"] == results[0]["messages"]
-    for msg, what in zip(results[0]["messages"], ("lr", "feedback", "momentum", "check_finite", "backend")):
+    for msg, what in zip(results[0]["messages"], ("lr", "feedback", "momentum", "check_finite", "backend", "sharding")):
         assert f"the ranks disagree on {what}" in msg, msg
 
 
@@ -315,3 +328,19 @@ def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
     got = unfold_float64(fold_float64(edge) + fold_float64(edge))
     assert got[0] == 0 and abs(float(got[1])) < 1e-25 and got[2] == pytest.approx(4e57, rel=1e-7)
     assert torch.isinf(got[3]) and torch.isinf(got[4]) and torch.isnan(got[5])
+
+
+def test_auto_sharding_gathers_square_and_wide_layers_and_sums_tall_ones():
+    """The per-layer choice of ``sharding="auto"`` (bytes per rank and step): a Transformer's
+    square projection (and θ up to n ≈ 2.3p) is cheaper to gather than to sum as Gram blocks,
+    an MLP weight (n = 4p) or a convolution (n = 9p) is not, and small layers stay summed."""
+    from fgd_fast.distributed import gathering_is_cheaper
+
+    def layer(*shape):
+        return torch.empty(shape, device="meta")
+
+    assert gathering_is_cheaper(layer(768, 768), layer(768, 768))
+    assert gathering_is_cheaper(layer(1024, 768), layer(1024, 768))  # θ = W2: n = 1024, p = 768
+    assert not gathering_is_cheaper(layer(3072, 768), layer(3072, 768))  # an MLP weight: n = 4p, tall
+    assert not gathering_is_cheaper(layer(512, 512, 3, 3), layer(512, 512, 3, 3))
+    assert not gathering_is_cheaper(layer(64, 64), layer(64, 64))  # < 1 MiB saved: stays summed
