@@ -164,8 +164,10 @@ def test_communication_model_counts_what_the_row_all_reduce_sends():
     ranks, p, n = 8, 64, 64 * 9
     v = volume([(p, p, 3, 3)], ranks)  # θ = W2ᵀ: n = 576, p = 64; dim 1 (64) divisible by 8
     ring = (ranks - 1) / ranks
-    assert v["rows, triangles (fgd_fast)"] == 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * 4
+    assert v["rows, triangles"] == v["fgd_fast auto"] == 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * 4
     assert v["all-gather"] == ring * 3 * n * p * 4
     odd = volume([(16, 3, 3, 3)], ranks)  # θ = W2ᵀ, no input dimension divisible by 8: gathered
-    assert odd["rows, triangles (fgd_fast)"] == odd["all-gather"]
+    assert odd["rows, triangles"] == odd["all-gather"]
+    square = volume([(1024, 1024)], ranks)  # auto gathers it: less than the triangles
+    assert square["fgd_fast auto"] == square["all-gather"] < square["rows, triangles"]
     assert len(llama_7b_blocks()) == 224

@@ -14,8 +14,10 @@ per number:
   ``2(R−1)/R · (5p² + 1) · s`` per row-sharded layer; a layer that ``shard_placement``
   cannot row-shard at ``R`` (no input dimension divisible by ``R``) is counted with the
   all-gather fallback below;
-* *same, A, C and UᵀU as triangles* (what fgd_fast does with ``fgd_fast.shard_placement``):
+* *same, A, C and UᵀU as triangles* (what fgd_fast does for a row shard):
   ``2(R−1)/R · (2p² + 3p(p+1)/2 + 1) · s``;
+* *fgd_fast auto*: per layer, what ``FGD(sharding="auto")`` picks with
+  ``fgd_fast.shard_placement``: the triangles, or the gather below where that sends ≥ 1 MiB less;
 * *all-gather θ, Φ, g, compute redundantly* (fgd_fast's fallback for layers that are not row
   shards, e.g. under FSDP2's default placement): ``(R−1)/R · 3np · s``;
 * *owner per matrix, all-to-all* (as dion's distributed Muon): θ and g go to the matrix's
@@ -48,9 +50,17 @@ import torch
 
 import fgd_fast
 from fgd_fast._matrix import stiefel_shape
+from fgd_fast.distributed import gathering_is_cheaper
 
 FLOAT32 = 4
-SCHEMES = ("rows, all blocks", "rows, triangles (fgd_fast)", "all-gather", "owner all-to-all", "FSDP2 params+grads")
+SCHEMES = (
+    "rows, all blocks",
+    "rows, triangles",
+    "fgd_fast auto",
+    "all-gather",
+    "owner all-to-all",
+    "FSDP2 params+grads",
+)
 RANKS = (8, 64, 512)
 
 
@@ -75,10 +85,14 @@ def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
         gathered = ring * 3 * n * p * s
         if _row_sharded(shape, ranks):
             out["rows, all blocks"] += 2 * ring * (5 * p * p + 1) * s
-            out["rows, triangles (fgd_fast)"] += 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * s
+            rows = 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * s
+            out["rows, triangles"] += rows
+            meta = torch.empty(shape, device="meta")  # FGD(sharding="auto")'s choice for this layer
+            out["fgd_fast auto"] += gathered if gathering_is_cheaper(meta, meta) else rows
         else:
             out["rows, all blocks"] += gathered
-            out["rows, triangles (fgd_fast)"] += gathered
+            out["rows, triangles"] += gathered
+            out["fgd_fast auto"] += gathered
         out["all-gather"] += gathered
         out["FSDP2 params+grads"] += 3 * ring * n * p * s
         by_shape[(n, p)] += 1
