@@ -2,14 +2,16 @@
 
 Layers are bucketed by ``(n, p, layout, dtype, device, η, β, α, reads Φ, writes Φ)``.
 
-``prepare`` (writes nothing) runs, per bucket, in chunks of layers:
+``prepare`` (writes nothing) runs, per bucket, in chunks of layers (the middle chunks of
+buckets that share p and the block layout are grouped, so one middle serves them all):
 
 1. Gram pass: ``A = θᵀθ, B = θᵀΦ, C = ΦᵀΦ, E = θᵀg`` (``bmm`` into ``(c, p, p)`` blocks; B and
    C only when Φ is read). ``precision="tf32x3"`` computes A in IEEE fp32 and the others in
    TF32 (cuBLAS's tensor cores truncate their adds: a TF32 split of A would be exact in its
    inputs and still biased; see ``_ieee_gram``).
-2. O(p³) middle (:mod:`.algebra`; the math: docs/algorithm.md §3): ``M_Φ``,
-   ``F = −α(A − I)`` and ``M_θ = M_Φ + F``; kept until ``apply``, with the distance ``‖A − I‖_F``; with the step
+2. O(p³) middle (:mod:`.algebra`; the math: docs/algorithm.md §3), one call per group:
+   ``M_Φ``, ``F = −α(A − I)`` and ``M_θ = M_Φ + F``; kept until ``apply``, with the distance
+   ``‖A − I‖_F``; with the step
    guard also its per-layer scale ``s`` (inputs from ``‖g‖²`` per layer in
    float64, taken in the Gram pass, reduced with the Grams under row shards) and its
    prediction of the step's outcome.
