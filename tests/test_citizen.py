@@ -264,36 +264,26 @@ def test_compiled_step_breaks_only_at_the_check_sync():
         assert "raise_if_invalid" in frames, (reason.reason, frames)
 
 
-def test_variant_is_an_option_validated_and_carried():
-    net = _net()
-    with pytest.raises(ValueError, match="'official', 'paper'"):
-        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, variant="algorithm1")
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, variant="paper")
-    with pytest.raises(ValueError, match="variant"):
-        opt.variant = "Paper"
-    assert opt.variant == "paper"
+@pytest.mark.parametrize(
+    "name, unknown, chosen, miscased, default, listed",
+    [
+        ("variant", "algorithm1", "paper", "Paper", "official", "'official', 'paper'"),
+        ("sharding", "owner", "gather", "Rows", "auto", "'auto', 'rows', 'gather'"),
+    ],
+)
+def test_an_optimizer_wide_choice_is_validated_and_carried(name, unknown, chosen, miscased, default, listed):
+    with pytest.raises(ValueError, match=listed):
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01, **{name: unknown})
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01, **{name: chosen})
+    with pytest.raises(ValueError, match=name):
+        setattr(opt, name, miscased)
+    assert getattr(opt, name) == chosen
     other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
-    assert other.variant == "official"  # the default: the authors' code
+    assert getattr(other, name) == default  # (variant: the authors' code)
     other.load_state_dict(opt.state_dict())
-    assert other.variant == "paper" and all(g["variant"] == "paper" for g in other.param_groups)
-    with pytest.raises(ValueError, match="variant"):
-        fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, variant="nope")
-
-
-def test_sharding_is_an_option_validated_and_carried():
-    net = _net()
-    with pytest.raises(ValueError, match="'auto', 'rows', 'gather'"):
-        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, sharding="owner")
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, sharding="gather")
-    with pytest.raises(ValueError, match="sharding"):
-        opt.sharding = "Rows"
-    assert opt.sharding == "gather"
-    other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
-    assert other.sharding == "auto"
-    other.load_state_dict(opt.state_dict())
-    assert other.sharding == "gather" and all(g["sharding"] == "gather" for g in other.param_groups)
-    with pytest.raises(ValueError, match="sharding"):
-        fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, sharding="nope")
+    assert getattr(other, name) == chosen and all(g[name] == chosen for g in other.param_groups)
+    with pytest.raises(ValueError, match=name):
+        fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, **{name: "nope"})
 
 
 def test_a_one_element_tensor_lr_steps_both_group_kinds():
