@@ -157,3 +157,18 @@ def test_unknown_precision_is_refused_by_the_backend():
         prepare_torch(
             params, grads, [None], [True], lr=[0.1], momentum=[0.0], feedback=[0.4], check_finite=False, precision="fp8"
         )
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e18, 1e30])
+def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scale, monkeypatch):
+    """On a CPU ‖g‖² of a float32 g is taken in float32 and redone in float64 only when it
+    overflows (or g is not finite): the float64 pass's value to float32 rounding, and inf/NaN
+    where that is."""
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(3, 24, 216, generator=gen) * scale
+    grad[2, 0, 0] = float("inf")
+    got, want = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
+    torch_batched._grad_sq(grad, got)
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
+    torch_batched._grad_sq(grad, want)
+    assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
