@@ -225,10 +225,10 @@ def fsdp_steps(
     DTYPE = dtype or DTYPE  # (this rank's process only)
     events: list = []  # with bucket_bytes: the order of the last step's Gram groups and all-reduces
     if bucket_bytes is not None:
-        import fgd_fast.distributed as fd
+        import fgd_fast.collectives as fc
         from fgd_fast.backends import torch_batched as tb
 
-        fd.BUCKET_BYTES = bucket_bytes
+        fc.BUCKET_BYTES = bucket_bytes
         real = tb._Group.grams
 
         def grams(self, scratch):
