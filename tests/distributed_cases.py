@@ -369,9 +369,10 @@ def _same(a, b):
     return same and a[1].keys() == b[1].keys()
 
 
-def fsdp_checkpoint(rank, world, out, *, before=3, after=3):
+def fsdp_checkpoint(rank, world, out, *, before=3, after=3, model_first=False):
     """Save with torch.distributed.checkpoint after ``before`` steps, load into a fresh model and
-    optimizer, continue: bit-identical to the run that never stopped."""
+    optimizer (optimizer state first, or the model's first), continue: bit-identical to the run
+    that never stopped."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -396,15 +397,61 @@ def fsdp_checkpoint(rank, world, out, *, before=3, after=3):
     opt2 = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model2, rule), **HYPER)
     state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
     dcp.load(state, checkpoint_id=path)
-    # optimizer first: an empty optimizer's state is initialised by a zero-gradient step, which
-    # moves θ by FGD's feedback term; the model state loaded afterwards overwrites it
-    set_optimizer_state_dict(model2, opt2, state["optim"])
-    set_model_state_dict(model2, state["model"])
+    # torch initialises an empty optimizer's state with an lr = 0 step: FGD takes none (it only
+    # creates the state), so the restored weights stay as loaded in either order
+    if model_first:
+        set_model_state_dict(model2, state["model"])
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+    else:
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+        set_model_state_dict(model2, state["model"])
     for step in range(before, before + after):
         _set_grads(model2, step)
         opt2.step()
     resumed = _local_state(model2, opt2)
     return dict(identical=_same(straight, resumed), names=sorted(resumed[1]))
+
+
+def fsdp_save(rank, world, out, *, path, before=3, after=3):
+    """Save after ``before`` steps (to ``path``, shared with another run), then run ``after``
+    more: the whole parameters and Φ at the end, for a run on another rank count to match."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(before + after):
+        if step == before:
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.save(state, checkpoint_id=path)
+        _set_grads(model, step)
+        opt.step()
+    params, bufs = _full_state(model, opt)
+    return dict(params=params, bufs=bufs)
+
+
+def fsdp_resume(rank, world, out, *, path, before=3, after=3):
+    """Load the checkpoint ``fsdp_save`` wrote (on any rank count: DCP reshards) into a fresh
+    model and optimizer and run the last ``after`` steps: the whole parameters and Φ."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _sharded(world, seed=1)  # other weights: the checkpoint must restore them
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(before, before + after):
+        _set_grads(model, step)
+        opt.step()
+    params, bufs = _full_state(model, opt)
+    return dict(params=params, bufs=bufs)
 
 
 def ddp_train(rank, world, out, *, steps=5):
@@ -448,6 +495,8 @@ CASES = {
         fsdp_orthogonality_on_one_rank,
         fsdp_partial,
         fsdp_checkpoint,
+        fsdp_save,
+        fsdp_resume,
         ddp_train,
         zero_steps,
     )

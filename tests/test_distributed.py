@@ -258,13 +258,24 @@ def test_orthogonality_on_one_rank_needs_no_collective():
     assert results[1]["one"] is None and results[1]["fresh"] == fresh
 
 
-def test_fsdp_checkpoint_round_trip():
-    results = run(2, "fsdp_checkpoint")
+@pytest.mark.parametrize("model_first", [False, True], ids=["optimizer_first", "model_first"])
+def test_fsdp_checkpoint_round_trip(model_first):
+    results = run(2, "fsdp_checkpoint", model_first=model_first)
     for res in results:
         assert res["identical"]
         assert res["names"] == sorted(
             cases.ORTHOGONAL + ("fc2.weight",) + tuple(f"{m}.bias" for m in ("stem", "conv", "expand", "fc1", "fc2"))
         )
+
+
+def test_fsdp_checkpoint_saved_on_2_ranks_resumes_on_4(tmp_path):
+    """DCP reshards: a checkpoint saved by 2 ranks, loaded by 4 (other placements: fc1 is
+    gathered there) continues the run that never stopped, to float64 rounding."""
+    path = str(tmp_path / "ckpt")
+    straight = run(2, "fsdp_save", path=path)[0]
+    for res in run(4, "fsdp_resume", path=path):
+        assert_close(res["params"], straight["params"])
+        assert_close(res["bufs"], straight["bufs"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
