@@ -15,7 +15,9 @@ protocol of :mod:`plan` on a :class:`contenders.Case`:
    should be comparable, so the distances are too).
 3. **Timing.** The gradient is fixed to set 0 and ``benchmark.pedantic`` times one step per
    round (synchronising inside the timed function on a GPU).
-4. **Memory.** One more step measures the peak extra memory (:mod:`memtrack`).
+4. **Host budget** (FGD only). One step's non-view aten ops and Triton launches
+   (:mod:`opcount`) and the median host time of the step call (:func:`launch_budget`).
+5. **Memory.** One more step measures the peak extra memory (:mod:`memtrack`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import fgd_fast
 from benchmarks.contenders import Case
 from benchmarks.memtrack import peak_extra_bytes
+from benchmarks.opcount import count_ops
 from benchmarks.plan import Budget, rounds_for
 
 __all__ = ["LR", "POOL", "GRAD_SEED", "gradient_pool", "measure_case", "synchronizer"]
@@ -53,6 +56,26 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def launch_budget(step: Callable[[], None], sync: Callable[[], None], repeats: int = 5) -> dict:
+    """What one step asks of the host: its non-view aten ops (plus Triton kernel launches) and
+    the median host time of the call itself (not waiting for the device afterwards; a step
+    whose checks read device values waits there)."""
+    import sys
+
+    triton = sys.modules.get("fgd_fast.backends.triton")
+    before = sum(triton.launch_counts.values()) if triton is not None else 0
+    ops = count_ops(step)
+    launches = (sum(triton.launch_counts.values()) - before) if triton is not None else 0
+    sync()
+    host = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+        sync()
+    return {"ops_per_step": ops, "launches_per_step": launches, "host_s": statistics.median(host)}
 
 
 def measure_case(
@@ -114,6 +137,9 @@ def measure_case(
     rounds = rounds_for(budget, probe)
     benchmark.pedantic(timed, rounds=rounds, warmup_rounds=0, iterations=1)
     info["rounds"] = rounds
+
+    if isinstance(case.optimizer, fgd_fast.FGD):
+        info.update(launch_budget(case.step, sync))
 
     peak, method = peak_extra_bytes(case.step, device)
     info["peak_extra_bytes"] = peak

@@ -323,6 +323,13 @@ def workload_section(run: dict, w: str) -> list[str]:
             f"{_times(_memory_multiple(case))} | {dist} | "
             f"{_sci(stab.get('step_norm'))} |"
         )
+    budget = [(name, by[name]) for name in _sorted(by) if "ops_per_step" in by[name]]
+    if budget:
+        lines += ["", "| FGD contender | aten ops per step | Triton launches | host time per step |"]
+        lines.append("|---|---|---|---|")
+        for name, case in budget:
+            ops, launches, host = case["ops_per_step"], case.get("launches_per_step", 0), _time(case.get("host_s"))
+            lines.append(f"| {name} | {ops} | {launches} | {host} |")
     skipped = [s for s in run["skips"] if s["workload"] == w]
     not_run = [
         (name, by[name]["stability"]["skipped"])
@@ -363,6 +370,9 @@ def method(run: dict) -> list[str]:
         "32·Σn·p bytes per step; plain SGD with momentum moves 20·Σn·p bytes. *of matmul rate* / *of copy "
         "bandwidth* divide that work by the step time and by the rates measured at the start of this run; "
         "*× FGD floor* is the step time over max(compute floor, memory floor) of FGD's work, for every contender.",
+        "- **Host budget** (FGD): the non-view aten ops and Triton launches of one step (each a kernel "
+        "launch on a GPU, a few µs of host time) and the median host time of the `step()` call, not "
+        "waiting for the device afterwards (a step whose checks read device values waits there).",
         f"- **Peak extra memory**: {memory}; *× θ bytes* divides it by the bytes of the constrained "
         "weights (float32, 4·Σn·p).",
     ] + (

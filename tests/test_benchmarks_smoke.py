@@ -90,6 +90,10 @@ def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
         assert stab.get("same_as") == "fgd-auto" if "skipped" in stab else stab["steps"] == 3, (w, c, stab)
         assert info["peak_extra_bytes"] >= 0 and info["memory_method"]
         assert (info.get("cost") is not None) == (info["family"] in ("fgd", "sgd")), (w, c)
+        # FGD's host budget: its aten ops (and Triton launches) and host time per step
+        assert ("ops_per_step" in info) == (info["family"] == "fgd"), (w, c)
+        if info["family"] == "fgd":
+            assert info["ops_per_step"] + info["launches_per_step"] > 0 and info["host_s"] > 0, (w, c)
         if c != "sgd" and "max" in stab:
             assert stab["max"] < 1e-4, (w, c, stab)  # every constrained contender stays on the manifold
     session = data["fgd_bench"]

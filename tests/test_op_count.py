@@ -10,13 +10,12 @@ far below: lower the ceilings as the middle shrinks.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 import fgd_fast
+from benchmarks.opcount import OpCounter
 from fgd_fast.backends import algebra
 from helpers import backend_reason
 
@@ -30,20 +29,6 @@ from helpers import backend_reason
 # kernels are what brings it down
 CEILING = {"torch": 465, "triton": 614}
 TRITON_LAUNCHES = 3  # split, Gram pass, update pass (one launch class: every layer here is W2ᵀ)
-_VIEWS = ("view", "as_strided", "transpose", "aten.t", "expand", "unsqueeze", "squeeze", "select", "slice")
-_VIEWS += ("permute", "detach", "alias", "reshape", "unbind", "split", "diagonal")
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if not any(v in name for v in _VIEWS):
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
@@ -73,11 +58,11 @@ def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
             p.grad = torch.randn(p.shape, generator=gen) * 0.01
         if step == 2:
             launches[0] = 0
-            with _Count() as count:
+            with OpCounter() as count:
                 opt.step()
         else:
             opt.step()
-    return sum(count.ops.values()), launches[0]
+    return count.total, launches[0]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
