@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fgd_fast
+from fgd_fast import guards
 from fgd_fast.backends import algebra
 from fgd_fast.guards import MAX_DISTANCE
 from helpers import backend_params
@@ -234,7 +235,7 @@ def test_ordinary_training_never_binds_the_guard():
     assert all(v == {"scaled": 0, "reset": 0} for v in opt.guard_stats().values()), opt.guard_stats()
 
 
-@pytest.mark.parametrize("spikes", [(1e-2,) * 5, (1e-2, 30.0, 1e-2, 1e3, 1.0)])
+@pytest.mark.parametrize("spikes", [(1e-2,) * 5, (1e-2, 30.0, 1e-2, 1e3, 1.0), (1e-2, 1e160, 1e-2, 1e-2, 1e-2)])
 def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch):
     """On a CPU the guard first checks every layer's full step alone and blends only when one
     leaves the target (``HOST_READ_DEVICES``); elsewhere it always blends. Both are one rule: the
@@ -252,8 +253,8 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
         return algebra.middle(mt @ theta, mt @ mom, mom.mT @ mom, mt @ g, **hyper, **blocks)
 
     first, blended = run(("cpu",)), run(())
-    binds = any(s > 1 for s in spikes)
-    assert bool((first.guarded != 0).any()) == binds
+    binds = any(1 < s < 1e100 for s in spikes)  # (1e160: ‖g‖² overflows float64, s = 0: a reset, both ways)
+    assert bool((first.guarded == guards.SCALED).any()) == binds
     for name in ("m_theta", "m_phi", "feedback", "scale", "dist_next"):
         assert torch.allclose(getattr(first, name), getattr(blended, name), rtol=1e-12, atol=1e-14), name
     assert torch.equal(first.guarded, blended.guarded) and torch.equal(first.finite_next, blended.finite_next)

@@ -71,6 +71,7 @@ __all__ = [
     "velocity_gram",
     "step_distance",
     "full_steps_fit",
+    "guard_codes",
     "HOST_READ_DEVICES",
     "host_reads_free",
     "join_checks",
@@ -238,6 +239,12 @@ def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
     return w
 
 
+def guard_codes(scale: torch.Tensor) -> torch.Tensor:
+    """int8 what the guard did, from the update's total scale ``ts`` per layer: ``guards.KEPT``
+    where it is 1, ``SCALED`` where it is in (0, 1), ``RESET`` where it is 0 (every backend)."""
+    return torch.where(scale == 1.0, 0, torch.where(scale > 0, 1, 2)).to(torch.int8)
+
+
 def full_steps_fit(dist_full: torch.Tensor, movable: torch.Tensor, target: float) -> bool:
     """Whether every layer's full step (t = 1) is finite and within ``target`` (a host read)."""
     return bool((movable & (dist_full <= target)).all())
@@ -337,9 +344,8 @@ def middle(
     if host_reads_free(a.device):
         dist_full = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
         if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
-            guarded = torch.where(scale == 1.0, 0, 1).to(torch.int8)  # KEPT / SCALED (by the radius)
             fits = storable(dist_full, p, stored)
-            return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guarded)
+            return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale))
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
@@ -360,9 +366,8 @@ def middle(
     m_theta = torch.where(whole, m_theta, torch.where(moving, base + delta * weight, base))  # F₀ + tΔ
     feedback = torch.where(whole, feedback, torch.where(moving, base + (feedback - pull_back) * weight, base))
     scale = scale * blend.weight  # U → tsU
-    full = scale == 1.0
-    guarded = torch.where(full, 0, torch.where(scale > 0, 1, 2)).to(torch.int8)  # KEPT / SCALED / RESET
-    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, storable(blend.dist, p, stored), guarded)
+    fits = storable(blend.dist, p, stored)
+    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, fits, guard_codes(scale))
 
 
 class Checks(NamedTuple):

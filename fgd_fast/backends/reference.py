@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .algebra import choose_weight, guard_target, storable, store_unit, sym, trust_scale
+from .algebra import choose_weight, guard_codes, guard_target, storable, store_unit, sym, trust_scale
 from .base import StepPlan, compute_dtype, full_precision
 
 __all__ = ["prepare_reference"]
@@ -117,8 +117,7 @@ def prepare_reference(
                 theta_new = torch.where(t == 1, theta_new, torch.where(t > 0, theta_pb + t * v, at_rest))
                 phi_new = torch.where(t == 1, phi_new, torch.where(t > 0, t * phi_new, torch.zeros_like(phi_new)))
                 total = scale * blend.weight[0]  # U → tsU
-                code = torch.where(total == 1, 0, torch.where(total > 0, 1, 2))  # guards.KEPT / SCALED / RESET
-                guarded.append(code.to(torch.int8))
+                guarded.append(guard_codes(total))  # guards.KEPT / SCALED / RESET
                 dist_next.append(blend.dist[0])
                 finite_next.append(storable(blend.dist[0], theta.shape[1], param.dtype))
             results.append((from_stiefel(theta_new, param.shape), from_stiefel(phi_new, param.shape)))
