@@ -10,11 +10,34 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BUCKET_BYTES", "is_dtensor", "full_values", "fold_float64", "unfold_float64", "summing_over"]
+__all__ = ["BUCKET_BYTES", "packed", "is_dtensor", "full_values", "fold_float64", "unfold_float64", "summing_over"]
 
 #: the packed all-reduces of a step (and the fallback's packed all-gathers, counted in whole
 #: tensors) are split into calls of at most this many bytes
 BUCKET_BYTES = 64 << 20
+
+
+def packed(items: list, size: Callable[[object], int], cap: int) -> list[list]:
+    """``items`` in order, cut into consecutive runs of at most ``cap`` total ``size`` (at
+    least one item each): the calls of a packed collective."""
+    runs: list[list] = []
+    total = 0
+    for item in items:
+        if runs and runs[-1] and total + size(item) <= cap:
+            runs[-1].append(item)
+            total += size(item)
+        else:
+            runs.append([item])
+            total = size(item)
+    return runs
+
+
+def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors`` (in their shapes)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
 
 
 def is_dtensor(t: object) -> bool:
@@ -65,18 +88,11 @@ def full_values(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]
             out[k] = t.full_tensor()  # (another placement, or shards not split as torch.chunk splits)
             continue
         kinds.setdefault((group, t.dtype, t.device), []).append(k)
-    buckets = []  # at most BUCKET_BYTES of whole tensors per all-gather (at least one tensor)
-    for (group, dtype, device), members in kinds.items():
-        current, size = [], 0
-        for k in members:
-            nbytes = tensors[k].numel() * tensors[k].element_size()
-            if current and size + nbytes > BUCKET_BYTES:
-                buckets.append((group, dtype, device, current))
-                current, size = [], 0
-            current.append(k)
-            size += nbytes
-        buckets.append((group, dtype, device, current))
-    for group, dtype, device, members in buckets:
+    whole_bytes = lambda k: tensors[k].numel() * tensors[k].element_size()  # noqa: E731
+    buckets = [  # at most BUCKET_BYTES of whole tensors per all-gather (at least one tensor)
+        (key, run) for key, members in kinds.items() for run in packed(members, whole_bytes, BUCKET_BYTES)
+    ]
+    for (group, dtype, device), members in buckets:
         world, me = dist.get_world_size(group), dist.get_rank(group)
         sizes = [sum(_part(tensors[k], world, r)[2] for k in members) for r in range(world)]
         longest = max(sizes)
@@ -142,30 +158,17 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], Callable[[], None]]:
                 del by_kind[(dtype, device)]
         issued = []  # (work, flat, tensors)
         for same in by_kind.values():
-            start = 0
-            while start < len(same):
-                stop, size = start, 0
-                while stop < len(same) and (stop == start or size + same[stop].nbytes <= BUCKET_BYTES):
-                    size += same[stop].nbytes
-                    stop += 1
-                chunk = same[start:stop]
+            for chunk in packed(same, lambda t: t.nbytes, BUCKET_BYTES):
                 flat = torch.cat([t.reshape(-1) for t in chunk])
                 # Σ over ranks, bitwise the same result on every rank; asynchronous
                 issued.append((dist.all_reduce(flat, group=group, async_op=True), flat, chunk))
-                start = stop
 
         def wait() -> None:
             for work, flat, chunk in issued:
                 work.wait()
-                offset = 0
-                for t in chunk:
-                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                    offset += t.numel()
+                _unpack(flat, chunk)
             for same, pairs in folded:
-                values, offset = unfold_float64(pairs), 0
-                for t in same:
-                    t.copy_(values[offset : offset + t.numel()].view(t.shape))
-                    offset += t.numel()
+                _unpack(unfold_float64(pairs), same)
 
         return wait
 

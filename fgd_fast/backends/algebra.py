@@ -240,9 +240,10 @@ def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
 
 
 def guard_codes(scale: torch.Tensor) -> torch.Tensor:
-    """int8 what the guard did, from the update's total scale ``ts`` per layer: ``guards.KEPT``
-    where it is 1, ``SCALED`` where it is in (0, 1), ``RESET`` where it is 0 (every backend)."""
-    return torch.where(scale == 1.0, 0, torch.where(scale > 0, 1, 2)).to(torch.int8)
+    """int8 what the guard did, from the update's total scale ``ts ∈ [0, 1]`` per layer (finite:
+    :func:`trust_scale` makes it so): ``guards.KEPT`` where it is 1, ``SCALED`` where it is in
+    (0, 1), ``RESET`` where it is 0 (every backend)."""
+    return (scale < 1.0).to(torch.int8) + (scale <= 0.0).to(torch.int8)  # 0 / 1 / 2
 
 
 def full_steps_fit(dist_full: torch.Tensor, movable: torch.Tensor, target: float) -> bool:

@@ -61,6 +61,7 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
+from ..collectives import packed
 from .algebra import Middle, host_reads_free, join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
 
@@ -420,7 +421,7 @@ class _Group:
         a, g_blk, phi_b, c = grams[:4] if b.reads_phi else (*grams[:2], None, None)
         gg = grams[2] if b.predict and not b.reads_phi else None
         uu = grams[4] if b.predict and b.reads_phi else None
-        hyper = {k: self._hyper(name) for k, name in (("lr", "lr"), ("beta", "beta"), ("alpha", "alpha"))}
+        hyper = {name: self._hyper(name) for name in ("lr", "beta", "alpha")}
         mid = middle(a, phi_b, c, g_blk, **hyper, g_sq=g_sq, gg=gg, uu=uu, unit=b.unit, stored=b.dtype, **b.guard)
         at = 0
         for (member, gemm_chunks), size in zip(self.members, self.sizes):
@@ -437,19 +438,12 @@ def _groups(buckets: list[_Bucket], middle_numel: int) -> list[_Group]:
     for b in buckets:
         for gemm_chunks in b.plan:
             by_layout[(b.p, b.cdt, b.dtype, b.reads_phi, b.writes_phi)].append((b, gemm_chunks))
-    groups = []
-    for (p, *_), members in by_layout.items():
-        cap = max(1, middle_numel // max(1, _MIDDLE_BLOCKS * p * p))
-        current, size = [], 0
-        for b, gemm_chunks in members:
-            c = gemm_chunks[-1].e - gemm_chunks[0].s
-            if current and size + c > cap:
-                groups.append(_Group(current))
-                current, size = [], 0
-            current.append((b, gemm_chunks))
-            size += c
-        groups.append(_Group(current))
-    return groups
+    layers = lambda member: member[1][-1].e - member[1][0].s  # noqa: E731  (a middle chunk's layer count)
+    return [
+        _Group(run)
+        for (p, *_), members in by_layout.items()
+        for run in packed(members, layers, max(1, middle_numel // max(1, _MIDDLE_BLOCKS * p * p)))
+    ]
 
 
 class _Step:
@@ -510,9 +504,9 @@ def prepare_torch(
     groups = layer_classes(len(params), key)
     buckets = [_Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
+    floor = _CPU_STACK_FLOOR if device.type == "cpu" else 0
     for b in buckets:
         stacks = len(b.layers) > 1 and (device.type == "cuda" or b.numel < _CPU_STACK_BELOW)
-        floor = _CPU_STACK_FLOOR if device.type == "cpu" else 0
         b.stack_numel = max(int(total * _STACK_FRACTION), floor) if stacks else 0
     # middle chunks from the full sizes with row shards: the same chunks (so reduced list) on every rank
     middle_numel = total if shapes is None else sum(math.prod(s) for s in shapes)
