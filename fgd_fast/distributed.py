@@ -37,6 +37,7 @@ import torch
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 from .collectives import fold_float64, full_values, is_dtensor, summing_over, unfold_float64
+from .owners import layout_of, owner_bytes, owner_group, prepare_owned
 
 __all__ = [
     "shard_placement",
@@ -45,7 +46,9 @@ __all__ = [
     "full_value",
     "full_values",
     "SHARDINGS",
-    "gathering_is_cheaper",
+    "PATH_MARGIN",
+    "path_bytes",
+    "owner_is_cheaper",
     "write_shard",
     "gram64",
     "prepare_dtensors",
@@ -55,11 +58,12 @@ __all__ = [
     "unfold_float64",
 ]
 
-#: how row-sharded layers step (``FGD(sharding=...)``): see :func:`gathering_is_cheaper`
-SHARDINGS = ("auto", "rows", "gather")
-#: "auto" gathers a row-sharded layer only when that sends at least this many fewer bytes (one
-#: more collective in the step costs about as much as a megabyte on a fast interconnect)
-GATHER_MARGIN = 1 << 20
+#: how DTensor layers step (``FGD(sharding=...)``): see :func:`prepare_dtensors`
+SHARDINGS = ("auto", "rows", "owner", "gather")
+#: "auto" moves a row-sharded layer to the owner path only when that sends at least this many
+#: fewer bytes per rank (one more collective in the step costs about as much as a megabyte on a
+#: fast interconnect)
+PATH_MARGIN = 1 << 20
 
 
 def shard_placement(param: torch.Tensor, world_size: int | None = None):
@@ -153,18 +157,34 @@ def gram64(t: torch.Tensor) -> torch.Tensor:
     return theta.t() @ theta
 
 
-def gathering_is_cheaper(param, buf) -> bool:
-    """Whether gathering θ, Φ and g whole (``(R−1)/R · 3np`` numbers) sends at least
-    :data:`GATHER_MARGIN` bytes less per rank than summing the partial Gram blocks of a row
-    shard (``2(R−1)/R · (2p² + 3p(p+1)/2 + 1)``: E, B whole, A, C, UᵀU as triangles, ‖g‖²),
-    the common ``(R−1)/R`` left out: true for square and wide θ (``n ≲ 2.3p``), false for tall."""
+def path_bytes(param, buf, ranks: int) -> dict[str, float]:
+    """Bytes one rank moves per step for this layer on each path (R = ``ranks``):
+
+    * ``"rows"`` — a ring all-reduce of the partial Gram blocks, ``2(R−1)/R · (2p² + 3p(p+1)/2
+      + 1)`` numbers (E, B whole, A, C, UᵀU as triangles, ‖g‖²), whatever the shard;
+    * ``"owner"`` — θ, g, Φ to the layer's owner and θ₊, Φ₊ back, ``(R−1)/R²`` of each whole
+      matrix (:func:`fgd_fast.owners.owner_bytes`, the layers spread evenly over the ranks);
+    * ``"gather"`` — θ, Φ and g all-gathered on every rank, ``(R−1)/R · 3np`` numbers.
+
+    Summing wins for tall θ on few ranks (a convolution, n = 9p), the owner path for square
+    and wide θ and, as R grows, for nearly everything else (its bytes fall as 1/R)."""
     n, p, _ = stiefel_shape(param.shape)
     item = param.element_size()
     phi_item = buf.element_size() if buf is not None else item
     compute = 8 if param.dtype == torch.float64 else 4  # the blocks are float32 (float64 for float64)
-    rows = 2 * (2 * p * p + 1.5 * p * (p + 1) + 1) * compute
-    gather = n * p * (2 * item + phi_item)
-    return rows - gather >= GATHER_MARGIN
+    share = (ranks - 1) / ranks
+    return {
+        "rows": 2 * share * (2 * p * p + 1.5 * p * (p + 1) + 1) * compute,
+        "owner": owner_bytes(param, buf, ranks),
+        "gather": share * n * p * (2 * item + phi_item),
+    }
+
+
+def owner_is_cheaper(param, buf, ranks: int) -> bool:
+    """``sharding="auto"``'s choice for a row-sharded layer: the owner path when it moves at
+    least :data:`PATH_MARGIN` bytes per rank and step fewer than summing its Gram blocks."""
+    cost = path_bytes(param, buf, ranks)
+    return cost["rows"] - cost["owner"] >= PATH_MARGIN
 
 
 def prepare_dtensors(
@@ -187,33 +207,50 @@ def prepare_dtensors(
 ):
     """Plans for the DTensor layers ``idx`` (positions into the lists): ``[(layers, plan)]``.
 
-    ``resolve(device_type)`` is the backend's ``prepare``. Row-sharded layers whose gradient
-    and Φ share θ's layout go to one ``prepare`` per (mesh, sharded mesh dimension) with
-    ``reduce`` (over that dimension's process group) and ``shapes`` when the backend supports
-    row shards, unless ``sharding`` says to gather them (``"gather"``, or ``"auto"`` where
-    :func:`gathering_is_cheaper`); every other layer is gathered and stepped whole (exact).
-    ``trust_radius``, ``max_distance``: the step guard, ``variant``: the update's, passed on to
-    the backend.
+    ``resolve(device_type)`` is the backend's ``prepare``. Each layer takes one of three exact
+    paths (its gradient and Φ sharing θ's layout; otherwise it is gathered):
+
+    * **rows** — θ split into whole rows (:func:`row_mesh_dim`) and a backend that takes row
+      shards: one ``prepare`` per (mesh, sharded mesh dimension) with ``reduce`` (over that
+      dimension's process group) and ``shapes``;
+    * **owner** — any other placement on a mesh whose ranks form a process group
+      (:func:`fgd_fast.owners.owner_group`): each layer stepped whole by one rank
+      (:mod:`fgd_fast.owners`);
+    * **gather** — θ, Φ, g all-gathered and stepped whole on every rank (:func:`full_values`).
+
+    ``sharding="auto"`` sums row shards unless the owner path moves at least
+    :data:`PATH_MARGIN` fewer bytes (:func:`owner_is_cheaper`) and steps every other layer on
+    the owner path; ``"rows"`` always sums row shards (owner path for the others); ``"owner"``
+    and ``"gather"`` take that path for every layer they can. A layer gathered because no other
+    path fits is said once (a ``RuntimeWarning``). ``trust_radius``, ``max_distance``: the step
+    guard, ``variant``: the update's, passed on to the backend.
     """
     rows: dict[tuple, list[int]] = {}
+    owned: dict[tuple, list[int]] = {}
     whole: dict[torch.device, list[int]] = {}
-    forced = []  # gathered because they are not row shards
+    forced = []  # gathered because no other path fits
     for i in idx:
         p, g, b = params[i], grads[i], bufs[i]
-        prepare = resolve(p.device.type)
-        shardable = (
-            getattr(prepare, "row_shards", False)
-            and row_mesh_dim(p) is not None
-            and _same_layout(p, g)
-            and (b is None or _same_layout(p, b))
-        )
-        summed = sharding == "rows" or (sharding == "auto" and not gathering_is_cheaper(p, b))
-        if shardable and summed:
+        same = _same_layout(p, g) and (b is None or _same_layout(p, b))
+        shardable = same and getattr(resolve(p.device.type), "row_shards", False) and row_mesh_dim(p) is not None
+        group = owner_group(p) if same and sharding != "gather" else None
+        if shardable and (
+            sharding == "rows"
+            or (sharding == "auto" and not owner_is_cheaper(p, b, p.device_mesh.size(row_mesh_dim(p))))
+            or (sharding == "owner" and group is None)
+        ):
             rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
+        elif group is not None:
+            owned.setdefault((group, p.device), []).append(i)
         else:
             whole.setdefault(p.device, []).append(i)
-            if not shardable:
+            if sharding != "gather" and not shardable:
                 forced.append(p)
+    for (group, device), layers in owned.items():  # pieces that do not tile θ: gathered instead
+        lay = layout_of([params[i] for i in layers], group)
+        for k in [k for k, ok in enumerate(lay.ok) if not ok]:
+            whole.setdefault(device, []).append(layers[k])
+            forced.append(params[layers[k]])
     if forced:  # (gathered by choice, by sharding=, is not worth a warning)
         _say_gathered(forced)
     kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
@@ -235,6 +272,25 @@ def prepare_dtensors(
                 variant=variant,
             )
             out.append((layers, plan))
+        for (group, device), layers in owned.items():
+            lay = layout_of([params[i] for i in layers], group)
+            layers = [i for i, ok in zip(layers, lay.ok) if ok]
+            if layers:
+                plan = prepare_owned(
+                    resolve(device.type),
+                    layout_of([params[i] for i in layers], group),
+                    [params[i] for i in layers],
+                    [grads[i] for i in layers],
+                    [bufs[i] for i in layers],
+                    [fresh[i] for i in layers],
+                    **{k: [v[i] for i in layers] for k, v in kwargs.items()},
+                    check_finite=check_finite,
+                    precision=precision,
+                    trust_radius=trust_radius,
+                    max_distance=max_distance,
+                    variant=variant,
+                )
+                out.append((layers, plan))
         for device, layers in whole.items():
             # every rank gets the same whole matrices: θ, Φ and g of these layers in one all-gather per dtype
             count = len(layers)
@@ -276,12 +332,12 @@ def _say_gathered(params: list) -> None:
     listed = ", ".join(f"{tuple(p.shape)} {tuple(p.placements)}" for p in params[:6])
     listed += f" and {len(params) - 6} more" if len(params) > 6 else ""
     warnings.warn(
-        f"FGD all-gathers {len(params)} sharded parameter(s) whole every step, because their "
-        "placement does not shard θ's rows (or the backend takes no row shards: only 'torch' "
-        f"and 'auto' do) ({listed}): θ, Φ and g, ~{moved / 2**20:.1f} MiB "
-        "received per rank and step, and each rank computes their whole step. Row shards avoid "
-        "it: fully_shard(..., shard_placement_fn=fgd_fast.shard_placement) (a dimension no rank "
-        "count divides, tensor-parallel and multi-dimensional placements stay gathered).",
+        f"FGD all-gathers {len(params)} sharded parameter(s) whole every step ({listed}): θ, Φ and g, "
+        f"~{moved / 2**20:.1f} MiB received per rank and step, and each rank computes their whole step. "
+        "Neither cheaper path fits them: the owner path needs a 1-D mesh or a mesh over every rank, "
+        "gradients and momentum with the parameter's placement, and pieces that tile θ; row shards "
+        "need a backend that takes them ('torch' or 'auto'). For FSDP2, "
+        "fully_shard(..., shard_placement_fn=fgd_fast.shard_placement) shards θ's rows.",
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )

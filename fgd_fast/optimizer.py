@@ -118,12 +118,15 @@ class FGD(StiefelOptimizer):
             in ``docs/algorithm.md``.
         maximize: maximise the objective instead (the gradient negated for every parameter,
             as ``torch.optim.SGD(maximize=True)``); optimizer-wide.
-        sharding: how a DTensor (FSDP2) layer whose rows are sharded is stepped: ``"auto"``
-            (default) sums its partial Gram blocks over the ranks (``2·(3.5p² + 1.5p + 1)``
-            numbers sent per layer) unless gathering θ, Φ and g whole (``3np``) sends at least
-            1 MiB less (square and wide matrices); ``"rows"`` always sums, ``"gather"`` always
-            gathers. Layers that are not row-sharded are gathered whatever this says; every
-            rank must use the same (checked). Exact either way.
+        sharding: how a DTensor (FSDP2, tensor-parallel) layer is stepped, always exactly as
+            one process would on the whole matrix: ``"auto"`` (default) sums a row shard's
+            partial Gram blocks over the ranks (``2·(3.5p² + 1.5p + 1)`` numbers per layer)
+            unless moving the whole matrix to one *owner* rank and back (``~5np/R`` per rank)
+            sends at least 1 MiB less, and steps every other placement (column shards, 2-D
+            meshes) on the owner path; ``"rows"`` always sums row shards, ``"owner"`` sends
+            every layer to its owner, ``"gather"`` all-gathers every layer on every rank
+            (``3np``). A layer no cheaper path fits is gathered, with a warning. Every rank
+            must use the same (checked); see :mod:`fgd_fast.distributed`.
     """
 
     def __init__(
@@ -194,7 +197,7 @@ class FGD(StiefelOptimizer):
     trust_radius = option("trust_radius", "ρ of the guard's safety radius on ‖Φ‖ + η‖g‖ (optimizer-wide).")
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
-    sharding = option("sharding", '``"auto"``, ``"rows"`` or ``"gather"``: how row-sharded DTensor layers step.')
+    sharding = option("sharding", '``"auto"``, ``"rows"``, ``"owner"`` or ``"gather"``: how DTensor layers step.')
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         check_choice("backend", options["backend"], BACKENDS)

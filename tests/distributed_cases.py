@@ -181,13 +181,14 @@ class _CountAllReduce:
 
 class _CountGathers:
     """Counts the step's all-gathers: packed ones (``dist.all_gather_into_tensor``) and
-    ``DTensor.full_tensor`` calls (one gather per tensor)."""
+    ``DTensor.full_tensor`` calls (one gather per tensor); and its ``all_to_all_single`` calls
+    (the owner path) with the numbers they send from this rank."""
 
     def __enter__(self):
         from torch.distributed.tensor import DTensor
 
-        self.packed = self.whole = 0
-        self.saved = dist.all_gather_into_tensor, DTensor.full_tensor
+        self.packed = self.whole = self.to_all = self.sent = 0
+        self.saved = dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single
 
         def packed(*args, **kwargs):
             self.packed += 1
@@ -197,13 +198,18 @@ class _CountGathers:
             self.whole += 1
             return self.saved[1](t, *args, **kwargs)
 
-        dist.all_gather_into_tensor, DTensor.full_tensor = packed, whole
+        def to_all(output, input, *args, **kwargs):
+            self.to_all += 1
+            self.sent += input.numel()
+            return self.saved[2](output, input, *args, **kwargs)
+
+        dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single = packed, whole, to_all
         return self
 
     def __exit__(self, *exc):
         from torch.distributed.tensor import DTensor
 
-        dist.all_gather_into_tensor, DTensor.full_tensor = self.saved
+        dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single = self.saved
 
 
 # -- the cases ----------------------------------------------------------------------------------
@@ -240,7 +246,7 @@ def fsdp_steps(
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, sharding=sharding, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
-    reduces, gathers, said = [], [], []
+    reduces, gathers, to_all, said = [], [], [], []
     for step in range(steps):
         _set_grads(model, step, spike=spike)
         events.clear()
@@ -250,6 +256,7 @@ def fsdp_steps(
             opt.step()
         reduces.append(counter.count)
         gathers.append((gathered.packed, gathered.whole))
+        to_all.append((gathered.to_all, gathered.sent))
         said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
     params, bufs = _full_state(model, opt)
     return dict(
@@ -261,8 +268,61 @@ def fsdp_steps(
         dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
         reduces=reduces,
         gathers=gathers,
+        to_all=to_all,
         said=said,
         events=events,
+        guard=opt.guard_stats(),
+    )
+
+
+def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="auto"):
+    """Tensor parallel on ``Mixed``: ``fc1`` ColwiseParallel (θ's columns split: the owner path),
+    ``odd`` RowwiseParallel (θ = W2's 2 columns over the ranks: empty pieces on 4), ``fc2``
+    RowwiseParallel (SGD); the other layers plain. With ``fsdp``, a 2 × world/2 (dp, tp) mesh
+    and FSDP2 over dp on top (its default ``Shard(0)``): ``fc1`` becomes (_StridedShard(0),
+    Shard(0)), ``odd`` (Shard(0), Shard(1)) — 2-D placements on the owner path over all ranks —
+    and the convolutions row shards (``expand``) or owner layers within each dp group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = build()
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh = mesh["tp"]
+    else:
+        tp_mesh = _mesh(world)
+    parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "odd": RowwiseParallel(), "fc2": RowwiseParallel()})
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])  # FSDP2's default Shard(0)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), sharding=sharding, **HYPER)
+    placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    to_all, gathers, said = [], [], []
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            g = full_grad(name, p.shape, step, spike)
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(
+                    _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+                )
+            p.grad = g
+        counted = _CountGathers()
+        with counted, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()
+        to_all.append(counted.to_all)
+        gathers.append((counted.packed, counted.whole))
+        said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()  # noqa: E731
+    return dict(
+        params={n: full(p) for n, p in model.named_parameters()},
+        bufs={n: full(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p in opt.state},
+        placements=placements,
+        to_all=to_all,
+        gathers=gathers,
+        said=said,
+        orth=opt.orthogonality(),
         guard=opt.guard_stats(),
     )
 
@@ -489,6 +549,7 @@ CASES = {
     f.__name__: f
     for f in (
         fsdp_steps,
+        tp_steps,
         fsdp_train,
         fsdp_refusals,
         fsdp_disagreements,
@@ -503,8 +564,13 @@ CASES = {
 }
 
 
-def entry(rank: int, world: int, init: str, out: str, case: str, kwargs: dict) -> None:
-    """A child process: join the gloo group, run ``case``, save its result (or traceback)."""
+def entry(rank: int, world: int, init: str, out: str, case: str, kwargs: dict, mutant: str | None = None) -> None:
+    """A child process: join the gloo group, run ``case``, save its result (or traceback);
+    ``mutant``: a mutant of the collectives to plant first (tests/mutants.py)."""
+    if mutant:
+        import mutants
+
+        mutants.plant_here(mutant)
     torch.set_num_threads(1)  # 2 cores shared by the ranks (and fork-safety after OpenMP)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:

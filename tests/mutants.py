@@ -19,6 +19,10 @@ from fgd_fast.backends import algebra
 
 RULE = "tests/test_guard_rule.py"
 GUARD = "tests/test_guard.py"
+DIST = "tests/test_distributed.py"
+#: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
+#: this variable, set while the mutant is planted, and calls :func:`plant_here`)
+IN_RANKS = "FGD_TEST_MUTANT"
 
 #: mutant → (what it breaks, the tests that must catch it)
 MUTANTS = {
@@ -54,6 +58,14 @@ MUTANTS = {
         "the full-step-first path (CPU) writes the full step without checking its distance",
         [f"{RULE}::test_backends_decide_alike_when_the_guard_binds[torch]"],
     ),
+    "owner_checks_unshared": (
+        "the owner path's checks not summed over the ranks (each rank sees only its own layers')",
+        [f"{DIST}::test_fsdp_refusal_is_collective[2]"],
+    ),
+    "grad_sq_unsummed": (
+        "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
+        [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -80,7 +92,12 @@ def plant(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
-    if name == "raise_when_guard_binds":
+    if name in ("owner_checks_unshared", "grad_sq_unsummed"):
+        import os
+
+        os.environ[IN_RANKS] = name
+        undo.append((os.environ, IN_RANKS, None))
+    elif name == "raise_when_guard_binds":
         original = guards.raise_if_invalid
 
         def raising(*args, **kwargs):
@@ -129,9 +146,35 @@ def plant(name: str) -> Callable[[], None]:
 
     def remove() -> None:
         for owner, attr, value in reversed(undo):
-            setattr(owner, attr, value)
+            if owner is os.environ:
+                os.environ.pop(attr, None)
+            else:
+                setattr(owner, attr, value)
 
     return remove
+
+
+def plant_here(name: str) -> None:
+    """Plant collective mutant ``name`` in this (rank's) process, for good."""
+    from fgd_fast import distributed, owners
+
+    if name == "owner_checks_unshared":
+        owners._share_checks = lambda checks, group: None
+    elif name == "grad_sq_unsummed":  # the per-layer ‖g‖² are the only 1-D tensors the row path reduces
+        summing = distributed.summing_over
+
+        def summing_over(group):
+            reduce = summing(group)
+
+            def partial(tensors):
+                return reduce([t for t in tensors if t.dim() != 1])
+
+            partial.bucket_bytes = reduce.bucket_bytes
+            return partial
+
+        distributed.summing_over = summing_over
+    else:
+        raise ValueError(f"{name!r} is not planted in the ranks")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,10 +50,12 @@ def _ctx():
 def run(world: int, case: str, **kwargs) -> list:
     """Run ``case`` on ``world`` processes; its per-rank results, or fail with the tracebacks."""
     ctx = _ctx()
+    mutant = os.environ.get("FGD_TEST_MUTANT")  # tests/mutants.py: a collective's mutant, planted in each rank
     with tempfile.TemporaryDirectory() as out:
         init = "file://" + os.path.join(out, "rendezvous")
         procs = [
-            ctx.Process(target=cases.entry, args=(r, world, init, out, case, kwargs), daemon=True) for r in range(world)
+            ctx.Process(target=cases.entry, args=(r, world, init, out, case, kwargs, mutant), daemon=True)
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -114,18 +116,17 @@ def test_fsdp_matches_one_process(world, placement):
         uneven_fc1 = 1 if world == 2 else 0  # 26 input features on 4 ranks: Shard(0), the fallback
         assert placements["conv.weight"] == 1 and placements["fc1.weight"] == uneven_fc1
         assert placements["stem.weight"] == placements["expand.weight"] == placements["odd.weight"] == 0
-        # every row-sharded layer joins one all-reduce per step (the stem/fc1 fallback all-gathers)
-        assert all(count == 1 for res in results for count in res["reduces"])
     else:
         assert set(placements.values()) == {0}
-    # the gathered layers' θ, Φ and g (all float64) travel in one packed all-gather per step
-    # (they took three full_tensor() gathers each before); no per-tensor gathers in the step
-    assert all(gathers == (1, 0) for res in results for gathers in res["gathers"]), results[0]["gathers"]
-    # and it is said once per process, with the advice (not a silent whole-matrix gather)
-    gathered = {(True, 2): 1, (True, 4): 2, (False, 2): 3, (False, 4): 3}[placement, world]
     for res in results:
-        assert len(res["said"]) == 1 and "shard_placement" in res["said"][0], res["said"]
-        assert f"all-gathers {gathered} sharded" in res["said"][0], res["said"][0]
+        # the row shards' Gram blocks in one all-reduce, the owner path's checks in one more
+        assert all(count == 2 for count in res["reduces"]), res["reduces"]
+        # the other layers (stem, fc1 on 4 ranks; every layer without the placement) on the owner
+        # path: θ, Φ, g (all float64) out in one all-to-all, θ₊ and Φ₊ back in another; where
+        # their pieces lie was exchanged once, in the first step's only all-gather; nothing gathered
+        assert all(count == 2 for count, _ in res["to_all"]), res["to_all"]
+        assert res["gathers"] == [(1, 0)] + [(0, 0)] * 4, res["gathers"]
+        assert res["said"] == []
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -155,7 +156,8 @@ def test_float32_row_shards_match_one_process(monkeypatch):
         assert_close(res["bufs"], bufs, tol=2e-6)
         assert all(v == {"scaled": 0, "reset": 0} for v in res["guard"].values())
         # the float32 blocks and the float64 ‖g‖² sums (folded into float32 pairs) in one all-reduce
-        assert all(count == 1 for count in res["reduces"])
+        # (and the stem's owner-path checks in the other)
+        assert all(count == 2 for count in res["reduces"]), res["reduces"]
 
 
 def test_buckets_of_gram_blocks_are_summed_while_the_next_grams_are_made():
@@ -170,20 +172,21 @@ def test_buckets_of_gram_blocks_are_summed_while_the_next_grams_are_made():
         kinds = [kind for kind, _ in res["events"]]
         assert kinds.count("reduce") >= kinds.count("gram") >= 2, kinds  # a call (or more: 1-byte buckets) per group
         assert kinds.index("reduce") < len(kinds) - 1 - kinds[::-1].index("gram"), kinds  # before the last Grams
-        assert all(asynchronous for kind, asynchronous in res["events"] if kind == "reduce")
+        assert res["events"][-1] == ("reduce", False)  # the stem's owner-path checks, after every Gram
+        assert all(asynchronous for kind, asynchronous in res["events"][:-1] if kind == "reduce")
 
 
 def test_sharding_gather_steps_row_shards_whole_and_exactly():
-    """``sharding="gather"``: even the row-sharded layers are gathered (one packed all-gather,
-    no Gram all-reduce) and stepped whole; the step is still the single process's, and no
-    warning (gathering was asked for; the stem is gathered by its placement and said once)."""
+    """``sharding="gather"``: every layer, the row-sharded ones too, is gathered (one packed
+    all-gather, no Gram all-reduce, no all-to-all) and stepped whole; the step is still the
+    single process's, and no warning (gathering was asked for)."""
     results = run(2, "fsdp_steps", sharding="gather")
     params, bufs, orth = cases.reference(5, 2)
     for res in results:
         assert_close(res["params"], params)
         assert_close(res["bufs"], bufs)
         assert all(count == 0 for count in res["reduces"]) and all(g == (1, 0) for g in res["gathers"])
-        assert len(res["said"]) == 1 and "all-gathers 1 sharded" in res["said"][0]
+        assert all(count == 0 for count, _ in res["to_all"]) and res["said"] == []
 
 
 def test_hsdp_reduces_over_the_shard_dimension():
@@ -194,19 +197,64 @@ def test_hsdp_reduces_over_the_shard_dimension():
         assert_close(res["bufs"], bufs)
         for name in orth:
             assert abs(res["orth"][name] - orth[name]) <= TOL
-        assert all(count == 1 for count in res["reduces"])
+        # the row shards' blocks over the shard dimension; the stem (columns sharded) on the owner
+        # path over all 4 ranks, its pieces sent once each (not once per replica), its checks summed
+        assert all(count == 2 for count in res["reduces"]) and all(c == 2 for c, _ in res["to_all"])
+        assert res["said"] == []
     assert_identical_ranks(results, "params")
     assert results[0]["placements"]["conv.weight"] == 1  # (Replicate(), Shard(1))
 
 
 @pytest.mark.parametrize("world", [2])
-def test_fsdp_reference_backend_takes_the_gathered_path(world):
+def test_fsdp_reference_backend_steps_every_layer_on_its_owner(world):
+    """A backend without row shards: every layer on the owner path (no Gram all-reduce, one
+    all-reduce of the checks), nothing gathered after the first step's layout exchange."""
     results = run(world, "fsdp_steps", backend="reference")
     params, bufs, _ = cases.reference(5, world, backend="reference")
     for res in results:
         assert_close(res["params"], params)
         assert_close(res["bufs"], bufs)
-        assert all(count == 0 for count in res["reduces"])  # no row-shard support: all-gather, never reduce
+        assert all(count == 1 for count in res["reduces"]) and all(c == 2 for c, _ in res["to_all"])
+        assert res["gathers"] == [(1, 0)] + [(0, 0)] * 4 and res["said"] == []
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tensor_parallel_layers_step_on_their_owners_exactly(world):
+    """ColwiseParallel splits θ's columns, RowwiseParallel θ = W2's (2 columns: a rank with
+    none on 4): both stepped on their owners, as one process would, with nothing gathered after
+    the first step's layout exchange and no warning."""
+    results = run(world, "tp_steps")
+    params, bufs, orth = cases.reference(5, world)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        for name in orth:
+            assert abs(res["orth"][name] - orth[name]) <= TOL
+        assert res["placements"]["fc1.weight"] == "(Shard(dim=0),)"  # W's rows: θ = W2ᵀ's columns
+        assert all(count == 2 for count in res["to_all"]) and res["said"] == []
+        assert res["gathers"] == [(1, 0)] + [(0, 0)] * 4, res["gathers"]
+    assert_identical_ranks(results, "params")
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh_steps_exactly():
+    """FSDP2 (dp) over tensor parallel (tp) on a 2 × 2 mesh: fc1's (_StridedShard, Shard) and
+    odd's (Shard(0), Shard(1)) go to owners over all 4 ranks (the strided placement checked once
+    against the gathered tensor), the convolutions take their paths within each dp group; the
+    guard binds on the 2-D layer fc1 at step 2 alone, from the whole matrix on its owner."""
+    spike = ("fc1.weight", 2, 3000.0)
+    results = run(4, "tp_steps", fsdp=True, spike=spike)
+    params, bufs, orth = cases.reference(5, 4, spike=spike)
+    want = cases.reference.guard_stats
+    assert want["fc1.weight"]["scaled"] + want["fc1.weight"]["reset"] >= 1
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert res["guard"] == want
+        assert "_StridedShard" in res["placements"]["fc1.weight"], res["placements"]
+        assert res["placements"]["odd.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert res["said"] == []
+        assert all(g == (0, 0) for g in res["gathers"][1:]), res["gathers"]
+    assert_identical_ranks(results, "params")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -341,17 +389,24 @@ def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
     assert torch.isinf(got[3]) and torch.isinf(got[4]) and torch.isnan(got[5])
 
 
-def test_auto_sharding_gathers_square_and_wide_layers_and_sums_tall_ones():
-    """The per-layer choice of ``sharding="auto"`` (bytes per rank and step): a Transformer's
-    square projection (and θ up to n ≈ 2.3p) is cheaper to gather than to sum as Gram blocks,
-    an MLP weight (n = 4p) or a convolution (n = 9p) is not, and small layers stay summed."""
-    from fgd_fast.distributed import gathering_is_cheaper
+def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
+    """The per-layer choice of ``sharding="auto"`` (bytes per rank and step): on few ranks a
+    convolution (n = 9p) and an MLP weight (n = 4p) stay summed, a Transformer's square or wide
+    projection goes to its owner; as the ranks grow the owner path (~5np/R) overtakes the Gram
+    blocks (~7p², whatever R) for taller θ; small layers stay summed (< 1 MiB saved)."""
+    from fgd_fast.distributed import owner_is_cheaper, path_bytes
 
     def layer(*shape):
         return torch.empty(shape, device="meta")
 
-    assert gathering_is_cheaper(layer(768, 768), layer(768, 768))
-    assert gathering_is_cheaper(layer(1024, 768), layer(1024, 768))  # θ = W2: n = 1024, p = 768
-    assert not gathering_is_cheaper(layer(3072, 768), layer(3072, 768))  # an MLP weight: n = 4p, tall
-    assert not gathering_is_cheaper(layer(512, 512, 3, 3), layer(512, 512, 3, 3))
-    assert not gathering_is_cheaper(layer(64, 64), layer(64, 64))  # < 1 MiB saved: stays summed
+    def cheaper(shape, ranks):
+        return owner_is_cheaper(layer(*shape), layer(*shape), ranks)
+
+    assert cheaper((768, 768), 8) and cheaper((1024, 768), 2)  # square, wide
+    assert not cheaper((3072, 768), 2) and cheaper((3072, 768), 8)  # an MLP weight: n = 4p
+    assert not cheaper((512, 512, 3, 3), 4) and cheaper((512, 512, 3, 3), 16)  # a convolution: n = 9p
+    assert not cheaper((64, 64), 64)  # < 1 MiB saved: stays summed
+    cost = path_bytes(layer(4096, 1024), layer(4096, 1024), 8)  # float32 θ = W2ᵀ: n = 4096, p = 1024
+    assert cost["gather"] == pytest.approx(7 / 8 * 3 * 4096 * 1024 * 4)
+    assert cost["owner"] == pytest.approx(7 / 64 * 5 * 4096 * 1024 * 4)
+    assert cost["rows"] == pytest.approx(2 * 7 / 8 * (2 * 1024**2 + 1.5 * 1024 * 1025 + 1) * 4)
