@@ -189,6 +189,18 @@ def test_sharding_gather_steps_row_shards_whole_and_exactly():
         assert all(count == 0 for count, _ in res["to_all"]) and res["said"] == []
 
 
+def test_sharding_owner_sends_row_shards_to_owners_too():
+    """``sharding="owner"``: every layer, row shards included, stepped whole on its owner (no
+    Gram all-reduce: one all-reduce of the checks, two all-to-alls), as one process would."""
+    results = run(2, "fsdp_steps", sharding="owner")
+    params, bufs, orth = cases.reference(5, 2)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert all(count == 1 for count in res["reduces"]) and all(c == 2 for c, _ in res["to_all"])
+        assert res["gathers"][1:] == [(0, 0)] * 4 and res["said"] == []
+
+
 def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)

@@ -16,21 +16,27 @@ per number:
   all-gather fallback below;
 * *same, A, C and UᵀU as triangles* (what fgd_fast does for a row shard):
   ``2(R−1)/R · (2p² + 3p(p+1)/2 + 1) · s``;
+* *all-gather θ, Φ, g, compute redundantly* (``sharding="gather"``, and the fallback where no
+  other path fits): ``(R−1)/R · 3np · s``;
+* *owner* (fgd_fast's owner path, ``fgd_fast.owners``): θ, g and Φ go to the matrix's owner
+  rank, θ₊ and Φ₊ come back: ``5np · s · (R−1)/R²`` per matrix, the average over the ranks
+  (matrices dealt largest first to the least loaded rank); *owner, busiest rank*: what the
+  busiest rank sends or receives (few large matrices on many ranks: the owner of the largest
+  carries ~5np, not 5np/R);
 * *fgd_fast auto*: per layer, what ``FGD(sharding="auto")`` picks with
-  ``fgd_fast.shard_placement``: the triangles, or the gather below where that sends ≥ 1 MiB less;
-* *all-gather θ, Φ, g, compute redundantly* (fgd_fast's fallback for layers that are not row
-  shards, e.g. under FSDP2's default placement): ``(R−1)/R · 3np · s``;
-* *owner per matrix, all-to-all* (as dion's distributed Muon): θ and g go to the matrix's
-  owner, which keeps Φ, and θ₊ comes back; same-shape matrices are padded to a multiple of
-  ``R``: ``3np · s · (R−1)/R²`` per (padded) matrix;
+  ``fgd_fast.shard_placement``: the triangles, or the owner path where that sends ≥ 1 MiB less
+  or the layer is not a row shard at ``R``; *auto calls* counts its collectives per step (the
+  settings' agreement, the packed all-reduces of 64 MiB buckets, and, with owner layers, two
+  all-to-alls and the checks' all-reduce);
 * for scale, FSDP2's own traffic for these parameters: all-gather in forward and backward,
   reduce-scatter of the gradient: ``3 · (R−1)/R · np · s``.
 
 **Measured** — a gloo process group of 2 and 4 CPU processes (one torch thread each) runs
 the optimizer step of the ``cpu``-scale WRN-28 workload under FSDP2 (gradients set directly,
-no forward/backward): FGD with ``shard_placement`` (row shards), FGD with FSDP2's default
-placement (the all-gather fallback for most layers) and ``torch.optim.SGD`` (momentum 0.9,
-its default foreach path) on the same model. It reports the median step time (barrier to
+no forward/backward): FGD with ``shard_placement`` (row shards summed, or every layer on its
+owner), FGD with FSDP2's default placement (the owner path for most layers, or the all-gather
+of ``sharding="gather"``) and ``torch.optim.SGD`` (momentum 0.9, its default foreach path) on
+the same model. It reports the median step time (barrier to
 barrier, rank 0) and the bytes the step's collectives carried per rank.
 """
 
@@ -43,25 +49,36 @@ import os
 import statistics
 import tempfile
 import time
-from collections import defaultdict
 from datetime import timedelta
 
 import torch
 
 import fgd_fast
 from fgd_fast._matrix import stiefel_shape
-from fgd_fast.distributed import gathering_is_cheaper
+from fgd_fast.collectives import BUCKET_BYTES
+from fgd_fast.distributed import owner_is_cheaper, path_bytes
+from fgd_fast.owners import _deal
 
 FLOAT32 = 4
 SCHEMES = (
     "rows, all blocks",
     "rows, triangles",
-    "fgd_fast auto",
     "all-gather",
-    "owner all-to-all",
+    "owner",
+    "owner, busiest rank",
+    "fgd_fast auto",
+    "auto calls",
     "FSDP2 params+grads",
 )
 RANKS = (8, 64, 512)
+#: the measured runs: (name, FGD's sharding)
+CONFIGS = (
+    ("FGD, shard_placement, auto", "auto"),
+    ("FGD, shard_placement, owner", "owner"),
+    ("FGD, default placement, auto", "auto"),
+    ("FGD, default placement, gather", "gather"),
+    ("torch SGD", None),
+)
 
 
 def llama_7b_blocks(blocks: int = 32, d: int = 4096, hidden: int = 11008) -> list[tuple[int, int]]:
@@ -75,30 +92,54 @@ def _row_sharded(shape, ranks: int) -> bool:
     return (placement.dim >= 1) == stiefel_shape(shape).transposed
 
 
+def busiest_owner(shapes, ranks: int, s: int = FLOAT32) -> float:
+    """The owner path's bytes sent or received (the larger) by its busiest rank, every matrix on
+    the owner path, dealt as ``fgd_fast.owners`` deals them: an owner receives ``3np(R−1)/R``
+    and sends ``2np(R−1)/R`` for each of its matrices, and sends its ``3np/R`` share of others'."""
+    dims = [stiefel_shape(shape)[:2] for shape in shapes]
+    owners = _deal([n * p * p + p**3 for n, p in dims], ranks)
+    sent, got = [0.0] * ranks, [0.0] * ranks
+    for (n, p), owner in zip(dims, owners):
+        for r in range(ranks):
+            if r == owner:
+                got[r] += 3 * n * p * s * (ranks - 1) / ranks
+                sent[r] += 2 * n * p * s * (ranks - 1) / ranks
+            else:
+                sent[r] += 3 * n * p * s / ranks
+                got[r] += 2 * n * p * s / ranks
+    return max(max(sent), max(got))
+
+
 def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
-    """Bytes sent per rank per step, per scheme, for weights of ``shapes`` on ``ranks`` ranks."""
+    """Bytes sent per rank per step, per scheme, for float32 weights of ``shapes`` on ``ranks``
+    ranks (and ``auto calls``: the collectives per step of ``sharding="auto"``)."""
+    assert s == FLOAT32, "the fgd_fast columns are float32's"
     ring = (ranks - 1) / ranks
     out = dict.fromkeys(SCHEMES, 0.0)
-    by_shape = defaultdict(int)
+    summed = owned = 0.0
     for shape in shapes:
         n, p, _ = stiefel_shape(shape)
-        gathered = ring * 3 * n * p * s
+        meta = torch.empty(shape, device="meta")
+        cost = path_bytes(meta, meta, ranks)
         if _row_sharded(shape, ranks):
             out["rows, all blocks"] += 2 * ring * (5 * p * p + 1) * s
-            rows = 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * s
-            out["rows, triangles"] += rows
-            meta = torch.empty(shape, device="meta")  # FGD(sharding="auto")'s choice for this layer
-            out["fgd_fast auto"] += gathered if gathering_is_cheaper(meta, meta) else rows
+            out["rows, triangles"] += cost["rows"]
+            if owner_is_cheaper(meta, meta, ranks):  # FGD(sharding="auto")'s choice for this layer
+                owned += cost["owner"]
+            else:
+                summed += cost["rows"]
         else:
-            out["rows, all blocks"] += gathered
-            out["rows, triangles"] += gathered
-            out["fgd_fast auto"] += gathered
-        out["all-gather"] += gathered
+            out["rows, all blocks"] += cost["gather"]
+            out["rows, triangles"] += cost["gather"]
+            owned += cost["owner"]
+        out["all-gather"] += cost["gather"]
+        out["owner"] += cost["owner"]
         out["FSDP2 params+grads"] += 3 * ring * n * p * s
-        by_shape[(n, p)] += 1
-    for (n, p), count in by_shape.items():
-        padded = math.ceil(count / ranks) * ranks
-        out["owner all-to-all"] += padded * 3 * n * p * s * (ranks - 1) / ranks**2
+    out["owner, busiest rank"] = busiest_owner(shapes, ranks, s)
+    out["fgd_fast auto"] = summed + owned
+    # the agreement; the row blocks in 64 MiB all-reduces (each rank's payload is summed / 2·ring)
+    calls = 1 + (math.ceil(summed / (2 * ring) / BUCKET_BYTES) if summed else 0)
+    out["auto calls"] = calls + (3 if owned else 0)
     return out
 
 
@@ -116,7 +157,7 @@ def model_table(rank_counts=RANKS) -> str:
     for name, shapes in sets:
         for ranks in rank_counts:
             v = volume(shapes, ranks)
-            cells = " | ".join(f"{v[k] / 1e6:,.1f}" for k in SCHEMES)
+            cells = " | ".join(f"{v[k]:.0f}" if k == "auto calls" else f"{v[k] / 1e6:,.1f}" for k in SCHEMES)
             lines.append(f"| {name} | {len(shapes)} | {ranks} | {cells} |")
     return "\n".join(lines)
 
@@ -135,6 +176,7 @@ class _Bytes:
         self.total, self.seconds, self.world = 0.0, 0.0, world
         ring = (world - 1) / world
         all_reduce, all_gather, full_tensor = dist.all_reduce, dist.all_gather_into_tensor, DTensor.full_tensor
+        all_to_all = dist.all_to_all_single
         counter = self
 
         class Timed:
@@ -161,6 +203,12 @@ class _Bytes:
         dist.all_gather_into_tensor = timed(all_gather, lambda out, *a: ring * out.nbytes)
         DTensor.full_tensor = timed(full_tensor, lambda t, *a: ring * t.numel() * t.element_size())
 
+        def to_others(out, inp, out_splits=None, in_splits=None, *a):  # (not this rank's own part)
+            me = dist.get_rank(a[0] if a else None) if in_splits else 0
+            return (inp.numel() - (in_splits[me] if in_splits else inp.numel() / world)) * inp.element_size()
+
+        dist.all_to_all_single = timed(all_to_all, to_others)
+
 
 def _rank_main(rank, world, init, steps, queue):
     import torch.distributed as dist
@@ -176,7 +224,7 @@ def _rank_main(rank, world, init, steps, queue):
     work = next(w for w in workloads("cpu") if w.name == "wrn-28-10")
     counter = _Bytes(world)
     results = {}
-    for name in ("FGD, shard_placement", "FGD, default placement", "torch SGD"):
+    for name, sharding in CONFIGS:
         model = work.model()
         placement = fgd_fast.shard_placement if "shard_placement" in name else None
         fully_shard(model, mesh=mesh, shard_placement_fn=placement)
@@ -184,7 +232,7 @@ def _rank_main(rank, world, init, steps, queue):
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         else:
             groups = fgd_fast.stiefel_param_groups(model, work.rule, orthogonalize=False)
-            opt = fgd_fast.FGD(groups, lr=0.1, momentum=0.9, feedback=0.4)
+            opt = fgd_fast.FGD(groups, lr=0.1, momentum=0.9, feedback=0.4, sharding=sharding)
         gen = torch.Generator().manual_seed(rank)
         for p in model.parameters():
             local = 1e-3 * torch.randn(p.to_local().shape, generator=gen)
