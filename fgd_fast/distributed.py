@@ -13,12 +13,13 @@ matrix, and the step is the one a single process would take on the full matrices
   FSDP2 shards every ≥ 2-D weight along θ's rows.
 * HSDP (a 2-D mesh, ``(Replicate(), Shard(d))``): the all-reduce runs over the shard
   dimension's process group; the replicas compute the same step.
-* A DTensor parameter whose placement is not a row shard (the default ``Shard(0)`` of a wide
-  convolution shards θ's *columns*; an uneven dimension FSDP2 cannot shard; a placement that
-  shards over several mesh dimensions) takes an exact fallback: θ, Φ and g are all-gathered
-  (:func:`full_values`: one packed all-gather per dtype on a 1-D mesh), every rank computes
-  the same step on the full matrices, and each keeps its own shard of the result. Never a
-  per-shard orthonormalisation.
+* A layer whose placement is not a row shard (the default ``Shard(0)`` of a wide
+  convolution shards θ's *columns*; tensor parallel; 2-D FSDP × TP placements), or a row
+  shard whose Gram blocks cost more to sum than the matrix does to move, takes the **owner
+  path** (:mod:`fgd_fast.owners`): each layer is sent whole to one rank, stepped there and
+  sent back, exact. Where neither fits, θ, Φ and g are all-gathered (:func:`full_values`)
+  and every rank computes the same step on the full matrices (said once in a warning).
+  :func:`prepare_dtensors` makes the choice; never a per-shard orthonormalisation.
 * The ranks must agree on the step: :func:`agree_across_ranks` runs first (one all-reduce
   of a few numbers), so different hyper-parameters, flags or backends on some rank raise the
   same ``ValueError`` on every rank instead of diverging silently or hanging in a collective
