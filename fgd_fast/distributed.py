@@ -188,6 +188,7 @@ def owner_is_cheaper(param, buf, ranks: int) -> bool:
     return cost["rows"] - cost["owner"] >= PATH_MARGIN
 
 
+@torch.compiler.disable  # DTensor shards and collectives run eagerly under torch.compile (a graph break)
 def prepare_dtensors(
     resolve,
     idx,
@@ -312,7 +313,13 @@ def prepare_dtensors(
             out.append(
                 (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
             )
-    return out
+    return [(layers, _eager(plan)) for layers, plan in out]
+
+
+def _eager(plan: StepPlan) -> StepPlan:
+    """``plan`` whose ``apply`` (DTensor shards, collectives) runs outside ``torch.compile``."""
+    plan.apply = torch.compiler.disable(plan.apply)
+    return plan
 
 
 _said: set[tuple] = set()
@@ -365,6 +372,7 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
     )
 
 
+@torch.compiler.disable
 def agree_across_ranks(settings: dict[str, object], device: torch.device) -> None:
     """Raise the same ``ValueError`` on every rank when the ranks' ``settings`` differ.
 

@@ -54,7 +54,12 @@ def zero_momentum(p: torch.Tensor) -> torch.Tensor:
     """A first step's Φ = 0 for ``p``: float32 for float16/bfloat16 parameters, else ``p``'s
     dtype; a DTensor parameter's Φ is a DTensor with its placement."""
     cdt = compute_dtype(p.dtype)
-    return torch.zeros_like(p, dtype=cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
+    return _zero_dtensor(p, cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
+
+
+@torch.compiler.disable  # traced, zeros_like gave an uneven shard the even shards' local shape
+def _zero_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros_like(p, dtype=dtype)
 
 
 def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:

@@ -327,6 +327,19 @@ def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="aut
     )
 
 
+def fsdp_compiled(rank, world, out, *, steps=3, placement=True):
+    """``torch.compile(opt.step)`` under FSDP2: the DTensor part of the step (agreement, row
+    shards, owner path) runs eagerly between graphs; the step is still one process's."""
+    model = _sharded(world, placement)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    step = torch.compile(opt.step, backend="aot_eager")
+    for s in range(steps):
+        _set_grads(model, s)
+        step()
+    params, bufs = _full_state(model, opt)
+    return dict(params=params, bufs=bufs)
+
+
 def fsdp_train(rank, world, out, *, steps=5):
     model = _sharded(world)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
@@ -550,6 +563,7 @@ CASES = {
     for f in (
         fsdp_steps,
         tp_steps,
+        fsdp_compiled,
         fsdp_train,
         fsdp_refusals,
         fsdp_disagreements,

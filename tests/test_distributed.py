@@ -269,6 +269,15 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh_steps_exactly():
     assert_identical_ranks(results, "params")
 
 
+def test_compiled_step_under_fsdp_matches_one_process():
+    """Why 5: ``torch.compile(opt.step)`` failed under FSDP2 (dynamo inside DTensor code; a
+    traced ``zeros_like`` gave the uneven shard of a first step's Φ the wrong local shape)."""
+    params, bufs, _ = cases.reference(3, 2)
+    for res in run(2, "fsdp_compiled"):  # row shards (uneven: odd) and owner layers (stem)
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_training_matches_mean_gradient(world):
     results = run(world, "fsdp_train")
