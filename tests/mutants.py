@@ -9,6 +9,7 @@ stays short."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -93,8 +94,6 @@ def plant(name: str) -> Callable[[], None]:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
     if name in ("owner_checks_unshared", "grad_sq_unsummed"):
-        import os
-
         os.environ[IN_RANKS] = name
         undo.append((os.environ, IN_RANKS, None))
     elif name == "raise_when_guard_binds":

@@ -162,7 +162,9 @@ def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, 
 def test_communication_model_counts_what_the_row_all_reduce_sends():
     """The distributed report's model (benchmarks/studies/dist_comm.py): per row-sharded layer
     the all-reduce carries A, C and UᵀU as triangles, E and B whole and ‖g‖² (ring: 2(R−1)/R);
-    the gather fallback (R−1)/R of θ, Φ and g; a layer no rank count divides is gathered."""
+    the gather (R−1)/R of θ, Φ and g; the owner path θ, g, Φ out and θ₊, Φ₊ back, (R−1)/R² of
+    each on average, the busiest rank (the one owner of one matrix) receives 3np(R−1)/R; a layer no
+    rank count divides is not a row shard; auto's collectives per step."""
     from benchmarks.studies.dist_comm import llama_7b_blocks, volume
 
     ranks, p, n = 8, 64, 64 * 9
@@ -170,8 +172,12 @@ def test_communication_model_counts_what_the_row_all_reduce_sends():
     ring = (ranks - 1) / ranks
     assert v["rows, triangles"] == v["fgd_fast auto"] == 2 * ring * (2 * p * p + 3 * p * (p + 1) / 2 + 1) * 4
     assert v["all-gather"] == ring * 3 * n * p * 4
-    odd = volume([(16, 3, 3, 3)], ranks)  # θ = W2ᵀ, no input dimension divisible by 8: gathered
-    assert odd["rows, triangles"] == odd["all-gather"]
-    square = volume([(1024, 1024)], ranks)  # auto gathers it: less than the triangles
-    assert square["fgd_fast auto"] == square["all-gather"] < square["rows, triangles"]
+    assert v["owner"] == pytest.approx(5 * n * p * 4 * (ranks - 1) / ranks**2)
+    assert v["owner, busiest rank"] == pytest.approx(3 * n * p * 4 * ring)  # the owner gets 3np·ring (sends 2np·ring)
+    assert v["auto calls"] == 2  # the agreement and the row all-reduce
+    odd = volume([(16, 3, 3, 3)], ranks)  # θ = W2ᵀ, no input dimension divisible by 8: owner path
+    assert odd["rows, triangles"] == odd["all-gather"] and odd["fgd_fast auto"] == odd["owner"]
+    assert odd["auto calls"] == 4  # the agreement, two all-to-alls, the checks
+    square = volume([(1024, 1024)], ranks)  # auto sends it to its owner: less than the triangles
+    assert square["fgd_fast auto"] == square["owner"] < square["rows, triangles"]
     assert len(llama_7b_blocks()) == 224

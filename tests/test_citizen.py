@@ -268,7 +268,7 @@ def test_compiled_step_breaks_only_at_the_check_sync():
     "name, unknown, chosen, miscased, default, listed",
     [
         ("variant", "algorithm1", "paper", "Paper", "official", "'official', 'paper'"),
-        ("sharding", "owner", "gather", "Rows", "auto", "'auto', 'rows', 'gather'"),
+        ("sharding", "owners", "owner", "Rows", "auto", "'auto', 'rows', 'owner', 'gather'"),
     ],
 )
 def test_an_optimizer_wide_choice_is_validated_and_carried(name, unknown, chosen, miscased, default, listed):
