@@ -311,7 +311,7 @@ def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="aut
         with counted, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             opt.step()
-        to_all.append(counted.to_all)
+        to_all.append((counted.to_all, counted.sent))
         gathers.append((counted.packed, counted.whole))
         said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()  # noqa: E731

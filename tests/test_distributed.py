@@ -243,9 +243,15 @@ def test_tensor_parallel_layers_step_on_their_owners_exactly(world):
         for name in orth:
             assert abs(res["orth"][name] - orth[name]) <= TOL
         assert res["placements"]["fc1.weight"] == "(Shard(dim=0),)"  # W's rows: θ = W2ᵀ's columns
-        assert all(count == 2 for count in res["to_all"]) and res["said"] == []
+        assert all(count == 2 for count, _ in res["to_all"]) and res["said"] == []
         assert res["gathers"] == [(1, 0)] + [(0, 0)] * 4, res["gathers"]
     assert_identical_ranks(results, "params")
+    # numbers sent per step, all ranks together (their own parts included): every piece of θ, g
+    # and Φ once to the owners and θ₊, Φ₊ back, fc1 (16 × 26) and odd (3 × 2); a first step's Φ
+    # is zero and stays home
+    sizes = 16 * 26 + 3 * 2
+    sent = [sum(res["to_all"][step][1] for res in results) for step in range(5)]
+    assert sent == [4 * sizes] + [5 * sizes] * 4, sent
 
 
 def test_fsdp_over_tensor_parallel_on_a_2d_mesh_steps_exactly():
