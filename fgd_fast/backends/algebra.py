@@ -44,6 +44,16 @@ takes only the tangent part of the velocity, ``θ₊ = θ + Φ₊ − θN sym(θ
 ``M_θ = M_Φ + F``, ``F = −α(A − I) − N sym(T + A M_Φ)``; the update pass is unchanged.
 
 ``lr``, ``beta``, ``alpha`` are floats or ``(L, 1, 1)`` tensors (per-layer values).
+
+**Products.** Every ``p × p`` product goes through :func:`mm`, :func:`mm_add` or
+:func:`i_plus_d` (one place, so a check can run them at another precision), and every product
+with ``N = 2I − A = I − D`` or ``A = I + D`` is written as ``X ∓ D·X`` (:func:`i_plus_d`): the
+identity's part is exact and only the small correction ``D·X`` (``‖D‖`` ~1e-6…1e-2) is a
+product. So a middle run on TF32 tensor cores (``precision="tf32"``/``"tf32x3"``) keeps fp32
+accuracy where it matters: TF32's ~2⁻¹¹ relative error touches ``D·X`` and the second-order
+terms, not ``X``; in ``(I − D)·X`` it would round ``I − D`` itself (``1 − 1e-6`` is 1 in
+TF32) and lose D altogether (``benchmarks/studies/tf32_middle.py`` measures both on the
+workloads with TF32 emulated: :func:`.tf32.emulated_tf32_middle`).
 """
 
 from __future__ import annotations
@@ -93,6 +103,27 @@ class Middle(NamedTuple):
     dist_next: torch.Tensor | None = None  # (L,) bound of ‖θ₊ᵀθ₊ − I‖_F (None: not predicted)
     finite_next: torch.Tensor | None = None  # (L,) bool: θ₊, Φ₊ finite
     guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
+
+
+def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y``: a ``p × p`` product of the middle."""
+    return torch.matmul(x, y)
+
+
+def mm_add(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``z + x @ y`` (a new tensor): a ``p × p`` product of the middle added to ``z``."""
+    if z.dim() == x.dim() == y.dim() == 3:
+        return torch.baddbmm(z, x, y)
+    return z + torch.matmul(x, y)
+
+
+def i_plus_d(d: torch.Tensor, x: torch.Tensor, alpha: Scalar, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``(I + αD)·X (+ extra)``, as ``X + α·D·X``: the identity's part exact, only the small
+    correction ``D·X`` a product (``N = I − D``: α = −1; ``A = I + D``: α = 1)."""
+    z = x if extra is None else x + extra
+    if isinstance(alpha, (int, float)) and z.dim() == d.dim() == x.dim() == 3:
+        return torch.baddbmm(z, d, x, alpha=alpha)
+    return z + alpha * mm(d, x)
 
 
 def sym(m: torch.Tensor) -> torch.Tensor:
@@ -203,7 +234,7 @@ def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor)
     the Newton–Schulz pull-back ``d_newton`` where the α pull-back ``D₀`` is beyond the target
     and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices."""
     stacked = torch.stack((d0, x1, x2), 1).flatten(2)  # (L, 3, p²)
-    inner = (stacked @ stacked.mT).to(torch.float64)  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}
+    inner = stacked.to(torch.float64) @ stacked.mT.to(torch.float64)  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}
     weights, coef = _powers(d0.device)
     quartic = inner.view(-1, 9) @ coef.T  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
     fits = (quartic <= target * target) & movable.unsqueeze(1)  # (L, k); NaN compares False
@@ -224,8 +255,8 @@ def pull_back_distances(a_minus_i: torch.Tensor, alpha: Scalar) -> tuple[torch.T
     """``(D₀, D_ns)``: ``θ₊ᵀθ₊ − I`` of the pull-back ``θ₊ = θ(I − αD)`` and of the Newton–Schulz
     step ``θ₊ = θ(I − D/2)``, exactly (``D = A − I``; both are polynomials in D)."""
     d = a_minus_i
-    d2 = d @ d
-    d3 = d2 @ d
+    d2 = mm(d, d)
+    d3 = mm(d2, d)
     d0 = (1.0 - 2.0 * alpha) * d + (alpha * alpha - 2.0 * alpha) * d2 + (alpha * alpha) * d3
     return d0, d3.mul_(0.25).sub_(d2.mul_(0.75))  # (1 − 2α)D + (α² − 2α)D² + α²D³;  −¾D² + ¼D³
 
@@ -256,9 +287,9 @@ def step_distance(a_minus_i, m, t, w) -> torch.Tensor:
     − I + s²UᵀU = D + 2 sym(M + T + DM) + sym(Mᵀ(AM + 2T)) + s²UᵀU`` with ``AM = M + DM``, ``T =
     θᵀ(sU)``, ``w = s²UᵀU``: two products, and no ``I`` cancelled against ``KᵀAK`` (whose rounding
     would be ~u·p where the distance may be 1e-6)."""
-    dm = a_minus_i @ m  # DM
+    dm = mm(a_minus_i, m)  # DM
     first = sym(dm.add(m).add_(t)).mul_(2.0).add_(a_minus_i)  # D + 2 sym(M + T + DM)
-    second = sym(m.transpose(-1, -2) @ dm.add_(m).add_(t, alpha=2.0))  # sym(Mᵀ(AM + 2T))
+    second = sym(mm(m.transpose(-1, -2), dm.add_(m).add_(t, alpha=2.0)))  # sym(Mᵀ(AM + 2T)), AM = M + DM
     return first.add_(second).add_(w)
 
 
@@ -293,8 +324,7 @@ def middle(
     """
     p = a.shape[-1]
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
-    a_minus_i = a - eye  # D = A − I
-    n_inv = eye - a_minus_i  # N = 2I − A
+    a_minus_i = a - eye  # D = A − I  (N = 2I − A = I − D: NX = X − DX)
     dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
     predict = radius is not None or limit is not None
     scale = None
@@ -316,11 +346,11 @@ def middle(
     inner = lr * sym(e)  # η sym(E)
     if b is not None:
         sb = sym(b)  # S = sym(B)
-        nb = n_inv @ b  # NB (and BᵀN = (NB)ᵀ: N is symmetric)
-        inner = inner - c - (beta - 1.0) * sb + nb @ sb  # −C − (β−1)S + η sym(E) + NBS
+        nb = i_plus_d(a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
+        inner = mm_add(inner - c - (beta - 1.0) * sb, nb, sb)  # −C − (β−1)S + η sym(E) + NBS
         inner = inner - alpha * (nb.transpose(-1, -2) + b)  # − α(BᵀN + B)
         del nb
-    m_phi = n_inv @ inner  # M_Φ = N[…]
+    m_phi = i_plus_d(a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
     pull_back = -alpha * a_minus_i  # F₀ = −α(A − I)
     feedback = pull_back  # F = −α(A − I)
     t = None
@@ -329,7 +359,8 @@ def middle(
         if b is not None:
             t = t.add_(b * beta)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
-        feedback = pull_back - n_inv @ sym(t + a @ m_phi)  # F = −α(A − I) − N sym(T + A M_Φ)
+        z = sym(i_plus_d(a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
+        feedback = pull_back - i_plus_d(a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)
     m_theta = m_phi + feedback  # M_θ = M_Φ + F
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
@@ -351,10 +382,10 @@ def middle(
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
     d0, d_newton = pull_back_distances(a_minus_i, alpha)
-    y = (a @ delta).add_(t)  # Y = AΔ + T = θᵀ(θΔ + sU)
-    x1 = 2.0 * sym(y - (a_minus_i @ y) * alpha)  # X₁ = 2 sym(K₀Y), K₀ = I − αD
+    y = i_plus_d(a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
+    x1 = 2.0 * sym(i_plus_d(a_minus_i, y, -alpha))  # X₁ = 2 sym(K₀Y), K₀ = I − αD
     # X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU  (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
-    x2 = sym(delta.transpose(-1, -2) @ y.add_(t)).add_(w)
+    x2 = sym(mm(delta.transpose(-1, -2), y.add_(t))).add_(w)
     del y, t, w
     movable = movable & all_finite(x2)
     blend = choose_weight(d0, x1, x2, d_newton, target=target, movable=movable)

@@ -319,6 +319,7 @@ def middle_of_runs(
     trust_radius=None,
     max_distance=None,
     variant="official",
+    precision="ieee",
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
 
@@ -333,13 +334,14 @@ def middle_of_runs(
     (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
     in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
     ``stored`` (the parameters' dtype), ``trust_radius``, ``max_distance``: the step guard
-    (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products in IEEE
-    fp32 whatever the global TF32 setting.
+    (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products at
+    ``precision`` whatever the global TF32 setting (``"tf32"``/``"tf32x3"``: TF32 tensor cores,
+    which the middle's ``X − D·X`` forms keep at fp32 accuracy; the CUDA backend: IEEE).
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
     mids = []
-    with full_precision():
+    with fp32_matmuls(precision):
         for r in runs:
             cnt, p = r.end - r.first, r.p
             blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)

@@ -29,9 +29,12 @@ distance to the manifold.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["round_tf32", "split_tf32", "DROPPED_BITS"]
+__all__ = ["round_tf32", "split_tf32", "DROPPED_BITS", "emulated_tf32_middle"]
 
 DROPPED_BITS = 13  # float32 mantissa bits that TF32 does not keep (23 − 10)
 _HALF = (1 << (DROPPED_BITS - 1)) - 1  # 0x0FFF: just under half of the dropped range
@@ -67,3 +70,41 @@ def split_tf32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = round_tf32(x)
     lo = round_tf32(x - hi)
     return hi, lo
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    return round_tf32(x.contiguous()) if x.dtype == torch.float32 else x
+
+
+@contextmanager
+def emulated_tf32_middle(form: str = "lean") -> Iterator[None]:
+    """Inside, every ``p × p`` product of the middle (:mod:`.algebra`'s ``mm``, ``mm_add``,
+    ``i_plus_d``) takes float32 inputs rounded to TF32 and sums in fp32, as TF32 tensor cores
+    do, on any device: a CPU check of a middle run at ``precision="tf32"``. ``form="naive"``
+    computes ``(I + αD)·X`` as one product of the rounded ``I + αD`` (what the middle did
+    before its ``X ∓ D·X`` forms), to show what those forms save."""
+    from . import algebra
+
+    saved = algebra.mm, algebra.mm_add, algebra.i_plus_d
+
+    def mm(x, y):
+        return torch.matmul(_tf32(x), _tf32(y))
+
+    def mm_add(z, x, y):
+        return z + mm(x, y)
+
+    def i_plus_d(d, x, alpha, extra=None):
+        if form == "naive":
+            eye = torch.eye(d.shape[-1], dtype=d.dtype, device=d.device)
+            out = mm(eye + alpha * d, x)
+        else:
+            out = x + alpha * mm(d, x)
+        return out if extra is None else out + extra
+
+    if form not in ("lean", "naive"):
+        raise ValueError(f"form={form!r}: 'lean' or 'naive'")
+    algebra.mm, algebra.mm_add, algebra.i_plus_d = mm, mm_add, i_plus_d
+    try:
+        yield
+    finally:
+        algebra.mm, algebra.mm_add, algebra.i_plus_d = saved

@@ -322,6 +322,7 @@ class _Class(_Checked):
                 ops.hyper,
                 runs,
                 feedback_with_phi=True,
+                precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
             )
         )
@@ -590,6 +591,7 @@ class _TensorCoreClass(_Checked):
                 runs,
                 assemble=assemble,
                 transposed=True,
+                precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
             )
         )
