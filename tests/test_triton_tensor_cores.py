@@ -254,6 +254,46 @@ def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch)
     assert seen[3][0] == seen[2][0]
 
 
+def test_a_scheduler_rewrites_the_hyper_parameter_table_in_place(monkeypatch):
+    """lr and momentum changed every step (a scheduler): the kernels' [η, β, α] table keeps its
+    memory (a captured step reads it; no table built per step), holds each step's values, and
+    the steps match the torch backend's under the same schedule."""
+    from fgd_fast.backends import triton as tb
+
+    seen = []
+    real = tb._Operands.__init__
+
+    def recording(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        seen.append((self.hyper.data_ptr(), self.hyper.clone()))
+
+    monkeypatch.setattr(tb._Operands, "__init__", recording)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(16, 8, 3, 3)] * 2
+    start = [fgd_fast.orthogonalize_(torch.randn(s, generator=gen)) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * 0.01 for s in shapes] for _ in range(4)]
+    final = {}
+    for backend in ("triton", "torch"):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = fgd_fast.FGD(
+            [dict(params=params, orthogonal=True)], lr=0.01, momentum=0.9, backend=backend, precision="ieee"
+        )
+        for step in range(4):
+            opt.param_groups[0]["lr"] = 0.01 * (1 + step)
+            opt.param_groups[0]["momentum"] = 0.9 - 0.1 * step
+            for p, g in zip(params, grads[step]):
+                p.grad = g
+            opt.step()
+        final[backend] = [p.detach().clone() for p in params]
+    # step 0 has no Φ (another launch class); steps 1-3 share one table, rewritten each step
+    assert len({ptr for ptr, _ in seen[1:]}) == 1
+    for step, (_, table) in enumerate(seen[1:], 1):
+        want = torch.tensor([0.01 * (1 + step), 0.9 - 0.1 * step, 0.4])  # (α: the default feedback)
+        assert torch.allclose(table, want.expand_as(table)), (step, table)
+    for a, b in zip(final["triton"], final["torch"]):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypatch):
     """ResNet-50's 147-row stem (θ's contiguous dimension not a multiple of 4) used to drop its
     whole launch class to the unaligned tiles and 4-byte loads: aligned layers now form their

@@ -64,6 +64,7 @@ __all__ = [
     "TableCache",
     "compute_dtype",
     "device_table",
+    "hyper_table",
     "BackendUnavailable",
     "check_precision",
     "fp32_matmuls",
@@ -176,6 +177,44 @@ def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if device.type != "cuda":
         return table.to(device)
     return table.pin_memory().to(device, non_blocking=True)
+
+
+class _HyperTable:
+    """A set of layers' ``(L, 3)`` table ``[η, β, α]`` on the device, rewritten in place when the
+    values change (through a pinned host mirror on CUDA, waiting for its previous copy first)."""
+
+    def __init__(self, count: int, dtype: torch.dtype, device: torch.device):
+        self.table = torch.empty((count, 3), dtype=dtype, device=device)
+        self.host = torch.empty((count, 3), dtype=dtype, pin_memory=device.type == "cuda")
+        self.values: tuple | None = None
+        self.copied = None  # a CUDA event after the last copy from the host mirror
+
+    def set(self, values: tuple) -> torch.Tensor:
+        if values != self.values:
+            if self.copied is not None:
+                self.copied.synchronize()  # (the mirror is rewritten only after its last copy)
+            self.host.copy_(torch.tensor(values, dtype=self.host.dtype))
+            self.table.copy_(self.host, non_blocking=True)
+            if self.table.device.type == "cuda":
+                self.copied = torch.cuda.Event()
+                self.copied.record()
+            self.values = values
+        return self.table
+
+
+_hyper_tables = TableCache(capacity=16)
+
+
+def hyper_table(values: tuple, dtype: torch.dtype, device: torch.device, owners: tuple) -> torch.Tensor:
+    """The ``(L, 3)`` table ``[η, β, α]`` (``values``, one row per layer) of the layers whose
+    parameters are at addresses ``owners``: one table per set of layers, kept from step to step
+    and rewritten in place when a scheduler changes a value, so no table is built per step and a
+    captured step reads the same memory (a new value reaches it where the step runs again
+    eagerly)."""
+    entry = _hyper_tables.get_or(
+        ("hyper", device, dtype, owners, len(values)), lambda: _HyperTable(len(values), dtype, device)
+    )
+    return entry.set(values)
 
 
 @contextmanager

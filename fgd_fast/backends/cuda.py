@@ -75,6 +75,7 @@ from .base import (
     compute_dtype,
     device_of,
     device_table,
+    hyper_table,
     layer_classes,
     middle_of_runs,
     needs_cuda,
@@ -205,7 +206,7 @@ class _Class:
             lambda: device_table(rows, torch.int64, device),
         )
         hyper = tuple((lr[i], beta[i], alpha[i]) for i in order)
-        self.hyper = _tables.get_or(("hyper", device, self.acc, hyper), lambda: device_table(hyper, self.acc, device))
+        self.hyper = hyper_table(hyper, self.acc, device, tuple(params[i].data_ptr() for i in order))
 
         # pass 1: Gram blocks of every layer, then the fixed-order sum of the splits
         partial = torch.empty(splits * gram_off, dtype=self.acc, device=device)

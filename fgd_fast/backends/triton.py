@@ -77,6 +77,7 @@ from .base import (
     compute_dtype,
     device_of,
     device_table,
+    hyper_table,
     layer_classes,
     middle_of_runs,
     needs_cuda,
@@ -153,9 +154,7 @@ class _Operands:
             for k, t in enumerate(self.theta)
         )
         hyper_values = tuple((lr[i], beta[i], alpha[i]) for i in layers)
-        self.hyper = _tables.get_or(
-            ("hyper", device, hyper_values, acc), lambda: device_table(hyper_values, acc, device)
-        )
+        self.hyper = hyper_table(hyper_values, acc, device, tuple(params[i].data_ptr() for i in layers))
 
     def write_back(self) -> None:
         for dst, src in self.copy_back:
