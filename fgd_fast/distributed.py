@@ -38,7 +38,7 @@ import torch
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 from .collectives import fold_float64, full_values, is_dtensor, summing_over, unfold_float64
-from .owners import layout_of, owner_bytes, owner_group, prepare_owned
+from .owners import busiest_bytes, layout_of, owner_bytes, owner_group, prepare_owned
 
 __all__ = [
     "shard_placement",
@@ -49,7 +49,7 @@ __all__ = [
     "SHARDINGS",
     "PATH_MARGIN",
     "path_bytes",
-    "owner_is_cheaper",
+    "moved_to_owners",
     "write_shard",
     "gram64",
     "prepare_dtensors",
@@ -61,9 +61,9 @@ __all__ = [
 
 #: how DTensor layers step (``FGD(sharding=...)``): see :func:`prepare_dtensors`
 SHARDINGS = ("auto", "rows", "owner", "gather")
-#: "auto" moves a row-sharded layer to the owner path only when that sends at least this many
-#: fewer bytes per rank (one more collective in the step costs about as much as a megabyte on a
-#: fast interconnect)
+#: "auto" moves row-sharded layers to the owner path only when that saves at least this many
+#: bytes at the busiest rank (one more collective in the step costs about as much as a megabyte
+#: on a fast interconnect)
 PATH_MARGIN = 1 << 20
 
 
@@ -181,11 +181,44 @@ def path_bytes(param, buf, ranks: int) -> dict[str, float]:
     }
 
 
-def owner_is_cheaper(param, buf, ranks: int) -> bool:
-    """``sharding="auto"``'s choice for a row-sharded layer: the owner path when it moves at
-    least :data:`PATH_MARGIN` bytes per rank and step fewer than summing its Gram blocks."""
-    cost = path_bytes(param, buf, ranks)
-    return cost["rows"] - cost["owner"] >= PATH_MARGIN
+_chosen: dict[tuple, tuple[int, ...]] = {}
+
+
+def moved_to_owners(summable: list, owned: list, ranks: int) -> tuple[int, ...]:
+    """``sharding="auto"``'s choice on a 1-D mesh of ``ranks`` ranks: which of the row-shardable
+    layers ``summable`` (``(param, buf)`` pairs; shapes only) leave the Gram all-reduce for the
+    owner path, next to the layers ``owned`` that take it anyway (positions into ``summable``).
+
+    A step's communication time is set by its busiest rank, so the cost of a choice is the
+    owner path's busiest rank (:func:`fgd_fast.owners.busiest_bytes`: an owner receives its
+    layers whole) plus the row all-reduce of the layers left (every rank alike,
+    :func:`path_bytes`). The layers are ranked by their average saving and the cheapest number
+    of them moves (an owner's load is lumpy: one large matrix may cost its owner more than it
+    saves, many spread over the ranks do not); the move is kept if it saves at least
+    :data:`PATH_MARGIN` bytes (three times that where the owner path would otherwise not run:
+    its collectives). Square and wide θ move; tall θ (convolutions) on few ranks stay summed,
+    and move as the ranks grow."""
+    key = (
+        tuple((tuple(p.shape), p.dtype, b.dtype if b is not None else None) for p, b in summable),
+        tuple((tuple(p.shape), p.dtype, b.dtype if b is not None else None) for p, b in owned),
+        ranks,
+    )
+    if key in _chosen:
+        return _chosen[key]
+    rows = [path_bytes(p, b, ranks)["rows"] for p, b in summable]
+    average = [path_bytes(p, b, ranks)["owner"] for p, b in summable]
+
+    def cost(moved: set) -> float:
+        onto = owned + [summable[i] for i in sorted(moved)]
+        return busiest_bytes(onto, ranks) + sum(r for i, r in enumerate(rows) if i not in moved)
+
+    order = [i for i in sorted(range(len(summable)), key=lambda i: (average[i] - rows[i], i)) if average[i] < rows[i]]
+    costs = [cost(set(order[:k])) for k in range(len(order) + 1)]  # the k largest average savings moved
+    k = min(range(len(costs)), key=lambda k: (costs[k], k))
+    moved, start, best = set(order[:k]), costs[0], costs[k]
+    margin = PATH_MARGIN * (1 if owned else 3)
+    _chosen[key] = tuple(sorted(moved)) if moved and start - best >= margin else ()
+    return _chosen[key]
 
 
 @torch.compiler.disable  # DTensor shards and collectives run eagerly under torch.compile (a graph break)
@@ -220,15 +253,17 @@ def prepare_dtensors(
       (:mod:`fgd_fast.owners`);
     * **gather** — θ, Φ, g all-gathered and stepped whole on every rank (:func:`full_values`).
 
-    ``sharding="auto"`` sums row shards unless the owner path moves at least
-    :data:`PATH_MARGIN` fewer bytes (:func:`owner_is_cheaper`) and steps every other layer on
-    the owner path; ``"rows"`` always sums row shards (owner path for the others); ``"owner"``
-    and ``"gather"`` take that path for every layer they can. A layer gathered because no other
-    path fits is said once (a ``RuntimeWarning``). ``trust_radius``, ``max_distance``: the step
-    guard, ``variant``: the update's, passed on to the backend.
+    ``sharding="auto"`` steps every layer that is not a row shard on the owner path and, on a
+    1-D mesh, sends row shards there too where that lightens the busiest rank
+    (:func:`moved_to_owners`), else sums them; ``"rows"`` always sums row shards (owner path
+    for the others); ``"owner"`` and ``"gather"`` take that path for every layer they can. A
+    layer gathered because no other path fits is said once (a ``RuntimeWarning``).
+    ``trust_radius``, ``max_distance``: the step guard, ``variant``: the update's, passed on to
+    the backend.
     """
     rows: dict[tuple, list[int]] = {}
     owned: dict[tuple, list[int]] = {}
+    undecided: dict[tuple, list[int]] = {}  # row shards that "auto" may send to owners (1-D meshes)
     whole: dict[torch.device, list[int]] = {}
     forced = []  # gathered because no other path fits
     for i in idx:
@@ -236,11 +271,9 @@ def prepare_dtensors(
         same = _same_layout(p, g) and (b is None or _same_layout(p, b))
         shardable = same and getattr(resolve(p.device.type), "row_shards", False) and row_mesh_dim(p) is not None
         group = owner_group(p) if same and sharding != "gather" else None
-        if shardable and (
-            sharding == "rows"
-            or (sharding == "auto" and not owner_is_cheaper(p, b, p.device_mesh.size(row_mesh_dim(p))))
-            or (sharding == "owner" and group is None)
-        ):
+        if shardable and sharding == "auto" and group is not None and p.device_mesh.ndim == 1:
+            undecided.setdefault((group, p.device), []).append(i)
+        elif shardable and sharding in ("rows", "auto") or (shardable and sharding == "owner" and group is None):
             rows.setdefault((p.device_mesh, row_mesh_dim(p), p.device), []).append(i)
         elif group is not None:
             owned.setdefault((group, p.device), []).append(i)
@@ -248,6 +281,16 @@ def prepare_dtensors(
             whole.setdefault(p.device, []).append(i)
             if sharding != "gather" and not shardable:
                 forced.append(p)
+    for key, layers in undecided.items():  # sharding="auto": the cheaper split at the busiest rank
+        pairs = lambda ids: [(params[i], bufs[i]) for i in ids]  # noqa: E731
+        moved = set(moved_to_owners(pairs(layers), pairs(owned.get(key, [])), params[layers[0]].device_mesh.size()))
+        for k, i in enumerate(layers):
+            if k in moved:
+                owned.setdefault(key, []).append(i)
+            else:
+                rows.setdefault((params[i].device_mesh, row_mesh_dim(params[i]), params[i].device), []).append(i)
+    for layers in owned.values():
+        layers.sort()  # (input order, as every rank has it)
     for (group, device), layers in owned.items():  # pieces that do not tile θ: gathered instead
         lay = layout_of([params[i] for i in layers], group)
         for k in [k for k, ok in enumerate(lay.ok) if not ok]:

@@ -35,7 +35,7 @@ import torch
 from ._matrix import stiefel_shape
 from .backends.base import StepPlan
 
-__all__ = ["Layout", "owner_group", "layout_of", "owner_bytes", "prepare_owned"]
+__all__ = ["Layout", "owner_group", "layout_of", "owner_bytes", "busiest_bytes", "deal_cost", "prepare_owned"]
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,46 @@ def _tiles(shape, boxes) -> bool:
 
 def _deal(costs: list[int], size: int) -> tuple[int, ...]:
     """Owners: the largest layer first, each to the least loaded rank (ties: the lower rank)."""
-    load = [0] * size
+    import heapq
+
+    load = [(0, r) for r in range(size)]  # a heap of (load, rank): the least loaded, then the lowest rank
     owners = [0] * len(costs)
     for layer in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owners[layer] = min(range(size), key=lambda r: (load[r], r))
-        load[owners[layer]] += costs[layer]
+        total, rank = heapq.heappop(load)
+        owners[layer] = rank
+        heapq.heappush(load, (total + costs[layer], rank))
     return tuple(owners)
+
+
+def deal_cost(param) -> int:
+    """How :func:`layout_of` weighs a layer when dealing owners: its Gram pass and middle."""
+    n, p, _ = stiefel_shape(param.shape)
+    return n * p * p + p**3
+
+
+def busiest_bytes(layers: list, ranks: int) -> float:
+    """The bytes the busiest rank sends or receives per step on the owner path for ``layers``
+    (``(param, buf)`` pairs; shapes only), owners dealt as :func:`layout_of` deals them: an
+    owner receives ``(R−1)/R`` of θ, g, Φ whole and sends ``(R−1)/R`` of θ₊, Φ₊ for each of its
+    layers; every rank sends its ``1/R`` of the others' and receives ``1/R`` of their results."""
+    if ranks < 2 or not layers:
+        return 0.0
+    out, back = [], []
+    for param, buf in layers:
+        n, p, _ = stiefel_shape(param.shape)
+        item, phi = param.element_size(), (buf.element_size() if buf is not None else 0)
+        out.append(n * p * (2 * item + phi))
+        back.append(n * p * (item + phi))
+    owners = _deal([deal_cost(param) for param, _ in layers], ranks)
+    own_out, own_back = [0.0] * ranks, [0.0] * ranks
+    for o, x, y in zip(owners, out, back):
+        own_out[o] += x
+        own_back[o] += y
+    total_out, total_back, share = sum(out), sum(back), (ranks - 1) / ranks
+    return max(
+        max(oo * share + (total_back - ob) / ranks, ob * share + (total_out - oo) / ranks)
+        for oo, ob in zip(own_out, own_back)
+    )
 
 
 @torch.no_grad()

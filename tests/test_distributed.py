@@ -417,22 +417,24 @@ def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
 
 
 def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
-    """The per-layer choice of ``sharding="auto"`` (bytes per rank and step): on few ranks a
-    convolution (n = 9p) and an MLP weight (n = 4p) stay summed, a Transformer's square or wide
-    projection goes to its owner; as the ranks grow the owner path (~5np/R) overtakes the Gram
-    blocks (~7p², whatever R) for taller θ; small layers stay summed (< 1 MiB saved)."""
-    from fgd_fast.distributed import owner_is_cheaper, path_bytes
+    """``sharding="auto"``'s choice (bytes at the busiest rank per step): on few ranks a
+    convolution (n = 9p) and an MLP weight (n = 4p) stay summed, square projections go to
+    owners; on more ranks a lone convolution stays (its owner would receive it whole) while
+    many spread over the ranks move; small layers stay summed (< 1 MiB saved)."""
+    from fgd_fast.distributed import moved_to_owners, path_bytes
 
     def layer(*shape):
         return torch.empty(shape, device="meta")
 
-    def cheaper(shape, ranks):
-        return owner_is_cheaper(layer(*shape), layer(*shape), ranks)
+    def moved(shapes, ranks, owned=()):
+        return moved_to_owners([(layer(*s), layer(*s)) for s in shapes], [(layer(*s), layer(*s)) for s in owned], ranks)
 
-    assert cheaper((768, 768), 8) and cheaper((1024, 768), 2)  # square, wide
-    assert not cheaper((3072, 768), 2) and cheaper((3072, 768), 8)  # an MLP weight: n = 4p
-    assert not cheaper((512, 512, 3, 3), 4) and cheaper((512, 512, 3, 3), 16)  # a convolution: n = 9p
-    assert not cheaper((64, 64), 64)  # < 1 MiB saved: stays summed
+    assert moved([(512, 512, 3, 3)] * 8, 4) == () and moved([(3072, 768)] * 8, 2) == ()  # tall, few ranks
+    assert moved([(768, 768)] * 12, 8) == tuple(range(12))  # a Transformer's projections
+    conv = (512, 512, 3, 3)  # on 16 ranks: 6.6 MB summed, 26.5 MB into the owner of one
+    assert moved([conv], 16) == () and moved([conv] * 16, 16) == tuple(range(16))  # alone no, spread yes
+    assert moved([(768, 768)], 8) == (0,)  # square: its owner receives 6.2 MB, 13.8 MB summed
+    assert moved([(64, 64)] * 4, 64) == ()  # < 1 MiB saved: stays summed
     cost = path_bytes(layer(4096, 1024), layer(4096, 1024), 8)  # float32 θ = W2ᵀ: n = 4096, p = 1024
     assert cost["gather"] == pytest.approx(7 / 8 * 3 * 4096 * 1024 * 4)
     assert cost["owner"] == pytest.approx(7 / 64 * 5 * 4096 * 1024 * 4)

@@ -23,11 +23,13 @@ per number:
   (matrices dealt largest first to the least loaded rank); *owner, busiest rank*: what the
   busiest rank sends or receives (few large matrices on many ranks: the owner of the largest
   carries ~5np, not 5np/R);
-* *fgd_fast auto*: per layer, what ``FGD(sharding="auto")`` picks with
-  ``fgd_fast.shard_placement``: the triangles, or the owner path where that sends ≥ 1 MiB less
-  or the layer is not a row shard at ``R``; *auto calls* counts its collectives per step (the
-  settings' agreement, the packed all-reduces of 64 MiB buckets, and, with owner layers, two
-  all-to-alls and the checks' all-reduce);
+* *fgd_fast auto*: what ``FGD(sharding="auto")`` picks with ``fgd_fast.shard_placement``
+  (``fgd_fast.distributed.moved_to_owners``: layers that are not row shards at ``R`` on the
+  owner path, row shards moved there where that lightens the busiest rank), counted at its
+  busiest rank: the row all-reduce of the layers left plus the owner path's busiest rank;
+  *auto calls* counts its collectives per step (the settings' agreement, the packed
+  all-reduces of 64 MiB buckets, and, with owner layers, two all-to-alls and the checks'
+  all-reduce);
 * for scale, FSDP2's own traffic for these parameters: all-gather in forward and backward,
   reduce-scatter of the gradient: ``3 · (R−1)/R · np · s``.
 
@@ -56,8 +58,8 @@ import torch
 import fgd_fast
 from fgd_fast._matrix import stiefel_shape
 from fgd_fast.collectives import BUCKET_BYTES
-from fgd_fast.distributed import owner_is_cheaper, path_bytes
-from fgd_fast.owners import _deal
+from fgd_fast.distributed import moved_to_owners, path_bytes
+from fgd_fast.owners import busiest_bytes
 
 FLOAT32 = 4
 SCHEMES = (
@@ -92,54 +94,36 @@ def _row_sharded(shape, ranks: int) -> bool:
     return (placement.dim >= 1) == stiefel_shape(shape).transposed
 
 
-def busiest_owner(shapes, ranks: int, s: int = FLOAT32) -> float:
-    """The owner path's bytes sent or received (the larger) by its busiest rank, every matrix on
-    the owner path, dealt as ``fgd_fast.owners`` deals them: an owner receives ``3np(R−1)/R``
-    and sends ``2np(R−1)/R`` for each of its matrices, and sends its ``3np/R`` share of others'."""
-    dims = [stiefel_shape(shape)[:2] for shape in shapes]
-    owners = _deal([n * p * p + p**3 for n, p in dims], ranks)
-    sent, got = [0.0] * ranks, [0.0] * ranks
-    for (n, p), owner in zip(dims, owners):
-        for r in range(ranks):
-            if r == owner:
-                got[r] += 3 * n * p * s * (ranks - 1) / ranks
-                sent[r] += 2 * n * p * s * (ranks - 1) / ranks
-            else:
-                sent[r] += 3 * n * p * s / ranks
-                got[r] += 2 * n * p * s / ranks
-    return max(max(sent), max(got))
-
-
 def volume(shapes, ranks: int, s: int = FLOAT32) -> dict[str, float]:
     """Bytes sent per rank per step, per scheme, for float32 weights of ``shapes`` on ``ranks``
     ranks (and ``auto calls``: the collectives per step of ``sharding="auto"``)."""
     assert s == FLOAT32, "the fgd_fast columns are float32's"
-    ring = (ranks - 1) / ranks
     out = dict.fromkeys(SCHEMES, 0.0)
-    summed = owned = 0.0
+    summable, owned = [], []
     for shape in shapes:
         n, p, _ = stiefel_shape(shape)
         meta = torch.empty(shape, device="meta")
         cost = path_bytes(meta, meta, ranks)
         if _row_sharded(shape, ranks):
-            out["rows, all blocks"] += 2 * ring * (5 * p * p + 1) * s
+            out["rows, all blocks"] += 2 * (ranks - 1) / ranks * (5 * p * p + 1) * s
             out["rows, triangles"] += cost["rows"]
-            if owner_is_cheaper(meta, meta, ranks):  # FGD(sharding="auto")'s choice for this layer
-                owned += cost["owner"]
-            else:
-                summed += cost["rows"]
+            summable.append((meta, meta))
         else:
             out["rows, all blocks"] += cost["gather"]
             out["rows, triangles"] += cost["gather"]
-            owned += cost["owner"]
+            owned.append((meta, meta))
         out["all-gather"] += cost["gather"]
         out["owner"] += cost["owner"]
-        out["FSDP2 params+grads"] += 3 * ring * n * p * s
-    out["owner, busiest rank"] = busiest_owner(shapes, ranks, s)
-    out["fgd_fast auto"] = summed + owned
+        out["FSDP2 params+grads"] += 3 * (ranks - 1) / ranks * n * p * s
+    out["owner, busiest rank"] = busiest_bytes(summable + owned, ranks)
+    moved = set(moved_to_owners(summable, owned, ranks))  # FGD(sharding="auto")'s choice
+    summed = sum(path_bytes(m, b, ranks)["rows"] for k, (m, b) in enumerate(summable) if k not in moved)
+    onto = owned + [summable[k] for k in sorted(moved)]
+    out["fgd_fast auto"] = summed + busiest_bytes(onto, ranks)
     # the agreement; the row blocks in 64 MiB all-reduces (each rank's payload is summed / 2·ring)
+    ring = (ranks - 1) / ranks
     calls = 1 + (math.ceil(summed / (2 * ring) / BUCKET_BYTES) if summed else 0)
-    out["auto calls"] = calls + (3 if owned else 0)
+    out["auto calls"] = calls + (3 if onto else 0)
     return out
 
 
