@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ._matrix import stiefel_shape
-from .backends.base import StepPlan
+from .backends.base import StepPlan, TableCache
 
 __all__ = ["Layout", "owner_group", "layout_of", "owner_bytes", "busiest_bytes", "deal_cost", "prepare_owned"]
 
@@ -54,7 +54,7 @@ class Layout:
     ok: tuple
 
 
-_layouts: dict[tuple, Layout] = {}
+_layouts = TableCache(capacity=16)  # (group, the layers' shapes and placements) → Layout
 
 
 def owner_group(t):
@@ -161,7 +161,7 @@ def layout_of(params: list, group) -> Layout:
 
     key = (group, tuple((tuple(p.shape), p.device_mesh, tuple(p.placements)) for p in params))
     if key in _layouts:
-        return _layouts[key]
+        return _layouts.get_or(key, None)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     device = params[0].to_local().device
     ndim = max(p.dim() for p in params)
@@ -202,9 +202,7 @@ def layout_of(params: list, group) -> Layout:
     owners = [-1] * len(params)
     for i, o in zip(owned, dealt):
         owners[i] = o
-    lay = Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
-    _layouts[key] = lay
-    return lay
+    return _layouts.get_or(key, lambda: Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok)))
 
 
 def _exchange(group, size: int, device, dtypes: list, send: dict, recv_sizes: dict) -> dict:
