@@ -298,7 +298,17 @@ def prepare_dtensors(
             forced.append(params[layers[k]])
     if forced:  # (gathered by choice, by sharding=, is not worth a warning)
         _say_gathered(forced)
-    kwargs = dict(lr=lr, momentum=momentum, feedback=feedback)
+    options = dict(
+        check_finite=check_finite,
+        precision=precision,
+        trust_radius=trust_radius,
+        max_distance=max_distance,
+        variant=variant,
+    )
+
+    def hyper(layers: list[int]) -> dict:  # per-layer η, β, α of these layers
+        return {k: [v[i] for i in layers] for k, v in dict(lr=lr, momentum=momentum, feedback=feedback).items()}
+
     out = []
     with torch.no_grad():
         for (mesh, mesh_dim, device), layers in rows.items():
@@ -307,33 +317,27 @@ def prepare_dtensors(
                 [grads[i].to_local() for i in layers],
                 [bufs[i].to_local() if bufs[i] is not None else None for i in layers],
                 [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
-                check_finite=check_finite,
-                precision=precision,
+                **hyper(layers),
+                **options,
                 reduce=summing_over(mesh.get_group(mesh_dim)),
                 shapes=[params[i].shape for i in layers],
-                trust_radius=trust_radius,
-                max_distance=max_distance,
-                variant=variant,
             )
             out.append((layers, plan))
         for (group, device), layers in owned.items():
             lay = layout_of([params[i] for i in layers], group)
             layers = [i for i, ok in zip(layers, lay.ok) if ok]
             if layers:
+                pick = lambda seq, layers=layers: [seq[i] for i in layers]  # noqa: E731
+                lay = layout_of(pick(params), group)
                 plan = prepare_owned(
                     resolve(device.type),
-                    layout_of([params[i] for i in layers], group),
-                    [params[i] for i in layers],
-                    [grads[i] for i in layers],
-                    [bufs[i] for i in layers],
-                    [fresh[i] for i in layers],
-                    **{k: [v[i] for i in layers] for k, v in kwargs.items()},
-                    check_finite=check_finite,
-                    precision=precision,
-                    trust_radius=trust_radius,
-                    max_distance=max_distance,
-                    variant=variant,
+                    lay,
+                    pick(params),
+                    pick(grads),
+                    pick(bufs),
+                    pick(fresh),
+                    **hyper(layers),
+                    **options,
                 )
                 out.append((layers, plan))
         for device, layers in whole.items():
@@ -341,18 +345,7 @@ def prepare_dtensors(
             count = len(layers)
             gathered = full_values([params[i] for i in layers] + [bufs[i] for i in layers] + [grads[i] for i in layers])
             full_p, full_b, full_g = gathered[:count], gathered[count : 2 * count], gathered[2 * count :]
-            plan = resolve(device.type)(
-                full_p,
-                full_g,
-                full_b,
-                [fresh[i] for i in layers],
-                **{k: [v[i] for i in layers] for k, v in kwargs.items()},
-                check_finite=check_finite,
-                precision=precision,
-                trust_radius=trust_radius,
-                max_distance=max_distance,
-                variant=variant,
-            )
+            plan = resolve(device.type)(full_p, full_g, full_b, [fresh[i] for i in layers], **hyper(layers), **options)
             out.append(
                 (layers, _writing_back(plan, [params[i] for i in layers], full_p, [bufs[i] for i in layers], full_b))
             )

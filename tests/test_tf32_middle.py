@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fgd_fast
+from benchmarks.studies.tf32_middle import settled_distance
 from fgd_fast.backends import algebra
 from fgd_fast.backends.tf32 import emulated_tf32_middle
 
@@ -62,27 +62,11 @@ def test_emulation_rounds_the_products_and_restores_them():
         pass
 
 
-def _settled(lr: float, form: str | None, steps: int = 600) -> float:
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 8, 3, 3), (16, 16, 3, 3), (24, 40)]
-    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
-    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, momentum=0.9, feedback=0.4, backend="torch")
-    tail = []
-    with emulated_tf32_middle(form) if form else torch.no_grad():
-        for k in range(steps):
-            for p in params:
-                g = torch.randn(p.shape, generator=gen)
-                p.grad = g / g.norm()
-            opt.step()
-            if k >= steps - steps // 10:
-                tail.append(max(fgd_fast.stiefel_distance(p) for p in params))
-    return sum(tail) / len(tail)
-
-
 @pytest.mark.parametrize("lr", [1e-2, 1e-4])
 def test_a_tf32_middle_settles_where_the_fp32_middle_does(lr):
     """600 steps of unit-norm random gradients (1e-2: the O(η²) drift sets the distance; 1e-4:
     fp32's rounding floor): the largest ‖θᵀθ − I‖_F with every middle product at TF32 is within
     1.2× of the fp32 middle's (the workload shapes: benchmarks/studies/tf32_middle.py)."""
-    fp32, tf32 = _settled(lr, None), _settled(lr, "lean")
+    shapes = [(8, 8, 3, 3), (16, 16, 3, 3), (24, 40)]
+    fp32, tf32 = (settled_distance(shapes, 600, form, lr) for form in (None, "lean"))
     assert tf32 <= 1.2 * fp32, (tf32, fp32)
