@@ -156,18 +156,19 @@ def _local_state(model, opt):
 
 
 class _CountAllReduce:
-    """Counts ``dist.all_reduce`` calls (the step's packed Gram reduction); with ``events``,
-    appends ``("reduce", asynchronous)`` to it at each."""
+    """Counts ``dist.all_reduce`` calls (the step's packed Gram reduction) and the numbers they
+    sum; with ``events``, appends ``("reduce", asynchronous)`` to it at each."""
 
     def __init__(self, events: list | None = None):
         self.events = events
 
     def __enter__(self):
-        self.count, self.saved = 0, dist.all_reduce
+        self.count, self.numbers, self.saved = 0, 0, dist.all_reduce
 
         def counting(*args, **kwargs):
             if kwargs.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:  # (not the ranks' MAX agreement)
                 self.count += 1
+                self.numbers += args[0].numel()
                 if self.events is not None:
                     self.events.append(("reduce", kwargs.get("async_op", False)))
             return self.saved(*args, **kwargs)
@@ -246,7 +247,7 @@ def fsdp_steps(
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, sharding=sharding, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)
     start_orth = opt.orthogonality()
-    reduces, gathers, to_all, said = [], [], [], []
+    reduces, summed, gathers, to_all, said = [], [], [], [], []
     for step in range(steps):
         _set_grads(model, step, spike=spike)
         events.clear()
@@ -255,6 +256,7 @@ def fsdp_steps(
             warnings.simplefilter("always")
             opt.step()
         reduces.append(counter.count)
+        summed.append(counter.numbers)
         gathers.append((gathered.packed, gathered.whole))
         to_all.append((gathered.to_all, gathered.sent))
         said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
@@ -267,6 +269,7 @@ def fsdp_steps(
         orth=opt.orthogonality(),
         dist={n: fgd_fast.stiefel_distance(p) for n, p in model.named_parameters() if n in ORTHOGONAL},
         reduces=reduces,
+        summed=summed,
         gathers=gathers,
         to_all=to_all,
         said=said,
