@@ -58,14 +58,20 @@ _layouts = TableCache(capacity=16)  # (group, the layers' shapes and placements)
 
 
 def owner_group(t):
-    """The process group spanning the ranks that hold pieces of DTensor ``t``: its mesh's
-    group on a 1-D mesh, the default group for a larger mesh over every rank; ``None`` (the
-    layer is then gathered) for a larger mesh over some of the ranks."""
+    """The process group over which DTensor ``t``'s pieces are spread: its mesh's group on a
+    1-D mesh; on a larger mesh that shards along one mesh dimension and replicates along the
+    others (HSDP), that dimension's group (each replica group then steps the layer alike, and
+    the traffic stays within it, as the row all-reduce's does); the default group for any other
+    mesh over every rank; ``None`` (the layer is then gathered) otherwise."""
     import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh = t.device_mesh
     if mesh.ndim == 1:
         return mesh.get_group(0)
+    sharded = [d for d, pl in enumerate(t.placements) if type(pl) is Shard]
+    if len(sharded) == 1 and all(type(pl) in (Shard, Replicate) for pl in t.placements):
+        return mesh.get_group(sharded[0])
     if sorted(mesh.mesh.flatten().tolist()) == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return None

@@ -217,10 +217,15 @@ def test_hsdp_reduces_over_the_shard_dimension():
         for name in orth:
             assert abs(res["orth"][name] - orth[name]) <= TOL
         # the row shards' blocks over the shard dimension; the stem (columns sharded) on the owner
-        # path over all 4 ranks, its pieces sent once each (not once per replica), its checks summed
+        # path within each replica's shard group too (the traffic stays there), its checks summed
         assert all(count == 2 for count in res["reduces"]) and all(c == 2 for c, _ in res["to_all"])
         assert res["said"] == []
     assert_identical_ranks(results, "params")
+    # numbers sent per step, all ranks: in each of the 2 shard groups the stem's (8 × 3 × 3 × 3)
+    # θ, g (and Φ after the first step) to its owner, θ₊ and Φ₊ back
+    stem = 8 * 3 * 3 * 3
+    sent = [sum(res["to_all"][step][1] for res in results) for step in range(5)]
+    assert sent == [2 * 4 * stem] + [2 * 5 * stem] * 4, sent
     assert results[0]["placements"]["conv.weight"] == 1  # (Replicate(), Shard(1))
 
 
