@@ -15,9 +15,11 @@ cost more to sum than the matrix does to move (square θ on many ranks), is step
 4. **back** — ``apply()`` sends every rank its pieces of θ₊ and Φ₊ (one ``all_to_all_single``
    per dtype) and writes them into its shards.
 
-Per rank and step that moves about ``5np/R`` numbers per layer (R ranks, layers spread evenly),
-against ``3np`` for gathering every layer whole on every rank and ``2(3p² + p)`` for summing
-Gram blocks of row shards: :func:`owner_bytes`. Where each rank's piece lies comes from
+Per rank and step that moves about ``5np/R`` numbers per layer on average (R ranks, layers
+spread evenly: :func:`owner_bytes`; an owner receives its layers whole: :func:`busiest_bytes`),
+against ``3np`` for gathering every layer whole on every rank and ``2(3.5p² + 1.5p + 1)`` for
+summing the Gram blocks of row shards. On an HSDP mesh it runs within each shard group
+(:func:`owner_group`). Where each rank's piece lies comes from
 torch's own ``compute_local_shape_and_global_offset``, exchanged once per set of layers and
 checked: the pieces must tile the tensor (and, for placements other than plain ``Shard`` /
 ``Replicate``, match the gathered tensor once), or the layer is gathered instead.
