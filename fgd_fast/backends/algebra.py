@@ -417,7 +417,9 @@ class Checks(NamedTuple):
 def join_checks(mids: list[Middle]) -> Checks:
     def cat(name: str) -> torch.Tensor | None:
         parts = [getattr(m, name) for m in mids]
-        return torch.cat(parts) if parts and all(t is not None for t in parts) else None
+        if not parts or any(t is None for t in parts):
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return Checks(
         cat("dist").to(torch.float64), cat("finite"), cat("scale"), cat("dist_next"), cat("finite_next"), cat("guarded")

@@ -256,13 +256,17 @@ def _inverse_permutation(order: tuple[int, ...], device: torch.device) -> torch.
 
 
 def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:
-    """Concatenate per-batch values whose layers are ``order`` back into input order.
+    """Concatenate per-batch values whose layers are ``order`` back into input order (the
+    parts themselves where there is one and the order is the input's: no op).
 
     The device index is cached on ``order``, so steady-state steps copy nothing to the device.
     """
     if not parts:
         return torch.zeros(0, device=device)
-    return torch.cat(parts)[_inverse_permutation(tuple(order), device)]
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if all(k == i for k, i in enumerate(order)):
+        return joined  # already in input order: no gather
+    return joined[_inverse_permutation(tuple(order), device)]
 
 
 def device_of(params: Sequence[torch.Tensor]) -> torch.device:
