@@ -286,10 +286,11 @@ class _Bucket:
         self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
         # a zero coefficient reads nothing (apply allocates nothing, so the masks are made here):
         # a reset (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
+        if host_reads_free(self.coef.device) and self.lr != 0 and float(scale.min()) > 0:
+            self.zero_g = self.zero_u = None  # no layer resets (−sη ≠ 0 everywhere): no masks to apply
+            return
         self.zero_g = self.coef[:, 1] == 0  # (count, 1, 1): −sη = 0
         self.zero_u = self.zero_g & (self.coef[:, 0] == 0)  # and sβ = 0: U = 0, and M_Φ = 0, so Φ₊ = 0
-        if host_reads_free(self.coef.device) and not bool(self.zero_g.any()):
-            self.zero_g = self.zero_u = None  # no layer resets: no masks to apply
 
     def _ieee_gram(self, theta: torch.Tensor, out: torch.Tensor) -> None:
         """``A = θᵀθ`` in IEEE fp32 while the other products of ``"tf32x3"`` run in TF32.
@@ -365,7 +366,7 @@ def _grad_sq(grad: torch.Tensor, out: torch.Tensor) -> None:
     float32 rounding, which is all the guard's safety radius needs."""
     if grad.dtype == torch.float32 and host_reads_free(grad.device):
         norm = torch.linalg.vector_norm(grad, dim=(1, 2))
-        if bool(torch.isfinite(norm).all()):
+        if math.isfinite(float(norm.sum())):  # (an Inf or NaN norm makes the sum one)
             torch.square(norm.to(torch.float64), out=out)
             return
     torch.linalg.vector_norm(grad, dim=(1, 2), dtype=torch.float64, out=out)
