@@ -19,8 +19,8 @@ fused backends' block order ``[A | E | B | C]`` and ``[M_θ | M_Φ]`` (:mod:`.ba
 2. (``apply``) ``update_kernel``: ``Φ₊ = U + θM_Φ`` (when Φ is stored), then
    ``θ₊ = θ + V + θM`` with ``(V, M) = (Φ₊, −α(A − I))``, or ``(−ηg, M_θ)`` without Φ.
 
-Between the passes, the O(p³) middle (:func:`.base.middle_of_runs`) with batched torch ops,
-one batch per distinct p (never per layer), writes the M matrices, the distance ``‖A − I‖_F``
+Between the passes, the O(p³) middle (:func:`.base.middle_of_runs`) with batched torch ops at
+the step's precision, one batch per distinct p (never per layer), writes the M matrices, the distance ``‖A − I‖_F``
 and the finite flag (E = θᵀg is NaN/Inf whenever g is: no extra pass over g). Split-K
 partials are summed by one ``torch.sum`` in a fixed order: deterministic run to run. So a step
 costs at most 6 kernel launches per class plus O(#distinct p) small torch ops, independent of
