@@ -451,3 +451,19 @@ def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
     assert cost["gather"] == pytest.approx(7 / 8 * 3 * 4096 * 1024 * 4)
     assert cost["owner"] == pytest.approx(7 / 64 * 5 * 4096 * 1024 * 4)
     assert cost["rows"] == pytest.approx(2 * 7 / 8 * (2 * 1024**2 + 1.5 * 1024 * 1025 + 1) * 4)
+
+
+def test_owner_layout_accepts_only_pieces_that_tile_the_tensor():
+    """The owner path steps a layer only where the ranks' pieces (as torch places them) cover
+    it exactly once; gaps, overlaps and pieces out of bounds send it to the gather instead."""
+    from fgd_fast.owners import _deal, _tiles
+
+    rows = [((3, 4), (0, 0)), ((3, 4), (3, 0)), ((0, 4), (6, 0))]  # uneven, an empty piece
+    assert _tiles((6, 4), rows)
+    assert _tiles((6, 4), [((6, 2), (0, 0)), ((6, 2), (0, 2))])  # columns
+    assert _tiles((4, 4), [((2, 2), (r, c)) for r in (0, 2) for c in (0, 2)])  # a 2-D mesh's blocks
+    assert not _tiles((6, 4), rows[:2] + [((1, 4), (5, 0))])  # row 5 twice
+    assert not _tiles((6, 4), [((3, 4), (0, 0)), ((2, 4), (4, 0))])  # a gap
+    assert not _tiles((6, 4), [((3, 4), (0, 0)), ((4, 4), (3, 0))])  # out of bounds
+    # owners: the largest layer first, each to the least loaded rank, ties to the lower rank
+    assert _deal([5, 1, 4, 4], 2) == (0, 0, 1, 1) and _deal([1, 1, 1], 4) == (0, 1, 2)
