@@ -289,13 +289,13 @@ def prepare_dtensors(
                 owned.setdefault(key, []).append(i)
             else:
                 rows.setdefault((params[i].device_mesh, row_mesh_dim(params[i]), params[i].device), []).append(i)
-    for layers in owned.values():
-        layers.sort()  # (input order, as every rank has it)
     for (group, device), layers in owned.items():  # pieces that do not tile θ: gathered instead
+        layers.sort()  # (input order, as every rank has it)
         lay = layout_of([params[i] for i in layers], group)
-        for k in [k for k, ok in enumerate(lay.ok) if not ok]:
-            whole.setdefault(device, []).append(layers[k])
-            forced.append(params[layers[k]])
+        for i in [i for i, ok in zip(layers, lay.ok) if not ok]:
+            whole.setdefault(device, []).append(i)
+            forced.append(params[i])
+        layers[:] = [i for i, ok in zip(layers, lay.ok) if ok]
     if forced:  # (gathered by choice, by sharding=, is not worth a warning)
         _say_gathered(forced)
     options = dict(
@@ -324,9 +324,7 @@ def prepare_dtensors(
             )
             out.append((layers, plan))
         for (group, device), layers in owned.items():
-            lay = layout_of([params[i] for i in layers], group)
-            layers = [i for i, ok in zip(layers, lay.ok) if ok]
-            if layers:
+            if layers:  # (those whose pieces tile θ; the same layout when all do)
                 pick = lambda seq, layers=layers: [seq[i] for i in layers]  # noqa: E731
                 lay = layout_of(pick(params), group)
                 plan = prepare_owned(

@@ -163,13 +163,16 @@ def layout_of(params: list, group) -> Layout:
     """The :class:`Layout` of DTensor layers ``params`` (sharing ``group``), exchanged in one
     ``all_gather_into_tensor`` the first time this set of layers is seen (a collective: every
     rank calls it for the same layers) and kept."""
+    key = (group, tuple((tuple(p.shape), p.device_mesh, tuple(p.placements)) for p in params))
+    return _layouts.get_or(key, lambda: _exchanged_layout(params, group))
+
+
+def _exchanged_layout(params: list, group) -> Layout:
+    """:func:`layout_of` for a set of layers not seen before (the collectives)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    key = (group, tuple((tuple(p.shape), p.device_mesh, tuple(p.placements)) for p in params))
-    if key in _layouts:
-        return _layouts.get_or(key, None)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     device = params[0].to_local().device
     ndim = max(p.dim() for p in params)
@@ -202,15 +205,11 @@ def layout_of(params: list, group) -> Layout:
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
         for k, i in enumerate(odd):
             ok[i] = bool(agree[k] > 0)
-    costs = [
-        stiefel_shape(p.shape)[0] * stiefel_shape(p.shape)[1] ** 2 + stiefel_shape(p.shape)[1] ** 3 for p in params
-    ]
     owned = [i for i in range(len(params)) if ok[i]]
-    dealt = _deal([costs[i] for i in owned], size)
     owners = [-1] * len(params)
-    for i, o in zip(owned, dealt):
+    for i, o in zip(owned, _deal([deal_cost(params[i]) for i in owned], size)):
         owners[i] = o
-    return _layouts.get_or(key, lambda: Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok)))
+    return Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
 
 
 def _exchange(group, size: int, device, dtypes: list, send: dict, recv_sizes: dict) -> dict:
