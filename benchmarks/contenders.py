@@ -123,10 +123,11 @@ def _owners(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _fgd(backend: str, precision: str | None = None) -> Callable[[nn.Module, str, float], Case]:
+def _fgd(backend: str, precision: str | None = None, **options) -> Callable[[nn.Module, str, float], Case]:
     def make(model, rule, lr):
         group = fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False)[0]
-        opt = fgd_fast.FGD([group], lr=lr, momentum=MOMENTUM, feedback=FEEDBACK, backend=backend, precision=precision)
+        hyper = dict(lr=lr, momentum=MOMENTUM, feedback=FEEDBACK)
+        opt = fgd_fast.FGD([group], **hyper, backend=backend, precision=precision, **options)
         return Case(opt, group["params"])
 
     return make
@@ -183,6 +184,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("fgd-torch", "fgd", _fgd("torch", "ieee"), "torch", "ieee"),
     Contender("fgd-triton", "fgd", _fgd("triton", "ieee"), "triton", "ieee"),
     Contender("fgd-cuda", "fgd", _fgd("cuda"), "cuda"),
+    Contender("fgd-torch-carried", "fgd", _fgd("torch", "ieee", gram_refresh=4), "torch", "ieee"),
     Contender("fgd-torch-tf32x3", "fgd", _fgd("torch", "tf32x3"), "torch", "tf32x3"),
     Contender("fgd-torch-tf32", "fgd", _fgd("torch", "tf32"), "torch", "tf32"),
     Contender("fgd-triton-tf32x3", "fgd", _fgd("triton", "tf32x3"), "triton", "tf32x3"),

@@ -17,6 +17,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from .backends import Backend, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
+from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import check_state_tensor
@@ -89,6 +90,7 @@ def fgd(
     trust_radius: float = TRUST_RADIUS,
     variant: str = "official",
     sharding: str = "auto",
+    gram_refresh: int = GRAM_REFRESH,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -104,7 +106,10 @@ def fgd(
     ``‖Φ‖ + η‖g‖ ≤ trust_radius``; all on the device (:mod:`fgd_fast.backends.algebra`).
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
     authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`);
-    ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`).
+    ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`);
+    ``gram_refresh``: at most how many steps the torch backend on a CPU carries θᵀθ, θᵀΦ, ΦᵀΦ
+    from step to step before reading them from the parameters again (1: every step; see
+    :class:`fgd_fast.FGD`).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -112,6 +117,8 @@ def fgd(
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
+    if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
+        raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
@@ -160,6 +167,7 @@ def fgd(
     for device, idx in by_device.items():
         _, prepare = _cached_backend(backend, device.type, precision)
         pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
+        carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
         plans.append(
             prepare(
                 pick(params),
@@ -172,6 +180,7 @@ def fgd(
                 check_finite=check_finite,
                 precision=precision,
                 **steering,
+                **carrying,
             )
         )
         index.append(idx)

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._stiefel_optimizer import StiefelOptimizer, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
 from .backends.algebra import VARIANTS
+from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, is_dtensor
 from .functional import GuardReport, backend_for, fgd, zero_momentum
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
@@ -20,6 +21,7 @@ from .validation import (
     check_bool,
     check_choice,
     check_closed_unit_interval,
+    check_int_at_least,
     check_keys,
     check_nesterov,
     check_nonnegative,
@@ -127,6 +129,17 @@ class FGD(StiefelOptimizer):
             every layer to its owner, ``"gather"`` all-gathers every layer on every rank
             (``3np``). A layer no cheaper path fits is gathered, with a warning. Every rank
             must use the same (checked); see :mod:`fgd_fast.distributed`.
+        gram_refresh: the torch backend on a CPU reads ``θᵀθ``, ``θᵀΦ``, ``ΦᵀΦ`` from the
+            parameters at least every this many steps and in between carries them from the
+            step's ``p × p`` blocks (``θ₊ = θK + sU``, ``Φ₊ = sU + θM_Φ``: exact but for the
+            rounding of storing θ₊, Φ₊, which the guard's margin allows for; 2.5 of the step's
+            ~6 passes of ``2np²`` saved where ``n ≥ 2p``). Default 1: every step, so a copy or
+            a checkpoint continues bit-identically (with carrying, equal to rounding: the
+            carried blocks are not state). Carried only for float32/float64 θ with a
+            prediction (guard, checks), never across a write the tensors' version counters
+            see (``p.copy_``, ``load_state_dict``); after a write through ``p.data`` call
+            :func:`fgd_fast.backends.carry.forget`. Other backends and devices read them every
+            step.
     """
 
     def __init__(
@@ -149,6 +162,7 @@ class FGD(StiefelOptimizer):
         variant: str = "official",
         maximize: bool = False,
         sharding: str = "auto",
+        gram_refresh: int = GRAM_REFRESH,
     ) -> None:
         if precision is None:  # the library's default where the backend honours precision=
             precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
@@ -170,6 +184,7 @@ class FGD(StiefelOptimizer):
             variant=variant,
             maximize=maximize,
             sharding=sharding,
+            gram_refresh=gram_refresh,
         )
         self._validate_options(defaults)
         _check_group(defaults)
@@ -186,6 +201,7 @@ class FGD(StiefelOptimizer):
         variant="official",
         maximize=False,
         sharding="auto",
+        gram_refresh=GRAM_REFRESH,
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
@@ -198,11 +214,13 @@ class FGD(StiefelOptimizer):
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
     variant = option("variant", '``"official"`` (the authors\' code) or ``"paper"`` (Algorithm 1; optimizer-wide).')
     sharding = option("sharding", '``"auto"``, ``"rows"``, ``"owner"`` or ``"gather"``: how DTensor layers step.')
+    gram_refresh = option("gram_refresh", "Steps the torch backend on a CPU may carry θᵀθ, θᵀΦ, ΦᵀΦ (optimizer-wide).")
 
     def _validate_options(self, options: dict[str, Any]) -> None:
         check_choice("backend", options["backend"], BACKENDS)
         check_choice("variant", options["variant"], VARIANTS)
         check_choice("sharding", options["sharding"], SHARDINGS)
+        check_int_at_least("gram_refresh", options["gram_refresh"], 1, "1 reads the Gram blocks every step")
         check_bool("maximize", options["maximize"])
         precision, backend = options["precision"], options["backend"]
         check_choice("precision", precision, PRECISIONS)
@@ -267,6 +285,7 @@ class FGD(StiefelOptimizer):
                 trust_radius=float(opts["trust_radius"]),
                 variant=opts["variant"],
                 sharding=opts["sharding"],
+                gram_refresh=opts["gram_refresh"],
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

@@ -21,6 +21,7 @@ from fgd_fast.backends import algebra
 RULE = "tests/test_guard_rule.py"
 GUARD = "tests/test_guard.py"
 DIST = "tests/test_distributed.py"
+CARRY = "tests/test_gram_carry.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -66,6 +67,14 @@ MUTANTS = {
     "grad_sq_unsummed": (
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
+    ),
+    "carry_ignores_versions": (
+        "carried Gram blocks used after a write to θ or Φ between steps",
+        [f"{CARRY}::test_writes_between_steps_are_seen"],
+    ),
+    "carry_kept_after_failed_step": (
+        "a failed step's carried blocks (scaled in place by its middle) kept for the next step",
+        [f"{CARRY}::test_a_failed_step_leaves_no_stale_blocks"],
     ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
@@ -142,6 +151,25 @@ def plant(name: str) -> Callable[[], None]:
         _replace("store_unit", lambda dtype: 0.0, undo)
     elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient
         _replace("inputs_finite", lambda g_norm, phi_sq, e: algebra.finite_of(g_norm) & algebra.finite_of(phi_sq), undo)
+
+    elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
+        from fgd_fast.backends import carry
+
+        original = carry.take
+
+        def take(key, tensors, count, refresh):
+            entry = carry._store.get(key)
+            if name == "carry_kept_after_failed_step":  # the entry stays (not popped)
+                found = original(key, tensors, count, refresh)
+                if found is not None:
+                    carry._store[key] = found
+                return found
+            if entry is not None:  # versions as they are now: every write unseen
+                entry.versions = tuple(t._version for t in tensors)
+            return original(key, tensors, count, refresh)
+
+        undo.append((carry, "take", original))
+        carry.take = take
 
     def remove() -> None:
         for owner, attr, value in reversed(undo):

@@ -36,12 +36,13 @@ LRS = (1e-2, 1e-4)
 MIDDLES = {"fp32": None, "tf32": "lean", "tf32, (I − D)·X": "naive"}
 
 
-def settled_distance(shapes, steps: int, form: str | None, lr: float, seed: int = 0) -> float:
+def settled_distance(shapes, steps: int, form: str | None, lr: float, seed: int = 0, **options) -> float:
     """The mean over the last tenth of ``steps`` of the largest ‖θᵀθ − I‖_F of layers ``shapes``
-    stepped by FGD (torch backend) with the middle ``form`` (``None``: fp32)."""
+    stepped by FGD (torch backend, ``options`` passed on) with the middle ``form`` (``None``: fp32)."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
-    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, momentum=0.9, feedback=0.4, backend="torch")
+    hyper = dict(lr=lr, momentum=0.9, feedback=0.4)
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], **hyper, backend="torch", **options)
     tail = []
     with emulated_tf32_middle(form) if form else contextlib.nullcontext():
         for k in range(steps):

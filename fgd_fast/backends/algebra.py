@@ -80,6 +80,7 @@ __all__ = [
     "pull_back_distances",
     "velocity_gram",
     "step_distance",
+    "next_grams",
     "full_steps_fit",
     "guard_codes",
     "HOST_READ_DEVICES",
@@ -103,6 +104,7 @@ class Middle(NamedTuple):
     dist_next: torch.Tensor | None = None  # (L,) bound of ‖θ₊ᵀθ₊ − I‖_F (None: not predicted)
     finite_next: torch.Tensor | None = None  # (L,) bool: θ₊, Φ₊ finite
     guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
+    carried: tuple | None = None  # (A₊, B₊, C₊) or (A₊,) of the full step (see next_grams), where asked for
 
 
 def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -293,6 +295,30 @@ def step_distance(a_minus_i, m, t, w) -> torch.Tensor:
     return first.add_(second).add_(w)
 
 
+def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(A₊, B₊, C₊)``, the Gram blocks of the next step, from this step's ``p × p`` blocks
+    (four products instead of three passes over θ and Φ): with ``θ₊ = θK + sU``, ``K = I + M``
+    (``M = M_θ``), ``Φ₊ = sU + θM_Φ``, ``T = θᵀ(sU)``, ``W = s²UᵀU`` and ``Y = T + AM_Φ``:
+
+    * ``A₊ = I + d_full`` (``d_full = θ₊ᵀθ₊ − I``, :func:`step_distance`);
+    * ``C₊ = Φ₊ᵀΦ₊ = W + M_ΦᵀT + TᵀM_Φ + M_ΦᵀAM_Φ = W + sym(M_Φᵀ(Y + T))``;
+    * ``B₊ = θ₊ᵀΦ₊ = KᵀT + KᵀAM_Φ + W + TᵀM_Φ = Y + W + MᵀY + TᵀM_Φ``.
+
+    Exact to rounding: the Grams a pass over the stored θ₊, Φ₊ would give, but for the rounding
+    of storing them (what the guard's margin allows per step carried)."""
+    y = i_plus_d(a_minus_i, m_phi, 1.0, t)  # Y = T + AM_Φ = T + M_Φ + DM_Φ
+    c_next = sym(mm(m_phi.transpose(-1, -2), y + t)).add_(w)  # C₊ = W + sym(M_Φᵀ(Y + T))
+    b_next = mm_add(mm_add(y + w, m.transpose(-1, -2), y), t.transpose(-1, -2), m_phi)  # B₊ = Y + W + MᵀY + TᵀM_Φ
+    return d_full + eye, b_next, c_next
+
+
+def _ahead(carry: int, d_full, a_minus_i, m, m_phi, t, w, eye) -> tuple[torch.Tensor, ...] | None:
+    """What ``middle(carry=)`` asked for: None (0), ``(A₊,)`` (1) or ``(A₊, B₊, C₊)`` (3)."""
+    if not carry:
+        return None
+    return next_grams(d_full, a_minus_i, m, m_phi, t, w, eye) if carry == 3 else (d_full + eye,)
+
+
 def middle(
     a,
     b,
@@ -311,6 +337,7 @@ def middle(
     unit: float = 0.0,
     stored: torch.dtype | None = None,
     variant: str = "official",
+    carry: int = 0,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -320,7 +347,9 @@ def middle(
     (less the rounding margin of ``unit``, :func:`store_unit`), without it only ``dist_next``
     is reported; ``stored``: the parameters' dtype, whose range θ₊ must fit. Neither given: the
     plain update, no prediction. ``variant``: ``"official"`` or ``"paper"``. The blocks are
-    scratch of this step: some are scaled in place.
+    scratch of this step: some are scaled in place. ``carry``: 1 or 3 to get the next step's
+    ``(A₊,)`` or ``(A₊, B₊, C₊)`` in ``carried`` (:func:`next_grams`) where the full step is
+    the one written for every layer (with a prediction; else ``carried`` is None).
     """
     p = a.shape[-1]
     eye = torch.eye(p, dtype=a.dtype, device=a.device)
@@ -367,17 +396,21 @@ def middle(
 
     w = uu if uu is not None else velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
     if radius is None:  # only the prediction
-        dist_next = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
+        d_full = step_distance(a_minus_i, m_theta, t, w)
+        dist_next = torch.linalg.matrix_norm(d_full).to(torch.float64)
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi)
-        return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next)
+        ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye)
+        return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
     target = guard_target(limit, p, unit)
     movable = finite & all_finite(m_phi)
     if host_reads_free(a.device):
-        dist_full = torch.linalg.matrix_norm(step_distance(a_minus_i, m_theta, t, w)).to(torch.float64)
+        d_full = step_distance(a_minus_i, m_theta, t, w)  # θ₊ᵀθ₊ − I of the full step
+        dist_full = torch.linalg.matrix_norm(d_full).to(torch.float64)
         if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
             fits = storable(dist_full, p, stored)
-            return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale))
+            ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye)
+            return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale), ahead)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀

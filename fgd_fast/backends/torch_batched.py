@@ -62,6 +62,7 @@ import torch
 
 from .._matrix import stiefel_shape
 from ..collectives import packed
+from . import carry
 from .algebra import Middle, host_reads_free, join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
 
@@ -207,11 +208,14 @@ class _Bucket:
         """How many ``(p, p)`` Gram blocks :meth:`grams` fills per layer."""
         return (4 if self.reads_phi else 2) + (1 if self.predict else 0)
 
-    def grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: list[torch.Tensor]) -> None:
+    def grams(
+        self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: list[torch.Tensor], carried: int = 0
+    ) -> None:
         """Into ``out``: ``[A, E]`` or ``[A, E, B, C]`` of a middle chunk (``(c, p, p)`` each), sums
         over the (local) rows of θ; with a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg``
         formed in the g slot: one Gram instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then
-        ``‖g‖²`` per layer (float64, ``(c,)``) last."""
+        ``‖g‖²`` per layer (float64, ``(c,)``) last. ``carried``: 1 where A, 3 where A, B and C
+        are already in ``out`` (carried from the last step: :mod:`.carry`), not formed again."""
         s = gemm_chunks[0].s
         blocks = out[: self.block_count()]
         a, g_blk = blocks[:2]
@@ -223,7 +227,9 @@ class _Bucket:
             self._gram(theta, grad, g_blk[r])  # E = θᵀg
             if g_sq is not None:  # ‖g‖² per layer (float64: no overflow for a finite g)
                 _grad_sq(grad, g_sq[r])
-            if self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
+            if carried:
+                pass  # A carried
+            elif self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
                 self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
@@ -231,8 +237,9 @@ class _Bucket:
                 self._gram(grad, grad, blocks[2][r])  # G = gᵀg (U = −ηg)
             if self.reads_phi:
                 phi = self._operand(scratch[1], self.bufs, ch)
-                self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
-                self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
+                if carried < 3:
+                    self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
+                    self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
                 if self.predict:  # U = βΦ − ηg into the g slot (g itself is read again by the update)
                     u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
                     torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
@@ -386,23 +393,50 @@ class _Group:
     Φ read and written): their Grams go into one set of ``(L, p, p)`` blocks and one middle
     call serves them all (per-layer η, β, α where the buckets differ)."""
 
-    def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]]):
+    def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]], refresh: int = 1):
         self.members = members
         self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
-        self.first = members[0][0]
+        self.first = b = members[0][0]
+        self.refresh, self.ahead, self.age = refresh, None, 0
+        # Gram blocks carried to the next step (:mod:`.carry`): A where the guard's exact distance
+        # gives it (θ₊ᵀθ₊ − I), B and C too where four p³ products cost less than their Grams
+        # (5np² flop: n ≥ 2p); never for a float16/bfloat16 θ (its rounding is too coarse)
+        self.carry = 0
+        if refresh > 1 and b.predict and b.dtype == b.cdt:
+            wide = all(m.n >= 2 * m.p for m, _ in members)
+            self.carry = 3 if b.writes_phi and wide else 1
+        self.tensors = [t for m, gc in members for t in m.params[gc[0].s : gc[-1].e]]
+        if b.writes_phi:
+            self.tensors += [t for m, gc in members for t in m.bufs[gc[0].s : gc[-1].e]]
+        self.key = ("carry", b.p, b.cdt) + tuple(id(t) for t in self.tensors)
 
     def symmetric_slots(self) -> tuple[int, ...]:
         return self.first.symmetric_slots()
 
+    def keep(self) -> None:
+        """After the step's writes: keep the next step's blocks (where this step made them)."""
+        if self.ahead is not None:
+            carry.keep(self.key, self.ahead, self.tensors, self.age)
+            self.ahead = None
+
     def grams(self, scratch: dict[torch.dtype, list[torch.Tensor]]) -> list[torch.Tensor]:
         """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` of ``(L, p, p)``."""
         b, count = self.first, sum(self.sizes)
-        blocks = [torch.empty((count, b.p, b.p), dtype=b.cdt, device=b.m_phi.device) for _ in range(b.block_count())]
+        new = lambda: torch.empty((count, b.p, b.p), dtype=b.cdt, device=b.m_phi.device)  # noqa: E731
+        blocks = [new() for _ in range(b.block_count())]
         if b.predict:
             blocks.append(torch.empty((count,), dtype=torch.float64, device=b.m_phi.device))
+        entry = carry.take(self.key, self.tensors, 1, self.refresh) if self.carry else None
+        carried = 0
+        if entry is not None:  # the carried blocks are this step's scratch (the middle scales B, C)
+            carried = 3 if b.reads_phi and len(entry.blocks) == 3 else 1
+            blocks[0] = entry.blocks[0]  # A
+            if carried == 3:
+                blocks[2], blocks[3] = entry.blocks[1:]  # B, C
+        self.age = entry.age + 1 if entry is not None else 0
         at = 0
         for (member, gemm_chunks), size in zip(self.members, self.sizes):
-            member.grams(scratch[member.cdt], gemm_chunks, [blk[at : at + size] for blk in blocks])
+            member.grams(scratch[member.cdt], gemm_chunks, [blk[at : at + size] for blk in blocks], carried)
             at += size
         return blocks
 
@@ -423,7 +457,11 @@ class _Group:
         gg = grams[2] if b.predict and not b.reads_phi else None
         uu = grams[4] if b.predict and b.reads_phi else None
         hyper = {name: self._hyper(name) for name in ("lr", "beta", "alpha")}
-        mid = middle(a, phi_b, c, g_blk, **hyper, g_sq=g_sq, gg=gg, uu=uu, unit=b.unit, stored=b.dtype, **b.guard)
+        # carried blocks are off the stored θ by one rounding per step carried: the guard's margin takes as many
+        unit = b.unit * (self.refresh if self.carry else 1)
+        blocks = dict(g_sq=g_sq, gg=gg, uu=uu)
+        mid = middle(a, phi_b, c, g_blk, **hyper, **blocks, unit=unit, stored=b.dtype, carry=self.carry, **b.guard)
+        self.ahead, mid = mid.carried, mid._replace(carried=None)
         at = 0
         for (member, gemm_chunks), size in zip(self.members, self.sizes):
             r = slice(at, at + size)
@@ -431,7 +469,7 @@ class _Group:
             at += size
 
 
-def _groups(buckets: list[_Bucket], middle_numel: int) -> list[_Group]:
+def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1) -> list[_Group]:
     """The buckets' middle chunks, packed into groups of one block layout and at most
     ``middle_numel`` elements of live ``p × p`` blocks (as a bucket's middle chunks are), in a
     fixed order (the same on every rank)."""
@@ -441,7 +479,7 @@ def _groups(buckets: list[_Bucket], middle_numel: int) -> list[_Group]:
             by_layout[(b.p, b.cdt, b.dtype, b.reads_phi, b.writes_phi)].append((b, gemm_chunks))
     layers = lambda member: member[1][-1].e - member[1][0].s  # noqa: E731  (a middle chunk's layer count)
     return [
-        _Group(run)
+        _Group(run, refresh)
         for (p, *_), members in by_layout.items()
         for run in packed(members, layers, max(1, middle_numel // max(1, _MIDDLE_BLOCKS * p * p)))
     ]
@@ -450,13 +488,15 @@ def _groups(buckets: list[_Bucket], middle_numel: int) -> list[_Group]:
 class _Step:
     """The buckets of one device, the scratch they share, and the precision of their products."""
 
-    def __init__(self, buckets, scratch, precision):
-        self.units, self.scratch, self.precision = buckets, scratch, precision
+    def __init__(self, buckets, scratch, precision, groups=()):
+        self.units, self.scratch, self.precision, self.groups = buckets, scratch, precision, groups
 
     def apply(self) -> None:
         with torch.no_grad(), fp32_matmuls(self.precision):  # (a context, not a decorator: torch.compile traces it)
             for b in self.units:
                 b.apply(self.scratch[b.cdt])
+        for g in self.groups:  # stamped with the versions the writes left
+            g.keep()
 
 
 @torch.no_grad()  # products into preallocated outputs, in-place writes of leaf parameters
@@ -476,6 +516,7 @@ def prepare_torch(
     trust_radius=None,
     max_distance=None,
     variant="official",
+    gram_refresh=1,
 ):
     check_precision(precision)
     device = device_of(params)
@@ -515,7 +556,9 @@ def prepare_torch(
     scratch = _scratch(buckets, middle_numel, device)
     for b in buckets:
         b.start(middle_numel, trust_radius, max_distance, variant)
-    groups = _groups(buckets, middle_numel)
+    # Grams carried between steps (:mod:`.carry`): where host reads are free (a CPU), with a prediction, whole matrices
+    carrying = gram_refresh > 1 and reduce is None and host_reads_free(device)
+    groups = _groups(buckets, middle_numel, gram_refresh if carrying else 1)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once
@@ -537,7 +580,7 @@ def prepare_torch(
                 g.middle(blocks)
             for i, b in enumerate(buckets):
                 b.finish(check_finite, bad[i] == 0 if counted else None)
-    step = _Step(buckets, scratch, precision)
+    step = _Step(buckets, scratch, precision, [g for g in groups if g.carry])
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
     return plan
@@ -629,3 +672,4 @@ def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor
 
 
 prepare_torch.row_shards = True  # accepts reduce= and shapes= (row shards of larger matrices)
+prepare_torch.carries_grams = True  # accepts gram_refresh= (Gram blocks carried between steps on a CPU)
