@@ -17,6 +17,7 @@ import torch
 
 from fgd_fast import guards
 from fgd_fast.backends import algebra
+from fgd_fast.backends.layout import Layout
 
 RULE = "tests/test_guard_rule.py"
 GUARD = "tests/test_guard.py"
@@ -119,11 +120,11 @@ def plant(name: str) -> Callable[[], None]:
     elif name in ("never_reset", "no_newton_reset"):
         original = algebra.choose_weight
 
-        def chooser(d0, x1, x2, d_newton, *, target, movable):
-            blend = original(d0, x1, x2, d_newton, target=target, movable=movable)
+        def chooser(d0, x1, x2, d_newton, *, target, movable, layout=None):
+            blend = original(d0, x1, x2, d_newton, target=target, movable=movable, layout=layout)
             if name == "no_newton_reset":
                 return blend._replace(newton=torch.zeros_like(blend.newton))
-            full = torch.linalg.matrix_norm(d0 + x1 + x2).to(torch.float64)
+            full = (layout or Layout.of(d0)).norm(d0 + x1 + x2).to(torch.float64)
             return blend._replace(weight=torch.where(blend.weight == 0, 1.0, blend.weight), dist=full)
 
         _replace("choose_weight", chooser, undo)
@@ -144,13 +145,14 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((fgd_fast.FGD, "step", original))
         fgd_fast.FGD.step = step
     elif name == "drop_velocity_gram":
-        _replace("velocity_gram", lambda c, h, gg, beta, lr: torch.zeros_like(gg), undo)
+        _replace("velocity_gram", lambda c, h, gg, beta, lr, layout=None: torch.zeros_like(gg), undo)
     elif name == "full_step_unchecked":
         _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":
         _replace("store_unit", lambda dtype: 0.0, undo)
     elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient
-        _replace("inputs_finite", lambda g_norm, phi_sq, e: algebra.finite_of(g_norm) & algebra.finite_of(phi_sq), undo)
+        finite = algebra.finite_of
+        _replace("inputs_finite", lambda g_norm, phi_sq, e, layout=None: finite(g_norm) & finite(phi_sq), undo)
 
     elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry

@@ -95,12 +95,13 @@ def test_apply_allocates_nothing(mode, precision, first):
 
 
 def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
-    """A failure inside prepare (here: the second bucket's middle runs out of memory) leaves
-    every parameter and buffer as it was, the first bucket's included."""
+    """A failure inside prepare (here: running out of memory as the second bucket takes its
+    share of the middle) leaves every parameter and buffer as it was, the first bucket's
+    included."""
     params, grads = stiefel_problem([(8, 4, 3, 3), (12, 5)])
     opt = fgd_steps(params, grads, "torch", steps=1)
     before = [p.detach().clone() for p in params], [opt.state[p]["momentum_buffer"].clone() for p in params]
-    real, calls = torch_batched.middle, []
+    real, calls = torch_batched._Bucket.take, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -108,7 +109,7 @@ def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
             raise torch.OutOfMemoryError("simulated: out of memory")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_batched, "middle", failing)
+    monkeypatch.setattr(torch_batched._Bucket, "take", failing)
     for p, g in zip(params, grads):
         p.grad = g.clone()
     with pytest.raises(torch.OutOfMemoryError):

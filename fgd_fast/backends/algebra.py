@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 
 from .._matrix import as_stiefel
+from .layout import Layout
 
 VARIANTS = ("official", "paper")
 
@@ -107,16 +108,16 @@ class Middle(NamedTuple):
     carried: tuple | None = None  # (A₊, B₊, C₊) or (A₊,) of the full step (see next_grams), where asked for
 
 
-def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x @ y``: a ``p × p`` product of the middle."""
-    return torch.matmul(x, y)
+def mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ y``: a ``p × p`` product of the middle (into ``out`` if given)."""
+    return torch.matmul(x, y, out=out) if out is not None else torch.matmul(x, y)
 
 
-def mm_add(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``z + x @ y`` (a new tensor): a ``p × p`` product of the middle added to ``z``."""
+def mm_add(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``z + x @ y`` (a new tensor, or ``out``): a ``p × p`` product of the middle added to ``z``."""
     if z.dim() == x.dim() == y.dim() == 3:
-        return torch.baddbmm(z, x, y)
-    return z + torch.matmul(x, y)
+        return torch.baddbmm(z, x, y, out=out) if out is not None else torch.baddbmm(z, x, y)
+    return torch.add(z, torch.matmul(x, y), out=out) if out is not None else z + torch.matmul(x, y)
 
 
 def i_plus_d(d: torch.Tensor, x: torch.Tensor, alpha: Scalar, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,22 +134,53 @@ def sym(m: torch.Tensor) -> torch.Tensor:
     return 0.5 * (m + m.transpose(-1, -2))
 
 
+# -- the middle's products over a layout (per group; see :mod:`.layout`) ----------------------
+def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
+    """``XY`` (``XᵀY`` with ``tx``) per layer."""
+    if lay.single:
+        return mm(x.transpose(-1, -2) if tx else x, y)
+    out = lay.empty(x.dtype)
+    for xk, yk, ok in zip(lay.pieces(x), lay.pieces(y), lay.pieces(out)):
+        mm(xk.transpose(-1, -2) if tx else xk, yk, out=ok)
+    return out
+
+
+def _mm_add(lay: Layout, z, x, y, tx: bool = False) -> torch.Tensor:
+    """``Z + XY`` (``Z + XᵀY`` with ``tx``) per layer."""
+    if lay.single:
+        return mm_add(z, x.transpose(-1, -2) if tx else x, y)
+    out = lay.empty(x.dtype)
+    for zk, xk, yk, ok in zip(lay.pieces(z), lay.pieces(x), lay.pieces(y), lay.pieces(out)):
+        mm_add(zk, xk.transpose(-1, -2) if tx else xk, yk, out=ok)
+    return out
+
+
+def _i_plus_d(lay: Layout, d, x, alpha: Scalar, extra=None) -> torch.Tensor:
+    """``(I + αD)·X (+ extra)`` per layer as ``X + α·D·X`` (:func:`i_plus_d`)."""
+    if lay.single:
+        return i_plus_d(d, x, alpha, extra)
+    z = x if extra is None else x + extra
+    if not isinstance(alpha, (int, float)):  # per-layer α
+        return z + lay.col(alpha) * _mm(lay, d, x)
+    return _mm_add(lay, z, d * alpha if alpha != 1.0 else d, x)
+
+
 def finite_of(x: torch.Tensor) -> torch.Tensor:
     """``isfinite(x)`` in two ops (``x − x == 0``: NaN for Inf and NaN; torch's isfinite is a
     composite of four or five, and the middle runs on the host's launch budget)."""
     return (x - x) == 0
 
 
-def all_finite(m: torch.Tensor) -> torch.Tensor:
-    """Per matrix of a ``(L, p, p)`` batch: every entry finite (``Σ 0·m == 0``: an Inf or NaN
-    makes the sum NaN; a finite m cannot overflow it), in three ops."""
-    return (m * 0).sum((-2, -1)) == 0
+def all_finite(m: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
+    """Per matrix of a ``(L, p, p)`` batch (or a block of ``layout``): every entry finite
+    (``Σ 0·m == 0``: an Inf or NaN makes the sum NaN; a finite m cannot overflow it), in three ops."""
+    return (layout or Layout.of(m)).sums(m * 0) == 0
 
 
-def inputs_finite(g_norm: torch.Tensor, phi_sq: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+def inputs_finite(g_norm: torch.Tensor, phi_sq: torch.Tensor, e: torch.Tensor, layout: Layout | None = None):
     """Per layer: g and Φ finite, from ‖g‖ (float64: no overflow for a finite float32 g), ‖Φ‖²
     and E = θᵀg: a float64 g so large that ‖g‖² overflows is still finite when E is."""
-    return (finite_of(g_norm) | (torch.isinf(g_norm) & all_finite(e))) & finite_of(phi_sq)
+    return (finite_of(g_norm) | (torch.isinf(g_norm) & all_finite(e, layout))) & finite_of(phi_sq)
 
 
 def _per_layer(x: Scalar) -> Scalar:
@@ -230,45 +262,49 @@ class Blend(NamedTuple):
     dist: torch.Tensor  # (L,) float64 ‖θ₊ᵀθ₊ − I‖_F of the step chosen
 
 
-def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor) -> Blend:
+def choose_weight(d0, x1, x2, d_newton, *, target: float, movable: torch.Tensor, layout: Layout | None = None) -> Blend:
     """The guard's rule (one for every backend): the largest t of :data:`WEIGHTS` with
     ``‖D₀ + tX₁ + t²X₂‖_F ≤ target`` where ``movable`` (the full step is finite), else 0; at 0
     the Newton–Schulz pull-back ``d_newton`` where the α pull-back ``D₀`` is beyond the target
-    and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices."""
-    stacked = torch.stack((d0, x1, x2), 1).flatten(2)  # (L, 3, p²)
-    inner = stacked.to(torch.float64) @ stacked.mT.to(torch.float64)  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}
+    and farther. ``d0, x1, x2, d_newton``: ``(L, p, p)`` distance matrices (or blocks of
+    ``layout``)."""
+    lay = layout or Layout.of(d0)
+    inner = lay.inner([d0, x1, x2])  # ⟨Dᵢ, Dⱼ⟩, i, j ∈ {0, 1, 2}, float64
     weights, coef = _powers(d0.device)
-    quartic = inner.view(-1, 9) @ coef.T  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
-    fits = (quartic <= target * target) & movable.unsqueeze(1)  # (L, k); NaN compares False
+    quartic = inner.reshape(-1, 9) @ coef.T  # ‖D₀ + tX₁ + t²X₂‖² per (layer, t)
+    limit2 = target * target if not isinstance(target, torch.Tensor) else (target * target).unsqueeze(1)
+    fits = (quartic <= limit2) & movable.unsqueeze(1)  # (L, k); NaN compares False
     first = torch.argmax(fits.to(torch.int8), dim=1)  # the largest t that fits (argmax: the first maximum)
     weight = torch.where(fits.any(1), weights[first], 0.0)
-    w = weight.to(d0.dtype).view(-1, 1, 1)
+    w = lay.col(weight.to(d0.dtype))
     chosen = torch.where(w > 0, d0 + w * x1 + (w * w) * x2, d0)  # (no 0·NaN at t = 0)
-    dist = torch.linalg.matrix_norm(chosen).to(torch.float64)
+    dist = lay.norm(chosen).to(torch.float64)
     exact_fits = dist <= target  # the quartic and the direct sum agree but for rounding: re-check
     weight = torch.where(exact_fits | (weight == 0), weight, 0.0)
     dist = torch.where(exact_fits | (weight > 0), dist, inner[:, 0, 0].sqrt())
-    d_ns = torch.linalg.matrix_norm(d_newton).to(torch.float64)
+    d_ns = lay.norm(d_newton).to(torch.float64)
     newton = (weight == 0) & ~(dist <= target) & (d_ns < dist)
     return Blend(weight, newton, torch.where(newton, d_ns, dist))
 
 
-def pull_back_distances(a_minus_i: torch.Tensor, alpha: Scalar) -> tuple[torch.Tensor, torch.Tensor]:
+def pull_back_distances(a_minus_i: torch.Tensor, alpha: Scalar, layout: Layout | None = None):
     """``(D₀, D_ns)``: ``θ₊ᵀθ₊ − I`` of the pull-back ``θ₊ = θ(I − αD)`` and of the Newton–Schulz
-    step ``θ₊ = θ(I − D/2)``, exactly (``D = A − I``; both are polynomials in D)."""
+    step ``θ₊ = θ(I − D/2)``, exactly (``D = A − I``; both are polynomials in D). ``alpha``: a
+    float or per-layer values broadcast to the blocks."""
+    lay = layout or Layout.of(a_minus_i)
     d = a_minus_i
-    d2 = mm(d, d)
-    d3 = mm(d2, d)
+    d2 = _mm(lay, d, d)
+    d3 = _mm(lay, d2, d)
     d0 = (1.0 - 2.0 * alpha) * d + (alpha * alpha - 2.0 * alpha) * d2 + (alpha * alpha) * d3
     return d0, d3.mul_(0.25).sub_(d2.mul_(0.75))  # (1 − 2α)D + (α² − 2α)D² + α²D³;  −¾D² + ¼D³
 
 
-def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar) -> torch.Tensor:
+def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar, layout: Layout | None = None) -> torch.Tensor:
     """``UᵀU = β²C − βη(H + Hᵀ) + η²G`` for ``U = βΦ − ηg`` from ``C = ΦᵀΦ``, ``H = Φᵀg`` (or
     its transpose: only H + Hᵀ enters), ``G = gᵀg`` (without Φ: ``c = h = None``, ``UᵀU = η²G``)."""
     w = gg * (lr * lr)  # η²G
     if c is not None:
-        w = w + c * (beta * beta) - (h + h.transpose(-1, -2)) * (beta * lr)  # + β²C − βη(H + Hᵀ)
+        w = w + c * (beta * beta) - (h + (layout or Layout.of(h)).t(h)) * (beta * lr)  # + β²C − βη(H + Hᵀ)
     return w
 
 
@@ -284,18 +320,19 @@ def full_steps_fit(dist_full: torch.Tensor, movable: torch.Tensor, target: float
     return bool((movable & (dist_full <= target)).all())
 
 
-def step_distance(a_minus_i, m, t, w) -> torch.Tensor:
+def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Tensor:
     """``θ₊ᵀθ₊ − I`` of ``θ₊ = θK + sU`` (``K = I + M``, ``M = M_θ``), exactly: ``KᵀAK + KᵀT + TᵀK
     − I + s²UᵀU = D + 2 sym(M + T + DM) + sym(Mᵀ(AM + 2T)) + s²UᵀU`` with ``AM = M + DM``, ``T =
     θᵀ(sU)``, ``w = s²UᵀU``: two products, and no ``I`` cancelled against ``KᵀAK`` (whose rounding
     would be ~u·p where the distance may be 1e-6)."""
-    dm = mm(a_minus_i, m)  # DM
-    first = sym(dm.add(m).add_(t)).mul_(2.0).add_(a_minus_i)  # D + 2 sym(M + T + DM)
-    second = sym(mm(m.transpose(-1, -2), dm.add_(m).add_(t, alpha=2.0)))  # sym(Mᵀ(AM + 2T)), AM = M + DM
+    lay = layout or Layout.of(a_minus_i)
+    dm = _mm(lay, a_minus_i, m)  # DM
+    first = lay.sym(dm.add(m).add_(t)).mul_(2.0).add_(a_minus_i)  # D + 2 sym(M + T + DM)
+    second = lay.sym(_mm(lay, m, dm.add_(m).add_(t, alpha=2.0), tx=True))  # sym(Mᵀ(AM + 2T)), AM = M + DM
     return first.add_(second).add_(w)
 
 
-def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, layout: Layout) -> tuple[torch.Tensor, ...]:
     """``(A₊, B₊, C₊)``, the Gram blocks of the next step, from this step's ``p × p`` blocks
     (four products instead of three passes over θ and Φ): with ``θ₊ = θK + sU``, ``K = I + M``
     (``M = M_θ``), ``Φ₊ = sU + θM_Φ``, ``T = θᵀ(sU)``, ``W = s²UᵀU`` and ``Y = T + AM_Φ``:
@@ -306,17 +343,18 @@ def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye) -> tuple[torch.Tensor, to
 
     Exact to rounding: the Grams a pass over the stored θ₊, Φ₊ would give, but for the rounding
     of storing them (what the guard's margin allows per step carried)."""
-    y = i_plus_d(a_minus_i, m_phi, 1.0, t)  # Y = T + AM_Φ = T + M_Φ + DM_Φ
-    c_next = sym(mm(m_phi.transpose(-1, -2), y + t)).add_(w)  # C₊ = W + sym(M_Φᵀ(Y + T))
-    b_next = mm_add(mm_add(y + w, m.transpose(-1, -2), y), t.transpose(-1, -2), m_phi)  # B₊ = Y + W + MᵀY + TᵀM_Φ
+    lay = layout
+    y = _i_plus_d(lay, a_minus_i, m_phi, 1.0, t)  # Y = T + AM_Φ = T + M_Φ + DM_Φ
+    c_next = lay.sym(_mm(lay, m_phi, y + t, tx=True)).add_(w)  # C₊ = W + sym(M_Φᵀ(Y + T))
+    b_next = _mm_add(lay, _mm_add(lay, y + w, m, y, tx=True), t, m_phi, tx=True)  # B₊ = Y + W + MᵀY + TᵀM_Φ
     return d_full + eye, b_next, c_next
 
 
-def _ahead(carry: int, d_full, a_minus_i, m, m_phi, t, w, eye) -> tuple[torch.Tensor, ...] | None:
+def _ahead(carry: int, d_full, a_minus_i, m, m_phi, t, w, eye, lay: Layout) -> tuple[torch.Tensor, ...] | None:
     """What ``middle(carry=)`` asked for: None (0), ``(A₊,)`` (1) or ``(A₊, B₊, C₊)`` (3)."""
     if not carry:
         return None
-    return next_grams(d_full, a_minus_i, m, m_phi, t, w, eye) if carry == 3 else (d_full + eye,)
+    return next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, lay) if carry == 3 else (d_full + eye,)
 
 
 def middle(
@@ -338,6 +376,7 @@ def middle(
     stored: torch.dtype | None = None,
     variant: str = "official",
     carry: int = 0,
+    layout: Layout | None = None,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -350,82 +389,87 @@ def middle(
     scratch of this step: some are scaled in place. ``carry``: 1 or 3 to get the next step's
     ``(A₊,)`` or ``(A₊, B₊, C₊)`` in ``carried`` (:func:`next_grams`) where the full step is
     the one written for every layer (with a prediction; else ``carried`` is None).
+    ``layout``: the blocks' :class:`.layout.Layout` (several p in one flat buffer; default: one
+    ``(L, p, p)`` batch); ``lr``, ``beta``, ``alpha``: floats or ``L`` per-layer values.
     """
-    p = a.shape[-1]
-    eye = torch.eye(p, dtype=a.dtype, device=a.device)
+    lay = layout or Layout.of(a)
+    p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
+    eye = lay.eye(a.dtype)
     a_minus_i = a - eye  # D = A − I  (N = 2I − A = I − D: NX = X − DX)
-    dist = torch.linalg.matrix_norm(a_minus_i)  # ‖θᵀθ − I‖_F
+    dist = lay.norm(a_minus_i)  # ‖θᵀθ − I‖_F
+    lr_, beta_, alpha_ = (lay.col(v) for v in (lr, beta, alpha))  # per-layer values broadcast to the blocks
     predict = radius is not None or limit is not None
     scale = None
     if not predict:
-        finite = all_finite(e)  # E = θᵀg finite (without a prediction: the plain check)
+        finite = all_finite(e, lay)  # E = θᵀg finite (without a prediction: the plain check)
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
-        phi_sq = c.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        finite = inputs_finite(g_norm, phi_sq, e)
+        phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
+        finite = inputs_finite(g_norm, phi_sq, e, lay)
         if radius is not None:
             scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
         if scale is not None:  # (in place: the callers' blocks are scratch of this step)
-            s = scale.to(a.dtype).view(-1, 1, 1)  # exactly 1.0 where the radius does not bind
+            s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
             e = e.mul_(s)  # E → sE (exact when s = 1)
             gg, uu = (m.mul_(s * s) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
             if b is not None:
                 b, c = b.mul_(s), c.mul_(s * s)  # B → sB, C → s²C
                 h = h.mul_(s * s) if h is not None else None  # H → s²H
-    inner = lr * sym(e)  # η sym(E)
+    inner = lr_ * lay.sym(e)  # η sym(E)
     if b is not None:
-        sb = sym(b)  # S = sym(B)
-        nb = i_plus_d(a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
-        inner = mm_add(inner - c - (beta - 1.0) * sb, nb, sb)  # −C − (β−1)S + η sym(E) + NBS
-        inner = inner - alpha * (nb.transpose(-1, -2) + b)  # − α(BᵀN + B)
+        sb = lay.sym(b)  # S = sym(B)
+        nb = _i_plus_d(lay, a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
+        inner = _mm_add(lay, inner - c - (beta_ - 1.0) * sb, nb, sb)  # −C − (β−1)S + η sym(E) + NBS
+        inner = inner - alpha_ * (lay.t(nb) + b)  # − α(BᵀN + B)
         del nb
-    m_phi = i_plus_d(a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
-    pull_back = -alpha * a_minus_i  # F₀ = −α(A − I)
+    m_phi = _i_plus_d(lay, a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
+    pull_back = -alpha_ * a_minus_i  # F₀ = −α(A − I)
     feedback = pull_back  # F = −α(A − I)
     t = None
     if variant == "paper" or predict:
-        t = e * (-lr)  # T = θᵀ(sU) = β sB − η sE
+        t = e * (-lr_)  # T = θᵀ(sU) = β sB − η sE
         if b is not None:
-            t = t.add_(b * beta)
+            t = t.add_(b * beta_)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
-        z = sym(i_plus_d(a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
-        feedback = pull_back - i_plus_d(a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)
+        z = lay.sym(_i_plus_d(lay, a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
+        feedback = pull_back - _i_plus_d(lay, a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)
     m_theta = m_phi + feedback  # M_θ = M_Φ + F
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
-    w = uu if uu is not None else velocity_gram(c, h, gg, beta, lr)  # s²UᵀU (the blocks are scaled)
+    w = uu if uu is not None else velocity_gram(c, h, gg, beta_, lr_, lay)  # s²UᵀU (the blocks are scaled)
     if radius is None:  # only the prediction
-        d_full = step_distance(a_minus_i, m_theta, t, w)
-        dist_next = torch.linalg.matrix_norm(d_full).to(torch.float64)
-        finite_next = storable(dist_next, p, stored) & all_finite(m_phi)
-        ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye)
+        d_full = step_distance(a_minus_i, m_theta, t, w, lay)
+        dist_next = lay.norm(d_full).to(torch.float64)
+        finite_next = storable(dist_next, p, stored) & all_finite(m_phi, lay)
+        ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
     target = guard_target(limit, p, unit)
-    movable = finite & all_finite(m_phi)
+    movable = finite & all_finite(m_phi, lay)
     if host_reads_free(a.device):
-        d_full = step_distance(a_minus_i, m_theta, t, w)  # θ₊ᵀθ₊ − I of the full step
-        dist_full = torch.linalg.matrix_norm(d_full).to(torch.float64)
+        d_full = step_distance(a_minus_i, m_theta, t, w, lay)  # θ₊ᵀθ₊ − I of the full step
+        dist_full = lay.norm(d_full).to(torch.float64)
         if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
             fits = storable(dist_full, p, stored)
-            ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye)
+            ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale), ahead)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
-    d0, d_newton = pull_back_distances(a_minus_i, alpha)
-    y = i_plus_d(a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
-    x1 = 2.0 * sym(i_plus_d(a_minus_i, y, -alpha))  # X₁ = 2 sym(K₀Y), K₀ = I − αD
-    # X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU  (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
-    x2 = sym(mm(delta.transpose(-1, -2), y.add_(t))).add_(w)
+    d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
+    y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
+    x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha if isinstance(alpha, (int, float)) else -alpha_))
+    # X₁ = 2 sym(K₀Y), K₀ = I − αD;  X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU
+    # (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
+    x2 = lay.sym(_mm(lay, delta, y.add_(t), tx=True)).add_(w)
     del y, t, w
-    movable = movable & all_finite(x2)
-    blend = choose_weight(d0, x1, x2, d_newton, target=target, movable=movable)
+    movable = movable & all_finite(x2, lay)
+    blend = choose_weight(d0, x1, x2, d_newton, target=target, movable=movable, layout=lay)
     del x1, x2, d0, d_newton
-    weight = blend.weight.to(a.dtype).view(-1, 1, 1)
-    alpha_m = alpha.to(a.dtype) if isinstance(alpha, torch.Tensor) else torch.full_like(weight, alpha)
-    base = a_minus_i * -torch.where(blend.newton.view(-1, 1, 1), 0.5, alpha_m)  # F₀ = −α'D (α' = ½: Newton–Schulz)
+    weight = lay.col(blend.weight.to(a.dtype))
+    alpha_m = alpha_.to(a.dtype) if isinstance(alpha_, torch.Tensor) else torch.full_like(weight, alpha_)
+    base = a_minus_i * -torch.where(lay.col(blend.newton), 0.5, alpha_m)  # F₀ = −α'D (α' = ½: Newton–Schulz)
     whole, moving = weight == 1.0, weight > 0
     m_phi = torch.where(whole, m_phi, torch.where(moving, m_phi * weight, 0.0))  # tM_Φ (a reset: Φ₊ = 0)
     m_theta = torch.where(whole, m_theta, torch.where(moving, base + delta * weight, base))  # F₀ + tΔ

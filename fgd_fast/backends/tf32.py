@@ -87,11 +87,13 @@ def emulated_tf32_middle(form: str = "lean") -> Iterator[None]:
 
     saved = algebra.mm, algebra.mm_add, algebra.i_plus_d
 
-    def mm(x, y):
-        return torch.matmul(_tf32(x), _tf32(y))
+    def mm(x, y, out=None):
+        product = torch.matmul(_tf32(x), _tf32(y))
+        return product if out is None else out.copy_(product)
 
-    def mm_add(z, x, y):
-        return z + mm(x, y)
+    def mm_add(z, x, y, out=None):
+        total = z + mm(x, y)
+        return total if out is None else out.copy_(total)
 
     def i_plus_d(d, x, alpha, extra=None):
         if form == "naive":

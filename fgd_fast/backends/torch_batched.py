@@ -65,6 +65,7 @@ from ..collectives import packed
 from . import carry
 from .algebra import Middle, host_reads_free, join_checks, middle, store_unit
 from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
+from .layout import Layout
 
 __all__ = ["prepare_torch"]
 
@@ -389,26 +390,34 @@ def _zero_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class _Group:
-    """Middle chunks of buckets that share ``p`` and the block layout (compute and stored dtype,
-    Φ read and written): their Grams go into one set of ``(L, p, p)`` blocks and one middle
-    call serves them all (per-layer η, β, α where the buckets differ)."""
+    """Middle chunks of buckets that share the block layout (compute and stored dtype, Φ read
+    and written), in order of p: their Grams go into one set of blocks (a :class:`.Layout` of
+    their p's: one ``(L, p, p)`` batch, or several p in one flat buffer) and one middle call
+    serves them all (per-layer η, β, α where the buckets differ)."""
 
     def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]], refresh: int = 1):
         self.members = members
         self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
         self.first = b = members[0][0]
+        runs: list[list[int]] = []  # [p, layers] of consecutive members with one p
+        for (m, _), size in zip(members, self.sizes):
+            if runs and runs[-1][0] == m.p:
+                runs[-1][1] += size
+            else:
+                runs.append([m.p, size])
+        self.layout = Layout([(n, p) for p, n in runs], b.m_phi.device)
         self.refresh, self.ahead, self.age = refresh, None, 0
         # Gram blocks carried to the next step (:mod:`.carry`): A where the guard's exact distance
-        # gives it (θ₊ᵀθ₊ − I), B and C too where four p³ products cost less than their Grams
-        # (5np² flop: n ≥ 2p); never for a float16/bfloat16 θ (its rounding is too coarse)
+        # gives it (θ₊ᵀθ₊ − I), B and C too where their Grams (5np² flop) cost more than the four
+        # p³ products that carry them (8p³), summed over the layers; never for a float16/bfloat16 θ
         self.carry = 0
         if refresh > 1 and b.predict and b.dtype == b.cdt:
-            wide = all(m.n >= 2 * m.p for m, _ in members)
-            self.carry = 3 if b.writes_phi and wide else 1
+            saved = sum(size * (5 * m.n - 8 * m.p) * m.p * m.p for (m, _), size in zip(members, self.sizes))
+            self.carry = 3 if b.writes_phi and saved > 0 else 1
         self.tensors = [t for m, gc in members for t in m.params[gc[0].s : gc[-1].e]]
         if b.writes_phi:
             self.tensors += [t for m, gc in members for t in m.bufs[gc[0].s : gc[-1].e]]
-        self.key = ("carry", b.p, b.cdt) + tuple(id(t) for t in self.tensors)
+        self.key = ("carry", self.layout.groups, b.cdt) + tuple(id(t) for t in self.tensors)
 
     def symmetric_slots(self) -> tuple[int, ...]:
         return self.first.symmetric_slots()
@@ -419,13 +428,19 @@ class _Group:
             carry.keep(self.key, self.ahead, self.tensors, self.age)
             self.ahead = None
 
+    def _spans(self):
+        """(member, its GEMM chunks, its first and end layer in the layout)."""
+        at = 0
+        for (member, gemm_chunks), size in zip(self.members, self.sizes):
+            yield member, gemm_chunks, at, at + size
+            at += size
+
     def grams(self, scratch: dict[torch.dtype, list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` of ``(L, p, p)``."""
-        b, count = self.first, sum(self.sizes)
-        new = lambda: torch.empty((count, b.p, b.p), dtype=b.cdt, device=b.m_phi.device)  # noqa: E731
-        blocks = [new() for _ in range(b.block_count())]
+        """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` in the layout."""
+        b, lay = self.first, self.layout
+        blocks = [lay.empty(b.cdt) for _ in range(b.block_count())]
         if b.predict:
-            blocks.append(torch.empty((count,), dtype=torch.float64, device=b.m_phi.device))
+            blocks.append(torch.empty((lay.count,), dtype=torch.float64, device=lay.device))
         entry = carry.take(self.key, self.tensors, 1, self.refresh) if self.carry else None
         carried = 0
         if entry is not None:  # the carried blocks are this step's scratch (the middle scales B, C)
@@ -434,23 +449,23 @@ class _Group:
             if carried == 3:
                 blocks[2], blocks[3] = entry.blocks[1:]  # B, C
         self.age = entry.age + 1 if entry is not None else 0
-        at = 0
-        for (member, gemm_chunks), size in zip(self.members, self.sizes):
-            member.grams(scratch[member.cdt], gemm_chunks, [blk[at : at + size] for blk in blocks], carried)
-            at += size
+        per_layer = b.block_count()
+        for member, gemm_chunks, s, e in self._spans():
+            views = [lay.layers(blk, s, e) for blk in blocks[:per_layer]] + [blk[s:e] for blk in blocks[per_layer:]]
+            member.grams(scratch[member.cdt], gemm_chunks, views, carried)
         return blocks
 
     def _hyper(self, name: str):
-        """η, β or α: a float where every member has the same, else ``(L, 1, 1)`` per layer."""
+        """η, β or α: a float where every member has the same, else ``(L,)`` per layer."""
         values = [getattr(m, name) for m, _ in self.members]
         if all(v == values[0] for v in values):
             return values[0]
         per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
-        return torch.tensor(per_layer, dtype=self.first.cdt, device=self.first.m_phi.device).view(-1, 1, 1)
+        return torch.tensor(per_layer, dtype=self.first.cdt, device=self.layout.device)
 
     def middle(self, blocks: list[torch.Tensor]) -> None:
         """One middle over every member's layers (:func:`.algebra.middle`), handed back per member."""
-        b = self.first
+        b, lay = self.first, self.layout
         g_sq = blocks[-1] if b.predict else None
         grams = blocks[:-1] if b.predict else blocks
         a, g_blk, phi_b, c = grams[:4] if b.reads_phi else (*grams[:2], None, None)
@@ -459,29 +474,31 @@ class _Group:
         hyper = {name: self._hyper(name) for name in ("lr", "beta", "alpha")}
         # carried blocks are off the stored θ by one rounding per step carried: the guard's margin takes as many
         unit = b.unit * (self.refresh if self.carry else 1)
-        blocks = dict(g_sq=g_sq, gg=gg, uu=uu)
-        mid = middle(a, phi_b, c, g_blk, **hyper, **blocks, unit=unit, stored=b.dtype, carry=self.carry, **b.guard)
+        extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
+        mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None)
-        at = 0
-        for (member, gemm_chunks), size in zip(self.members, self.sizes):
-            r = slice(at, at + size)
-            member.take(gemm_chunks, Middle(*(f[r] if f is not None else None for f in mid)))
-            at += size
+        for member, gemm_chunks, s, e in self._spans():
+            blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
+            per_layer = (f[s:e] if f is not None else None for f in mid[3:])
+            member.take(gemm_chunks, Middle(*blocks_of, *per_layer))
 
 
-def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1) -> list[_Group]:
+def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1, by_p: bool = False) -> list[_Group]:
     """The buckets' middle chunks, packed into groups of one block layout and at most
     ``middle_numel`` elements of live ``p × p`` blocks (as a bucket's middle chunks are), in a
-    fixed order (the same on every rank)."""
+    fixed order (the same on every rank). ``by_p``: one p per group (row shards: their Gram
+    blocks are summed as ``(L, p, p)`` upper triangles)."""
     by_layout: dict[tuple, list[tuple[_Bucket, list[_Chunk]]]] = defaultdict(list)
     for b in buckets:
         for gemm_chunks in b.plan:
-            by_layout[(b.p, b.cdt, b.dtype, b.reads_phi, b.writes_phi)].append((b, gemm_chunks))
-    layers = lambda member: member[1][-1].e - member[1][0].s  # noqa: E731  (a middle chunk's layer count)
+            key = (b.cdt, b.dtype, b.reads_phi, b.writes_phi) + ((b.p,) if by_p else ())
+            by_layout[key].append((b, gemm_chunks))
+    # a middle chunk's live elements (its layers' blocks)
+    numel = lambda member: (member[1][-1].e - member[1][0].s) * _MIDDLE_BLOCKS * member[0].p ** 2  # noqa: E731
     return [
         _Group(run, refresh)
-        for (p, *_), members in by_layout.items()
-        for run in packed(members, layers, max(1, middle_numel // max(1, _MIDDLE_BLOCKS * p * p)))
+        for members in by_layout.values()
+        for run in packed(sorted(members, key=lambda m: m[0].p), numel, max(1, middle_numel))
     ]
 
 
@@ -558,7 +575,7 @@ def prepare_torch(
         b.start(middle_numel, trust_radius, max_distance, variant)
     # Grams carried between steps (:mod:`.carry`): where host reads are free (a CPU), with a prediction, whole matrices
     carrying = gram_refresh > 1 and reduce is None and host_reads_free(device)
-    groups = _groups(buckets, middle_numel, gram_refresh if carrying else 1)
+    groups = _groups(buckets, middle_numel, gram_refresh if carrying else 1, by_p=reduce is not None)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once

@@ -1,0 +1,162 @@
+"""Where the middle's ``p × p`` blocks lie: one batch of equal ``p``, or several batches of
+different ``p`` in one flat buffer (so one middle serves every layer of a step).
+
+A :class:`Layout` is a list of groups ``(L_k, p_k)``. A block of the step (A, E, M_Φ, …) is a
+tensor in the layout's shape: ``(L, p, p)`` for one group, a flat ``(Σ L_k p_k²,)`` for
+several (group k's layers ``(L_k, p_k, p_k)`` one after the other). Elementwise arithmetic then
+runs once over every layer whatever its p, and only the products (and what needs a layer's
+structure: transposes, per-layer sums and norms, the trace, per-layer values broadcast to the
+layer's entries) go through the layout: per group for the products, by cached index tensors
+for the rest. On a GPU that is one launch per elementwise op instead of one per group; on a
+CPU one call's host time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Layout"]
+
+
+class _Index:
+    """Index tensors of a multi-group layout on one device (built once, cached)."""
+
+    def __init__(self, groups: tuple[tuple[int, int], ...], device: torch.device):
+        layer, perm, diag, diag_layer = [], [], [], []
+        at = first = 0
+        for count, p in groups:
+            i = torch.arange(p)
+            transposed = (i[None, :] * p + i[:, None]).reshape(-1)  # entry (i, j) reads (j, i)
+            for k in range(count):
+                base = at + k * p * p
+                perm.append(transposed + base)
+                diag.append(i * (p + 1) + base)
+                diag_layer.append(torch.full((p,), first + k))
+                layer.append(torch.full((p * p,), first + k))
+            at += count * p * p
+            first += count
+        cat = lambda xs: torch.cat(xs).to(device) if xs else torch.zeros(0, dtype=torch.long, device=device)  # noqa: E731
+        self.layer, self.perm, self.diag, self.diag_layer = cat(layer), cat(perm), cat(diag), cat(diag_layer)
+        self.eyes: dict[torch.dtype, torch.Tensor] = {}
+        self.p: torch.Tensor | None = None
+
+
+_indices: dict[tuple, _Index] = {}
+_INDEX_CAPACITY = 32
+
+
+class Layout:
+    """Groups ``(L_k, p_k)`` of layers whose ``p × p`` blocks one middle computes."""
+
+    def __init__(self, groups, device: torch.device | str = "cpu"):
+        self.groups = tuple((int(n), int(p)) for n, p in groups)
+        self.device = torch.device(device)
+        self.count = sum(n for n, _ in self.groups)
+        self.single = len(self.groups) == 1
+        self.numel = sum(n * p * p for n, p in self.groups)
+        self.spans, at, first = [], 0, 0
+        for n, p in self.groups:  # (flat start, first layer, layers, p) per group
+            self.spans.append((at, first, n, p))
+            at += n * p * p
+            first += n
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Layout:
+        """The one-group layout of a ``(L, p, p)`` batch."""
+        return cls([(x.shape[0], x.shape[-1])], x.device)
+
+    # -- memory ---------------------------------------------------------------------------
+    def empty(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new block in the layout's shape."""
+        n, p = self.groups[0]
+        shape = (n, p, p) if self.single else (self.numel,)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat ``(numel,)`` buffer (or a block) viewed in the layout's shape."""
+        n, p = self.groups[0]
+        return flat.view(n, p, p) if self.single else flat.reshape(-1)
+
+    def pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's ``(L_k, p_k, p_k)`` view of block ``x``."""
+        if self.single:
+            return [x]
+        return [x[at : at + n * p * p].view(n, p, p) for at, _, n, p in self.spans]
+
+    def layers(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Layers ``first:end`` (within one group) of block ``x``, ``(end − first, p, p)``."""
+        for at, start, n, p in self.spans:
+            if start <= first and end <= start + n:
+                flat = x.reshape(-1)
+                return flat[at + (first - start) * p * p : at + (end - start) * p * p].view(-1, p, p)
+        raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
+
+    def p_per_layer(self) -> torch.Tensor:
+        """``(L,)`` float64: each layer's p."""
+        index = self._index()
+        if index.p is None:
+            index.p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
+            index.p = index.p.to(self.device)
+        return index.p
+
+    def _index(self) -> _Index:
+        key = (self.groups, self.device)
+        if key not in _indices:
+            if len(_indices) >= _INDEX_CAPACITY:
+                del _indices[next(iter(_indices))]
+            _indices[key] = _Index(self.groups, self.device)
+        return _indices[key]
+
+    # -- structure ------------------------------------------------------------------------
+    def t(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's block transposed (a view for one group)."""
+        return x.transpose(-1, -2) if self.single else x[self._index().perm]
+
+    def sym(self, x: torch.Tensor) -> torch.Tensor:
+        """``sym(X) = (X + Xᵀ)/2`` per layer."""
+        return 0.5 * (x + self.t(x))
+
+    def col(self, v):
+        """A per-layer value (float, or ``L`` values in any shape) broadcast to the blocks' entries."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.reshape(-1)
+        return v.view(-1, 1, 1) if self.single else v[self._index().layer]
+
+    def sums(self, x: torch.Tensor) -> torch.Tensor:
+        """``(L,)`` the sum of each layer's entries."""
+        if self.single:
+            return x.sum((-2, -1))
+        return torch.zeros(self.count, dtype=x.dtype, device=x.device).index_add_(0, self._index().layer, x)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``(L,)`` each layer's Frobenius norm."""
+        return torch.linalg.matrix_norm(x) if self.single else self.sums(x * x).sqrt()
+
+    def trace(self, x: torch.Tensor) -> torch.Tensor:
+        """``(L,)`` each layer's trace."""
+        if self.single:
+            return x.diagonal(dim1=-2, dim2=-1).sum(-1)
+        index = self._index()
+        return torch.zeros(self.count, dtype=x.dtype, device=x.device).index_add_(0, index.diag_layer, x[index.diag])
+
+    def eye(self, dtype: torch.dtype) -> torch.Tensor:
+        """The identity of every layer (broadcasts against a block)."""
+        if self.single:
+            return torch.eye(self.groups[0][1], dtype=dtype, device=self.device)
+        index = self._index()
+        if dtype not in index.eyes:
+            eye = torch.zeros(self.numel, dtype=dtype, device=self.device)
+            eye[index.diag] = 1.0
+            index.eyes[dtype] = eye
+        return index.eyes[dtype]
+
+    def inner(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """``(L, k, k)`` float64 inner products ``⟨Xᵢ, Xⱼ⟩`` of each layer's ``k`` blocks."""
+        if self.single:
+            stacked = torch.stack(blocks, 1).flatten(2).to(torch.float64)  # (L, k, p²)
+            return stacked @ stacked.mT
+        stacked = torch.stack(blocks).to(torch.float64)  # (k, F)
+        pairs = stacked[:, None] * stacked[None]  # (k, k, F)
+        out = torch.zeros((len(blocks), len(blocks), self.count), dtype=torch.float64, device=self.device)
+        return out.index_add_(2, self._index().layer, pairs).permute(2, 0, 1)

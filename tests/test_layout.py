@@ -1,0 +1,98 @@
+"""Several p in one middle (``fgd_fast.backends.layout``): a flat buffer of groups ``(L_k, p_k)``
+gives every block, check and decision of the per-group middles, the guard's blend included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fgd_fast.backends import algebra
+from fgd_fast.backends.layout import Layout
+
+GROUPS = [(3, 5), (1, 1), (2, 8), (4, 3)]  # odd sizes, a 1 × 1 block, unsorted p
+
+
+def _flat(blocks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([b.reshape(-1) for b in blocks])
+
+
+def _random(gen, scale=1.0, symmetric=False):
+    out = []
+    for n, p in GROUPS:
+        x = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * scale
+        out.append(0.5 * (x + x.mT) if symmetric else x)
+    return out
+
+
+def test_layout_structure_matches_each_group():
+    gen = torch.Generator().manual_seed(0)
+    lay = Layout(GROUPS)
+    xs, ys = _random(gen), _random(gen)
+    x = _flat(xs)
+    assert torch.equal(lay.t(x), _flat([b.mT for b in xs]))
+    assert torch.allclose(lay.norm(x), torch.cat([torch.linalg.matrix_norm(b) for b in xs]))
+    assert torch.allclose(lay.trace(x), torch.cat([b.diagonal(dim1=-2, dim2=-1).sum(-1) for b in xs]))
+    assert torch.allclose(lay.sums(x), torch.cat([b.sum((-2, -1)) for b in xs]))
+    assert torch.equal(lay.eye(torch.float64), _flat([torch.eye(p).expand(n, p, p) for n, p in GROUPS]).double())
+    v = torch.arange(lay.count, dtype=torch.float64)
+    per_layer = v.split([n for n, _ in GROUPS])
+    assert torch.equal(lay.col(v) * x, _flat([b * w.view(-1, 1, 1) for b, w in zip(xs, per_layer)]))
+    inner = lay.inner([x, _flat(ys)])
+    per_group = torch.cat([Layout.of(a).inner([a, b]) for a, b in zip(xs, ys)])
+    assert torch.allclose(inner, per_group)
+    assert torch.equal(lay.layers(x, 4, 6), xs[2])  # group 2 holds layers 4 and 5
+    with pytest.raises(ValueError, match="span groups"):
+        lay.layers(x, 2, 5)
+
+
+def _inputs(gen, drift=1e-3, grad=0.05):
+    """Per group: A = I + small symmetric D, B, C (PSD), E, UᵀU (PSD) and ‖g‖² like a step's."""
+    per = []
+    for n, p in GROUPS:
+        d = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * drift
+        a = torch.eye(p, dtype=torch.float64) + 0.5 * (d + d.mT)
+        b = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * grad
+        f = torch.randn((n, p + 3, p), generator=gen, dtype=torch.float64) * grad
+        c = f.mT @ f
+        e = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * grad
+        u = torch.randn((n, p + 3, p), generator=gen, dtype=torch.float64) * grad
+        per.append(dict(a=a, b=b, c=c, e=e, uu=u.mT @ u, g_sq=(u * u).sum((1, 2))))
+    return per
+
+
+FIELDS = ("m_theta", "m_phi", "feedback", "dist", "finite", "scale", "dist_next", "finite_next", "guarded")
+
+
+@pytest.mark.parametrize("blend", [False, True], ids=["host-read", "blend-every-layer"])
+@pytest.mark.parametrize("variant", ["official", "paper"])
+@pytest.mark.parametrize("grad", [0.05, 30.0], ids=["calm", "spike"])  # a spike: the guard scales or resets
+def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad, monkeypatch):
+    if blend:  # as on a GPU: every layer blended, no host read
+        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(1)
+    per = _inputs(gen, grad=grad)
+    count = sum(n for n, _ in GROUPS)
+    lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64)  # per-layer η
+    guard = dict(radius=4.0, limit=0.5, unit=1e-12, variant=variant, beta=0.9, alpha=0.4)
+    mids, at = [], 0
+    for blocks, (n, _) in zip(per, GROUPS):
+        own = {k: v.clone() for k, v in blocks.items()}
+        mids.append(algebra.middle(**own, lr=lrs[at : at + n], **guard, carry=3))
+        at += n
+    flat = {k: _flat([blk[k] for blk in per]) if k != "g_sq" else torch.cat([blk[k] for blk in per]) for k in per[0]}
+    joint = algebra.middle(**flat, lr=lrs, **guard, carry=3, layout=Layout(GROUPS))
+    for name in FIELDS:
+        want = [getattr(m, name) for m in mids]
+        got = getattr(joint, name)
+        assert (got is None) == (want[0] is None), name
+        if got is not None:
+            want = _flat(want) if name in FIELDS[:3] else torch.cat(want)
+            assert torch.allclose(got.double(), want.double(), rtol=1e-12, atol=1e-14), name
+    if grad < 1 and not blend:
+        assert joint.carried is not None  # every layer took its full step: the next step's Grams
+    if joint.carried is not None:
+        assert all(m.carried is not None for m in mids)
+        for k in range(3):
+            assert torch.allclose(joint.carried[k], _flat([m.carried[k] for m in mids]), rtol=1e-12, atol=1e-14)
+    if grad > 1:
+        assert (joint.guarded > 0).any()  # the spike made the guard bind somewhere
