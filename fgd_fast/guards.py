@@ -87,15 +87,17 @@ def raise_if_invalid(
         parts = []
         for k in ks:
             d = dist[k].reshape(-1)
-            ones, zeros = torch.ones_like(d, dtype=torch.float64), torch.zeros_like(d, dtype=torch.float64)
             for t, fill in (
-                (dist[k], zeros),
-                (finite[k], ones),
-                (dist_next[k], zeros),
-                (finite_next[k], ones),
-                (guarded[k], zeros),
+                (dist[k], 0.0),
+                (finite[k], 1.0),
+                (dist_next[k], 0.0),
+                (finite_next[k], 1.0),
+                (guarded[k], 0.0),
             ):
-                parts.append(fill if t is None else t.reshape(-1).to(torch.float64))
+                if t is None:
+                    parts.append(torch.full_like(d, fill, dtype=torch.float64))
+                else:
+                    parts.append(t.reshape(-1).to(torch.float64))
         read = torch.cat(parts).tolist()  # the one host synchronisation of a step
         at = 0
         for k in ks:

@@ -323,8 +323,12 @@ class FGD(StiefelOptimizer):
         steps (device tensors, no synchronisation); warn once when it first bound (only read
         at the checks' synchronisation)."""
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        bound = report.read is None or any(report.read)  # read on the host: nothing to count when it never bound
         for p, code in zip(params, report.guarded):
             if code is None:
+                continue
+            if not bound:
+                _guard_counts(self.state[p], p)  # (the counters exist from the first step on)
                 continue
             counts, codes = by_device.setdefault(p.device, ([], []))
             counts.append(_guard_counts(self.state[p], p))

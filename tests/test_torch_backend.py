@@ -166,10 +166,10 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     overflows (or g is not finite): the float64 pass's value to float32 rounding, and inf/NaN
     where that is."""
     gen = torch.Generator().manual_seed(0)
-    grad = torch.randn(3, 24, 216, generator=gen) * scale
-    grad[2, 0, 0] = float("inf")
+    grads = list(torch.randn(3, 24, 216, generator=gen) * scale)
+    grads[2][0, 0] = float("inf")
     got, want = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
-    torch_batched._grad_sq(grad, got)
+    torch_batched._grad_sq(grads, got)
     monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
-    torch_batched._grad_sq(grad, want)
+    torch_batched._grad_sq(grads, want)
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])

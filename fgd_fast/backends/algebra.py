@@ -229,7 +229,9 @@ def store_unit(dtype: torch.dtype) -> float:
 def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torch.Tensor:
     """θ₊ of distance ``dist_next`` fits ``dtype`` (its largest entry ≤ ‖θ₊‖_F ≤ √(p + √p·d)):
     a θ₊ finite in float32 can still overflow a float16 parameter."""
-    top = torch.finfo(dtype).max if dtype is not None else float("inf")
+    if dtype is None or dtype in (torch.float32, torch.float64):  # a finite float32/float64 θ₊ fits its own dtype
+        return finite_of(dist_next)
+    top = torch.finfo(dtype).max
     return finite_of(dist_next) & (dist_next * p**0.5 + p < top * top)
 
 
@@ -445,7 +447,8 @@ def middle(
         ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
-    target = guard_target(limit, p, unit)
+    # (per layer with several p: kept with the layout, keyed on the rule itself)
+    target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
     movable = finite & all_finite(m_phi, lay)
     if host_reads_free(a.device):
         d_full = step_distance(a_minus_i, m_theta, t, w, lay)  # θ₊ᵀθ₊ − I of the full step

@@ -263,10 +263,30 @@ def in_input_order(parts: list[torch.Tensor], order: list[int], device: torch.de
     """
     if not parts:
         return torch.zeros(0, device=device)
-    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+    joined = _adjacent(parts)
+    if joined is None:
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
     if all(k == i for k, i in enumerate(order)):
         return joined  # already in input order: no gather
     return joined[_inverse_permutation(tuple(order), device)]
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one view where they are consecutive 1-D slices of one tensor (a middle's
+    per-layer values handed out per bucket), else None (and under ``torch.compile``, which
+    traces no storage addresses)."""
+    if len(parts) < 2 or torch.compiler.is_compiling():
+        return None
+    base = parts[0]._base
+    if len(parts) < 2 or base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    size, start = base.element_size(), parts[0].data_ptr() - base.data_ptr()
+    end = start
+    for part in parts:
+        if part._base is not base or part.dim() != 1 or part.stride(0) != 1 or part.data_ptr() - base.data_ptr() != end:
+            return None
+        end += part.numel() * size
+    return base[start // size : end // size]
 
 
 def device_of(params: Sequence[torch.Tensor]) -> torch.device:

@@ -39,6 +39,7 @@ class _Index:
         self.layer, self.perm, self.diag, self.diag_layer = cat(layer), cat(perm), cat(diag), cat(diag_layer)
         self.eyes: dict[torch.dtype, torch.Tensor] = {}
         self.p: torch.Tensor | None = None
+        self.memo: dict = {}
 
 
 _indices: dict[tuple, _Index] = {}
@@ -91,6 +92,14 @@ class Layout:
                 return flat[at + (first - start) * p * p : at + (end - start) * p * p].view(-1, p, p)
         raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
 
+    def memo(self, key: tuple, p: torch.Tensor):
+        """``key[0](*key[1:2], p, *key[2:])`` (a per-layer function of p, e.g. the guard's target),
+        computed once per layout and key."""
+        index = self._index()
+        if key not in index.memo:
+            index.memo[key] = key[0](key[1], p, *key[2:])
+        return index.memo[key]
+
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
         index = self._index()
@@ -127,7 +136,7 @@ class Layout:
         """``(L,)`` the sum of each layer's entries."""
         if self.single:
             return x.sum((-2, -1))
-        return torch.zeros(self.count, dtype=x.dtype, device=x.device).index_add_(0, self._index().layer, x)
+        return torch.bincount(self._index().layer, weights=x, minlength=self.count).to(x.dtype)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` each layer's Frobenius norm."""
@@ -138,7 +147,7 @@ class Layout:
         if self.single:
             return x.diagonal(dim1=-2, dim2=-1).sum(-1)
         index = self._index()
-        return torch.zeros(self.count, dtype=x.dtype, device=x.device).index_add_(0, index.diag_layer, x[index.diag])
+        return torch.bincount(index.diag_layer, weights=x[index.diag], minlength=self.count).to(x.dtype)
 
     def eye(self, dtype: torch.dtype) -> torch.Tensor:
         """The identity of every layer (broadcasts against a block)."""

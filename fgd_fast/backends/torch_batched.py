@@ -198,12 +198,11 @@ class _Bucket:
         variant: str = "official",
     ) -> None:
         self.plan = self.chunks(middle_numel)
-        p, count = self.p, len(self.layers)
-        self.m_phi = torch.empty((count, p, p), dtype=self.cdt, device=self.params[0].device)
-        self.m_second = torch.empty_like(self.m_phi)  # F (with Φ) or M_θ (without)
+        self.device = self.params[0].device
+        self.m_phi = self.m_second = None  # M_Φ and F (with Φ) or M_θ (without): (count, p, p), made by take
         self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant)
         self.predict = trust_radius is not None or max_distance is not None
-        self.mids = []
+        self.mids, self.coefs, self.no_reset = [], [], True
 
     def block_count(self) -> int:
         """How many ``(p, p)`` Gram blocks :meth:`grams` fills per layer."""
@@ -214,20 +213,17 @@ class _Bucket:
     ) -> None:
         """Into ``out``: ``[A, E]`` or ``[A, E, B, C]`` of a middle chunk (``(c, p, p)`` each), sums
         over the (local) rows of θ; with a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg``
-        formed in the g slot: one Gram instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``), then
-        ``‖g‖²`` per layer (float64, ``(c,)``) last. ``carried``: 1 where A, 3 where A, B and C
+        formed in the g slot: one Gram instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``; ``‖g‖²``
+        is the group's, :func:`_grad_sq`). ``carried``: 1 where A, 3 where A, B and C
         are already in ``out`` (carried from the last step: :mod:`.carry`), not formed again."""
         s = gemm_chunks[0].s
         blocks = out[: self.block_count()]
         a, g_blk = blocks[:2]
-        g_sq = out[-1] if self.predict else None
         for ch in gemm_chunks:
             r = slice(ch.s - s, ch.e - s)
             theta = self._operand(scratch[0], self.params, ch)
             grad = self._operand(scratch[2], self.grads, ch)
             self._gram(theta, grad, g_blk[r])  # E = θᵀg
-            if g_sq is not None:  # ‖g‖² per layer (float64: no overflow for a finite g)
-                _grad_sq(grad, g_sq[r])
             if carried:
                 pass  # A carried
             elif self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
@@ -252,12 +248,21 @@ class _Bucket:
             return (0, 3, 4) if self.predict else (0, 3)
         return (0, 2) if self.predict else (0,)
 
-    def take(self, gemm_chunks: list[_Chunk], mid: Middle) -> None:
-        """Keep a middle chunk's ``M_Φ`` and ``F`` (or ``M_θ``) and its per-layer checks."""
+    def take(self, gemm_chunks: list[_Chunk], mid: Middle, coef: torch.Tensor, no_reset: bool) -> None:
+        """Keep a middle chunk's ``M_Φ`` and ``F`` (or ``M_θ``), its per-layer checks and the
+        update's coefficients ``(c, 2)`` [sβ, −sη] (``no_reset``: none is 0, known on the host)."""
         s, e = gemm_chunks[0].s, gemm_chunks[-1].e
-        self.m_phi[s:e] = mid.m_phi
-        self.m_second[s:e] = mid.feedback if self.writes_phi else mid.m_theta
+        second = mid.feedback if self.writes_phi else mid.m_theta
+        if s == 0 and e == len(self.layers):  # the whole bucket in one middle chunk: its matrices as they are
+            self.m_phi, self.m_second = mid.m_phi, second
+        else:
+            if self.m_phi is None:
+                self.m_phi = torch.empty((len(self.layers), self.p, self.p), dtype=self.cdt, device=self.device)
+                self.m_second = torch.empty_like(self.m_phi)
+            self.m_phi[s:e], self.m_second[s:e] = mid.m_phi, second
         self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
+        self.coefs.append(coef)
+        self.no_reset = self.no_reset and no_reset
 
     def finite_flags(self) -> torch.Tensor:
         """(L,) bool: g is finite iff its min and max are (both propagate NaN); an empty
@@ -284,17 +289,12 @@ class _Bucket:
             self.finite = None
         else:
             self.finite = checks.finite if self.predict else flags  # with a prediction: g and Φ
-        # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard)
+        # the update's coefficients [sβ, −sη] per layer (s = 1 without a guard), from the middle chunks
         count = len(self.layers)
-        scale = (
-            checks.scale
-            if checks.scale is not None
-            else torch.ones(count, dtype=torch.float64, device=self.m_phi.device)
-        )
-        self.coef = torch.stack([scale * self.beta, scale * -self.lr], 1).to(self.cdt).view(count, 2, 1, 1)
+        self.coef = (self.coefs[0] if len(self.coefs) == 1 else torch.cat(self.coefs)).view(count, 2, 1, 1)
         # a zero coefficient reads nothing (apply allocates nothing, so the masks are made here):
         # a reset (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
-        if host_reads_free(self.coef.device) and self.lr != 0 and float(scale.min()) > 0:
+        if self.no_reset:
             self.zero_g = self.zero_u = None  # no layer resets (−sη ≠ 0 everywhere): no masks to apply
             return
         self.zero_g = self.coef[:, 1] == 0  # (count, 1, 1): −sη = 0
@@ -367,18 +367,17 @@ class _Bucket:
             theta.add_(out)
 
 
-def _grad_sq(grad: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = ‖g‖²`` per layer of a ``(c, c_o, m)`` operand, in float64. Where a host read is
-    free (a CPU) and g is float32, the norm is taken in float32 (a fifth of the float64 pass's
-    time) and redone in float64 only if it overflowed or g is not finite: the same value to
-    float32 rounding, which is all the guard's safety radius needs."""
-    if grad.dtype == torch.float32 and host_reads_free(grad.device):
-        norm = torch.linalg.vector_norm(grad, dim=(1, 2))
-        if math.isfinite(float(norm.sum())):  # (an Inf or NaN norm makes the sum one)
-            torch.square(norm.to(torch.float64), out=out)
+def _grad_sq(grads: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = ‖g‖²`` per layer, in float64 (one multi-tensor norm for every layer of a middle).
+    Where a host read is free (a CPU) and g is float32, the norms are taken in float32 (a fifth
+    of the float64 pass's time) and redone in float64 only if one overflowed or g is not
+    finite: the same value to float32 rounding, which is all the guard's safety radius needs."""
+    if all(g.dtype == torch.float32 for g in grads) and host_reads_free(out.device):
+        norms = torch.stack(torch._foreach_norm(grads))
+        if math.isfinite(float(norms.sum())):  # (an Inf or NaN norm makes the sum one)
+            torch.square(norms.to(torch.float64), out=out)
             return
-    torch.linalg.vector_norm(grad, dim=(1, 2), dtype=torch.float64, out=out)
-    out.square_()
+    torch.square(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)), out=out)
 
 
 def _zero_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -405,7 +404,7 @@ class _Group:
                 runs[-1][1] += size
             else:
                 runs.append([m.p, size])
-        self.layout = Layout([(n, p) for p, n in runs], b.m_phi.device)
+        self.layout = Layout([(n, p) for p, n in runs], b.device)
         self.refresh, self.ahead, self.age = refresh, None, 0
         # Gram blocks carried to the next step (:mod:`.carry`): A where the guard's exact distance
         # gives it (θ₊ᵀθ₊ − I), B and C too where their Grams (5np² flop) cost more than the four
@@ -449,19 +448,21 @@ class _Group:
             if carried == 3:
                 blocks[2], blocks[3] = entry.blocks[1:]  # B, C
         self.age = entry.age + 1 if entry is not None else 0
-        per_layer = b.block_count()
         for member, gemm_chunks, s, e in self._spans():
-            views = [lay.layers(blk, s, e) for blk in blocks[:per_layer]] + [blk[s:e] for blk in blocks[per_layer:]]
+            views = [lay.layers(blk, s, e) for blk in blocks[: b.block_count()]]
             member.grams(scratch[member.cdt], gemm_chunks, views, carried)
+        if b.predict:  # ‖g‖² per layer (float64: no overflow for a finite g), last
+            _grad_sq([g for m, gc in self.members for g in m.grads[gc[0].s : gc[-1].e]], blocks[-1])
         return blocks
 
-    def _hyper(self, name: str):
-        """η, β or α: a float where every member has the same, else ``(L,)`` per layer."""
+    def _hyper(self, name: str, dtype: torch.dtype | None = None):
+        """η, β or α: a float where every member has the same, else ``(L,)`` per layer (in
+        ``dtype``, default the compute dtype)."""
         values = [getattr(m, name) for m, _ in self.members]
         if all(v == values[0] for v in values):
             return values[0]
         per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
-        return torch.tensor(per_layer, dtype=self.first.cdt, device=self.layout.device)
+        return torch.tensor(per_layer, dtype=dtype or self.first.cdt, device=self.layout.device)
 
     def middle(self, blocks: list[torch.Tensor]) -> None:
         """One middle over every member's layers (:func:`.algebra.middle`), handed back per member."""
@@ -476,11 +477,18 @@ class _Group:
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
-        self.ahead, mid = mid.carried, mid._replace(carried=None)
+        self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
+        # the update's coefficients [sβ, −sη] of every layer (s = 1 without a guard), in the compute dtype
+        scale = mid.scale if mid.scale is not None else torch.ones(lay.count, dtype=torch.float64, device=lay.device)
+        beta, lr = (self._hyper(name, torch.float64) for name in ("beta", "lr"))
+        coef = torch.stack([scale * beta, scale * -lr], 1).to(b.cdt)
+        # no zero coefficient (so no masks for the update), where a host read is free to say so
+        lrs_nonzero = all(m.lr != 0 for m, _ in self.members)
+        no_reset = host_reads_free(lay.device) and lrs_nonzero and (mid.scale is None or float(scale.min()) > 0)
         for member, gemm_chunks, s, e in self._spans():
             blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
             per_layer = (f[s:e] if f is not None else None for f in mid[3:])
-            member.take(gemm_chunks, Middle(*blocks_of, *per_layer))
+            member.take(gemm_chunks, Middle(*blocks_of, *per_layer), coef[s:e], no_reset)
 
 
 def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1, by_p: bool = False) -> list[_Group]:
