@@ -56,6 +56,7 @@ from typing import Protocol
 import torch
 
 from .algebra import Checks, join_checks, middle, velocity_blocks
+from .layout import Layout
 
 __all__ = [
     "PRECISIONS",
@@ -384,7 +385,8 @@ def middle_of_runs(
     variant="official",
     precision="ieee",
 ) -> Checks:
-    """The O(p³) middle (:func:`.algebra.middle`) of every run, one batched call per run.
+    """The O(p³) middle (:func:`.algebra.middle`) of every run: one call per chain of
+    consecutive runs that read Φ alike, their p's in one :class:`.layout.Layout`.
 
     ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
     ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
@@ -405,22 +407,28 @@ def middle_of_runs(
     """
     mids = []
     with fp32_matmuls(precision):
-        for r in runs:
-            cnt, p = r.end - r.first, r.p
-            blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
-            a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
-            b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
-            gg = h_blk = None
-            if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
-                gg = blocks[:, velocity_slots[0]]
-                h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
-            elif g_sq is not None:  # ... or by torch products
-                gg, h_blk = velocity_blocks(
-                    grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype
-                )
-            if assemble is not None:
-                a, c, gg = assemble(blocks, a, c, gg)
-            h = hyper[r.first : r.end].view(cnt, 3, 1, 1)
+        for chain in _chains(runs):  # one middle per chain of runs (several p in one layout)
+            first, end = chain[0].first, chain[-1].end
+            parts = []  # per run: [A, E, B, C, G, H] ((cnt, p, p) views or None)
+            for r in chain:
+                cnt, p = r.end - r.first, r.p
+                blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+                a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
+                b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
+                gg = h_blk = None
+                if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
+                    gg = blocks[:, velocity_slots[0]]
+                    h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
+                elif g_sq is not None:  # ... or by torch products
+                    gg, h_blk = velocity_blocks(
+                        grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype
+                    )
+                if assemble is not None:
+                    a, c, gg = assemble(blocks, a, c, gg)
+                parts.append([a, e, b, c, gg, h_blk])
+            lay = Layout([(r.end - r.first, r.p) for r in chain], gram.device)
+            a, e, b, c, gg, h_blk = (_in_layout(lay, [pt[k] for pt in parts]) for k in range(6))
+            h = hyper[first:end]
             mid = middle(
                 a,
                 b,
@@ -429,7 +437,7 @@ def middle_of_runs(
                 lr=h[:, 0],
                 beta=h[:, 1],
                 alpha=h[:, 2],
-                g_sq=g_sq[r.first : r.end] if g_sq is not None else None,
+                g_sq=g_sq[first:end] if g_sq is not None else None,
                 h=h_blk,
                 gg=gg,
                 unit=unit,
@@ -437,13 +445,41 @@ def middle_of_runs(
                 radius=trust_radius,
                 limit=max_distance,
                 variant=variant,
+                layout=lay,
             )
-            m_theta = mid.feedback if (feedback_with_phi and r.reads_phi) else mid.m_theta
-            out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
-            out[:, M_THETA].copy_(m_theta.mT if transposed else m_theta)  # M_θ = M_Φ − α(A − I) (or F)
-            out[:, M_PHI].copy_(mid.m_phi.mT if transposed else mid.m_phi)  # M_Φ = N[−C − (β−1)S + …]
+            m_theta = mid.feedback if (feedback_with_phi and chain[0].reads_phi) else mid.m_theta
+            for r in chain:
+                cnt, p = r.end - r.first, r.p
+                out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+                m_t, m_p = (lay.layers(m, r.first - first, r.end - first) for m in (m_theta, mid.m_phi))
+                out[:, M_THETA].copy_(m_t.mT if transposed else m_t)  # M_θ = M_Φ − α(A − I) (or F)
+                out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
             mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
     return join_checks(mids)
+
+
+def _chains(runs: list[Run]) -> list[list[Run]]:
+    """Consecutive runs that read Φ alike (one middle each: its blocks are B and C, or none)."""
+    chains: list[list[Run]] = []
+    for r in runs:
+        if chains and chains[-1][-1].reads_phi == r.reads_phi and chains[-1][-1].end == r.first:
+            chains[-1].append(r)
+        else:
+            chains.append([r])
+    return chains
+
+
+def _in_layout(lay: Layout, pieces: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The runs' ``(cnt, p, p)`` blocks as one block of ``lay`` (a copy per run where there are
+    several: the fused backends interleave a layer's blocks), or None."""
+    if pieces[0] is None:
+        return None
+    if lay.single:
+        return pieces[0]
+    out = lay.empty(pieces[0].dtype)
+    for view, piece in zip(lay.pieces(out), pieces):
+        view.copy_(piece)
+    return out
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
