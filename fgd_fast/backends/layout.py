@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "PER_GROUP_SUMS"]
+
+#: Devices on which per-layer sums run as one reduction per group (a CPU: a segmented reduction
+#: there costs ~5× the group's own sums); elsewhere one segmented reduction for every layer.
+PER_GROUP_SUMS = ("cpu",)
 
 
 class _Index:
     """Index tensors of a multi-group layout on one device (built once, cached)."""
 
     def __init__(self, groups: tuple[tuple[int, int], ...], device: torch.device):
-        layer, perm, diag, diag_layer = [], [], [], []
+        layer, perm, diag = [], [], []
         at = first = 0
         for count, p in groups:
             i = torch.arange(p)
@@ -31,12 +35,14 @@ class _Index:
                 base = at + k * p * p
                 perm.append(transposed + base)
                 diag.append(i * (p + 1) + base)
-                diag_layer.append(torch.full((p,), first + k))
                 layer.append(torch.full((p * p,), first + k))
             at += count * p * p
             first += count
         cat = lambda xs: torch.cat(xs).to(device) if xs else torch.zeros(0, dtype=torch.long, device=device)  # noqa: E731
-        self.layer, self.perm, self.diag, self.diag_layer = cat(layer), cat(perm), cat(diag), cat(diag_layer)
+        self.layer, self.perm, self.diag = cat(layer), cat(perm), cat(diag)
+        sizes = [p for n, p in groups for _ in range(n)]
+        self.lengths = torch.tensor([p * p for p in sizes], dtype=torch.long, device=device)  # entries per layer
+        self.diag_lengths = torch.tensor(sizes, dtype=torch.long, device=device)
         self.eyes: dict[torch.dtype, torch.Tensor] = {}
         self.p: torch.Tensor | None = None
         self.memo: dict = {}
@@ -119,7 +125,7 @@ class Layout:
     # -- structure ------------------------------------------------------------------------
     def t(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's block transposed (a view for one group)."""
-        return x.transpose(-1, -2) if self.single else x[self._index().perm]
+        return x.transpose(-1, -2) if self.single else x.index_select(0, self._index().perm)
 
     def sym(self, x: torch.Tensor) -> torch.Tensor:
         """``sym(X) = (X + Xᵀ)/2`` per layer."""
@@ -130,13 +136,15 @@ class Layout:
         if not isinstance(v, torch.Tensor):
             return v
         v = v.reshape(-1)
-        return v.view(-1, 1, 1) if self.single else v[self._index().layer]
+        return v.view(-1, 1, 1) if self.single else v.index_select(0, self._index().layer)
 
     def sums(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` the sum of each layer's entries."""
         if self.single:
             return x.sum((-2, -1))
-        return torch.bincount(self._index().layer, weights=x, minlength=self.count).to(x.dtype)
+        if self.device.type in PER_GROUP_SUMS:
+            return torch.cat([piece.sum((-2, -1)) for piece in self.pieces(x)])
+        return torch.segment_reduce(x, "sum", lengths=self._index().lengths)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` each layer's Frobenius norm."""
@@ -147,7 +155,7 @@ class Layout:
         if self.single:
             return x.diagonal(dim1=-2, dim2=-1).sum(-1)
         index = self._index()
-        return torch.bincount(index.diag_layer, weights=x[index.diag], minlength=self.count).to(x.dtype)
+        return torch.segment_reduce(x.index_select(0, index.diag), "sum", lengths=index.diag_lengths)
 
     def eye(self, dtype: torch.dtype) -> torch.Tensor:
         """The identity of every layer (broadcasts against a block)."""
@@ -165,7 +173,10 @@ class Layout:
         if self.single:
             stacked = torch.stack(blocks, 1).flatten(2).to(torch.float64)  # (L, k, p²)
             return stacked @ stacked.mT
+        k = len(blocks)
         stacked = torch.stack(blocks).to(torch.float64)  # (k, F)
-        pairs = stacked[:, None] * stacked[None]  # (k, k, F)
-        out = torch.zeros((len(blocks), len(blocks), self.count), dtype=torch.float64, device=self.device)
-        return out.index_add_(2, self._index().layer, pairs).permute(2, 0, 1)
+        per_group = []
+        for at, _, n, p in self.spans:  # (n, k, p²) @ (n, p², k) per group
+            piece = stacked[:, at : at + n * p * p].view(k, n, p * p).transpose(0, 1)
+            per_group.append(piece @ piece.mT)
+        return torch.cat(per_group)

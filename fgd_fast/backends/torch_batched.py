@@ -407,12 +407,12 @@ class _Group:
         self.layout = Layout([(n, p) for p, n in runs], b.device)
         self.refresh, self.ahead, self.age = refresh, None, 0
         # Gram blocks carried to the next step (:mod:`.carry`): A where the guard's exact distance
-        # gives it (θ₊ᵀθ₊ − I), B and C too where their Grams (5np² flop) cost more than the four
-        # p³ products that carry them (8p³), summed over the layers; never for a float16/bfloat16 θ
+        # gives it (θ₊ᵀθ₊ − I), B and C too where every layer's Grams (5np² flop) cost well more
+        # than the four p³ products that carry them (8p³): n ≥ 2p; never for a float16/bfloat16 θ
         self.carry = 0
         if refresh > 1 and b.predict and b.dtype == b.cdt:
-            saved = sum(size * (5 * m.n - 8 * m.p) * m.p * m.p for (m, _), size in zip(members, self.sizes))
-            self.carry = 3 if b.writes_phi and saved > 0 else 1
+            wide = all(m.n >= 2 * m.p for m, _ in members)
+            self.carry = 3 if b.writes_phi and wide else 1
         self.tensors = [t for m, gc in members for t in m.params[gc[0].s : gc[-1].e]]
         if b.writes_phi:
             self.tensors += [t for m, gc in members for t in m.bufs[gc[0].s : gc[-1].e]]
