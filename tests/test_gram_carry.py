@@ -19,20 +19,21 @@ import fgd_fast
 from benchmarks.opcount import OpCounter
 from fgd_fast.backends import carry
 
-# two p-groups with n ≥ 2p (A, B and C carried), a square layer and one with n < 2p (A only)
-SHAPES = [(16, 8, 3, 3), (16, 8, 3, 3), (12, 12), (64, 16), (20, 3, 3, 3)]
+# every layer n ≥ 2p: A, B and C carried; with a square layer and one of n < 2p: A only
+WIDE = [(16, 8, 3, 3), (16, 8, 3, 3), (64, 16), (8, 4, 3, 3)]
+MIXED = WIDE[:2] + [(12, 12), (64, 16), (20, 3, 3, 3)]
 
 
-def _params(dtype=torch.float64, seed=1, shapes=SHAPES):
+def _params(dtype=torch.float64, seed=1, shapes=WIDE):
     gen = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen, dtype=dtype))) for s in shapes]
 
 
-def _run(refresh, steps=12, *, lr=0.05, between=None, dtype=torch.float64, **options):
+def _run(refresh, steps=12, *, lr=0.05, between=None, dtype=torch.float64, shapes=WIDE, **options):
     """θ after ``steps`` FGD steps on fixed random unit-norm gradients; ``between(k, params,
     opt)`` runs before step k (it may write)."""
     carry.forget()
-    params = _params(dtype)
+    params = _params(dtype, shapes=shapes)
     opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, backend="torch", gram_refresh=refresh, **options)
     gen = torch.Generator().manual_seed(2)
     for k in range(steps):
@@ -53,20 +54,22 @@ def _close(a, b, tol=1e-11):
     assert worst < tol, worst
 
 
-def _carried_ages():
-    return sorted(e.age for e in carry._store.values())
+def _carried():
+    return sorted((e.age, len(e.blocks)) for e in carry._store.values())
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
 @pytest.mark.parametrize("variant", ["official", "paper"])
 @pytest.mark.parametrize("lr", [0.05, 3.0])  # 3.0: the guard scales or resets steps
-def test_carried_grams_give_the_step_of_fresh_ones(momentum, variant, lr):
-    fresh, _ = _run(1, momentum=momentum, variant=variant, lr=lr)
+@pytest.mark.parametrize("shapes", [WIDE, MIXED], ids=["A-B-C", "A"])
+def test_carried_grams_give_the_step_of_fresh_ones(momentum, variant, lr, shapes):
+    fresh, _ = _run(1, momentum=momentum, variant=variant, lr=lr, shapes=shapes)
     with pytest.warns(RuntimeWarning) if lr > 1 else _no_warning():
-        carried, _ = _run(4, momentum=momentum, variant=variant, lr=lr)
+        carried, _ = _run(4, momentum=momentum, variant=variant, lr=lr, shapes=shapes)
     _close(fresh, carried)
-    if lr < 1:  # the guard never bound: every group's blocks were carried, up to 3 steps old
-        assert _carried_ages() and max(_carried_ages()) == 3
+    if lr < 1:  # the guard never bound: the blocks were carried, up to 3 steps old (B, C with Φ, every n ≥ 2p)
+        blocks = 3 if momentum > 0 and shapes is WIDE else 1
+        assert _carried() == [(3, blocks)]
 
 
 class _no_warning:

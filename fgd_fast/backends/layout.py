@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Layout", "PER_GROUP_SUMS"]
-
-#: Devices on which per-layer sums run as one reduction per group (a CPU: a segmented reduction
-#: there costs ~5× the group's own sums); elsewhere one segmented reduction for every layer.
-PER_GROUP_SUMS = ("cpu",)
+__all__ = ["Layout"]
 
 
 class _Index:
@@ -142,8 +138,6 @@ class Layout:
         """``(L,)`` the sum of each layer's entries."""
         if self.single:
             return x.sum((-2, -1))
-        if self.device.type in PER_GROUP_SUMS:
-            return torch.cat([piece.sum((-2, -1)) for piece in self.pieces(x)])
         return torch.segment_reduce(x, "sum", lengths=self._index().lengths)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
