@@ -138,7 +138,8 @@ class Layout:
         """``(L,)`` the sum of each layer's entries."""
         if self.single:
             return x.sum((-2, -1))
-        return torch.segment_reduce(x, "sum", lengths=self._index().lengths)
+        # (unsafe: the lengths are right by construction, and their check would read the device on the host)
+        return torch.segment_reduce(x, "sum", lengths=self._index().lengths, unsafe=True)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` each layer's Frobenius norm."""
@@ -149,7 +150,7 @@ class Layout:
         if self.single:
             return x.diagonal(dim1=-2, dim2=-1).sum(-1)
         index = self._index()
-        return torch.segment_reduce(x.index_select(0, index.diag), "sum", lengths=index.diag_lengths)
+        return torch.segment_reduce(x.index_select(0, index.diag), "sum", lengths=index.diag_lengths, unsafe=True)
 
     def eye(self, dtype: torch.dtype) -> torch.Tensor:
         """The identity of every layer (broadcasts against a block)."""
