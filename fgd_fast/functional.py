@@ -63,10 +63,12 @@ def _zero_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(p, dtype=dtype)
 
 
-def _per_layer(name: str, value: float | Sequence[float], count: int) -> list[float]:
+def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
+    """One value per layer (floats; with ``tensors``, a tensor is kept as it is)."""
+    keep = (lambda v: v if isinstance(v, torch.Tensor) else float(v)) if tensors else float  # noqa: E731
     if not isinstance(value, (list, tuple)):
-        return [float(value)] * count
-    values = [float(v) for v in value]
+        return [keep(value)] * count
+    values = [keep(v) for v in value]
     if len(values) != count:
         raise ValueError(f"{name} has {len(values)} entries for {count} parameters")
     return values
@@ -77,7 +79,7 @@ def fgd(
     grads: list[torch.Tensor],
     momentum_buffers: list[torch.Tensor | None],
     *,
-    lr: float | Sequence[float],
+    lr: float | torch.Tensor | Sequence[float | torch.Tensor],
     momentum: float | Sequence[float],
     feedback: float | Sequence[float],
     backend: str = "auto",
@@ -124,7 +126,14 @@ def fgd(
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
         raise ValueError("params, grads and momentum_buffers must have the same length")
-    lrs = _per_layer("lr", lr, count)
+    lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
+    read: list[list[float]] = []
+
+    def host_lrs() -> list[float]:  # read from tensors only where needed (a GPU tensor's read synchronises)
+        if not read:
+            read.append([float(v) for v in lrs])
+        return read[0]
+
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
@@ -168,13 +177,14 @@ def fgd(
         _, prepare = _cached_backend(backend, device.type, precision)
         pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
         carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
+        layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
         plans.append(
             prepare(
                 pick(params),
                 pick(grads),
                 pick(bufs),
                 pick(fresh),
-                lr=pick(lrs),
+                lr=pick(layer_lrs),
                 momentum=pick(betas),
                 feedback=pick(alphas),
                 check_finite=check_finite,
@@ -189,7 +199,7 @@ def fgd(
         agree_across_ranks(
             {
                 "the number of sharded orthogonal parameters": len(sharded),
-                "lr": sum(w * lrs[i] for w, i in zip(weights, sharded)),
+                "lr": sum(w * host_lrs()[i] for w, i in zip(weights, sharded)),
                 "momentum": sum(w * betas[i] for w, i in zip(weights, sharded)),
                 "feedback": sum(w * alphas[i] for w, i in zip(weights, sharded)),
                 "backend": backend,
@@ -211,7 +221,7 @@ def fgd(
             grads,
             bufs,
             fresh,
-            lr=lrs,
+            lr=host_lrs(),
             momentum=betas,
             feedback=alphas,
             check_finite=check_finite,

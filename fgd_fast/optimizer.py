@@ -23,6 +23,7 @@ from .validation import (
     check_closed_unit_interval,
     check_int_at_least,
     check_keys,
+    check_lr,
     check_nesterov,
     check_nonnegative,
     check_positive,
@@ -61,7 +62,11 @@ class FGD(StiefelOptimizer):
             builds them. A group may override ``lr``, ``momentum``, ``feedback``,
             ``weight_decay``, ``dampening`` and ``nesterov``, and sets ``orthogonal: bool``
             (default ``False``); the other arguments are optimizer-wide.
-        lr: learning rate η (>= 0). At lr = 0 an orthogonal group is not stepped at all (its
+        lr: learning rate η (>= 0), a number or a one-element floating tensor (kept as it is:
+            a scheduler changes it in place; the ``"triton"`` and ``"cuda"`` backends read it on
+            the device, so a step captured in a CUDA graph sees each new value, the others read
+            it on the host; a GPU tensor is never read by the optimizer itself, so its group is
+            always stepped). At lr = 0 an orthogonal group is not stepped at all (its
             state is created; the feedback term would otherwise still move θ): what
             ``torch.distributed.checkpoint``'s state initialisation relies on.
         momentum: β in [0, 1) (the paper's γ = 1 − β).
@@ -85,7 +90,8 @@ class FGD(StiefelOptimizer):
             ``opt.reset_parameter(p)``.
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph (warm up with two steps first; a replay reuses the
-            captured step's hyper-parameters, so a new lr means a new capture) or to compile it
+            captured step's hyper-parameters, but for an lr given as a CUDA tensor with the
+            ``"triton"`` or ``"cuda"`` backend, which each replay reads) or to compile it
             with ``fullgraph=True``.
         guard: keep training alive through spikes, on the device with no synchronisation of
             its own. Per layer the distance after the step is computed exactly before anything
@@ -145,7 +151,7 @@ class FGD(StiefelOptimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
+        lr: float | torch.Tensor,
         *,
         momentum: float = 0.9,
         feedback: float = 0.4,
@@ -255,13 +261,15 @@ class FGD(StiefelOptimizer):
                 continue
             beta, alpha = float(group["momentum"]), float(group["feedback"])
             self._warn_feedback_once(alpha)
-            if float(group["lr"]) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
+            lr = group["lr"]
+            on_device = isinstance(lr, torch.Tensor) and lr.device.type != "cpu"  # never read on the host
+            if not on_device and float(lr) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
                 self._make_state(p, beta)
                 continue
             orth["params"].append(p)
             orth["grads"].append(p.grad)
             orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
-            orth["lr"].append(float(group["lr"]))
+            orth["lr"].append(lr if isinstance(lr, torch.Tensor) else float(lr))
             orth["momentum"].append(beta)
             orth["feedback"].append(alpha)
             orth["labels"].append(text)
@@ -473,7 +481,7 @@ FEEDBACK_RANGE = (0.1, 0.9)
 def _check_group(group: dict[str, Any]) -> None:
     """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
     check_keys(group, _GROUP_KEYS)
-    check_nonnegative("lr", group["lr"])
+    check_lr(group["lr"])
     check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive")
     check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
     check_nonnegative("weight_decay", group["weight_decay"])

@@ -33,6 +33,7 @@ __all__ = [
     "check_nesterov",
     "check_orthogonal_params",
     "check_grad",
+    "check_lr",
     "check_state_tensor",
     "param_tensors",
 ]
@@ -59,6 +60,24 @@ def check_real(name: str, value: Any) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_lr(value: Any) -> float | torch.Tensor:
+    """``lr``: a real number ≥ 0 (as :func:`check_nonnegative`), or a one-element floating tensor
+    on any device, kept as it is (a scheduler may change it in place; backends that can read it
+    on the device do, so a captured step sees the change). A tensor's value is checked where
+    reading it costs nothing (on the CPU); on a GPU only its shape and dtype (a read would
+    synchronise every step)."""
+    if not isinstance(value, torch.Tensor):
+        return check_nonnegative("lr", value)
+    if value.numel() != 1 or not value.is_floating_point():
+        raise TypeError(
+            f"lr as a tensor must hold one floating-point number, got {tuple(value.shape)} {value.dtype}; "
+            "pass e.g. torch.tensor(0.01) (on the parameters' device for a captured step)"
+        )
+    if value.device.type == "cpu":
+        check_nonnegative("lr", float(value))
     return value
 
 

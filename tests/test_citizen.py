@@ -107,11 +107,14 @@ def test_every_real_number_type_is_a_hyper_parameter(value):
 
 
 def test_bools_and_device_tensors_are_not_hyper_parameters():
+    """lr alone may be a tensor (one floating-point number, on any device: tests/test_device_lr.py)."""
     net = _net()
     with pytest.raises(TypeError, match="lr"):
         fgd_fast.FGD(net.parameters(), lr=True)
-    with pytest.raises(TypeError, match="one real number"):
+    with pytest.raises(TypeError, match="one floating-point number"):
         fgd_fast.FGD(net.parameters(), lr=torch.tensor([0.1, 0.2]))
+    with pytest.raises(TypeError, match="on the CPU"):
+        fgd_fast.FGD(net.parameters(), lr=0.1, momentum=torch.tensor(0.9, device="meta"))
 
 
 @pytest.mark.parametrize("dampening", [-0.1, 1.5])

@@ -211,11 +211,27 @@ def hyper_table(values: tuple, dtype: torch.dtype, device: torch.device, owners:
     parameters are at addresses ``owners``: one table per set of layers, kept from step to step
     and rewritten in place when a scheduler changes a value, so no table is built per step and a
     captured step reads the same memory (a new value reaches it where the step runs again
-    eagerly)."""
+    eagerly).
+
+    An η given as a tensor (``FGD(lr=torch.tensor(…))``, changed in place by a scheduler) is
+    read on the device at every step instead: the η column is gathered from the tensors by
+    device ops (captured with the step, so a replay reads the tensors' values then)."""
+    tensors = [k for k, row in enumerate(values) if isinstance(row[0], torch.Tensor)]
+    fixed = tuple((0.0, *row[1:]) if k in tensors else row for k, row in enumerate(values)) if tensors else values
     entry = _hyper_tables.get_or(
         ("hyper", device, dtype, owners, len(values)), lambda: _HyperTable(len(values), dtype, device)
     )
-    return entry.set(values)
+    table = entry.set(fixed)
+    if not tensors:
+        return table
+    # η per layer on the device: the tensors as they are now, the floats as fills (no host copy: capturable)
+    etas = [
+        row[0].reshape(()).to(device=device, dtype=dtype)
+        if isinstance(row[0], torch.Tensor)
+        else torch.full((), row[0], dtype=dtype, device=device)
+        for row in values
+    ]
+    return torch.cat([torch.stack(etas).unsqueeze(1), table[:, 1:]], 1)
 
 
 @contextmanager

@@ -288,3 +288,6 @@ def prepare_cuda(
         for dtype, idx in classes.items()
     ]
     return plan_of(built, device_of(params), check_finite)
+
+
+prepare_cuda.device_lr = True  # takes lr as tensors (read on the device: base.hyper_table)

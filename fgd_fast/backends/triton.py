@@ -686,3 +686,6 @@ def prepare_triton(
                 )
             )
     return plan_of(built, device_of(params), check_finite)
+
+
+prepare_triton.device_lr = True  # takes lr as tensors (read on the device: base.hyper_table)
