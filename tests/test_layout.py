@@ -8,6 +8,9 @@ import torch
 
 from fgd_fast.backends import algebra
 from fgd_fast.backends.layout import Layout
+from helpers import device_for_tests
+
+DEV = device_for_tests()  # (on a GPU: the index tensors and segmented sums there)
 
 GROUPS = [(3, 5), (1, 1), (2, 8), (4, 3)]  # odd sizes, a 1 × 1 block, unsorted p
 
@@ -20,21 +23,22 @@ def _random(gen, scale=1.0, symmetric=False):
     out = []
     for n, p in GROUPS:
         x = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * scale
-        out.append(0.5 * (x + x.mT) if symmetric else x)
+        out.append((0.5 * (x + x.mT) if symmetric else x).to(DEV))
     return out
 
 
 def test_layout_structure_matches_each_group():
     gen = torch.Generator().manual_seed(0)
-    lay = Layout(GROUPS)
+    lay = Layout(GROUPS, DEV)
     xs, ys = _random(gen), _random(gen)
     x = _flat(xs)
     assert torch.equal(lay.t(x), _flat([b.mT for b in xs]))
     assert torch.allclose(lay.norm(x), torch.cat([torch.linalg.matrix_norm(b) for b in xs]))
     assert torch.allclose(lay.trace(x), torch.cat([b.diagonal(dim1=-2, dim2=-1).sum(-1) for b in xs]))
     assert torch.allclose(lay.sums(x), torch.cat([b.sum((-2, -1)) for b in xs]))
-    assert torch.equal(lay.eye(torch.float64), _flat([torch.eye(p).expand(n, p, p) for n, p in GROUPS]).double())
-    v = torch.arange(lay.count, dtype=torch.float64)
+    eyes = _flat([torch.eye(p, dtype=torch.float64, device=DEV).expand(n, p, p) for n, p in GROUPS])
+    assert torch.equal(lay.eye(torch.float64), eyes)
+    v = torch.arange(lay.count, dtype=torch.float64, device=DEV)
     per_layer = v.split([n for n, _ in GROUPS])
     assert torch.equal(lay.col(v) * x, _flat([b * w.view(-1, 1, 1) for b, w in zip(xs, per_layer)]))
     inner = lay.inner([x, _flat(ys)])
@@ -56,7 +60,8 @@ def _inputs(gen, drift=1e-3, grad=0.05):
         c = f.mT @ f
         e = torch.randn((n, p, p), generator=gen, dtype=torch.float64) * grad
         u = torch.randn((n, p + 3, p), generator=gen, dtype=torch.float64) * grad
-        per.append(dict(a=a, b=b, c=c, e=e, uu=u.mT @ u, g_sq=(u * u).sum((1, 2))))
+        blocks = dict(a=a, b=b, c=c, e=e, uu=u.mT @ u, g_sq=(u * u).sum((1, 2)))
+        per.append({k: v.to(DEV) for k, v in blocks.items()})
     return per
 
 
@@ -67,12 +72,12 @@ FIELDS = ("m_theta", "m_phi", "feedback", "dist", "finite", "scale", "dist_next"
 @pytest.mark.parametrize("variant", ["official", "paper"])
 @pytest.mark.parametrize("grad", [0.05, 30.0], ids=["calm", "spike"])  # a spike: the guard scales or resets
 def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad, monkeypatch):
-    if blend:  # as on a GPU: every layer blended, no host read
-        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    # blend: as on a GPU, every layer blended (no host read); else the full step checked first (a read)
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", () if blend else (DEV.type,))
     gen = torch.Generator().manual_seed(1)
     per = _inputs(gen, grad=grad)
     count = sum(n for n, _ in GROUPS)
-    lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64)  # per-layer η
+    lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64, device=DEV)  # per-layer η
     guard = dict(radius=4.0, limit=0.5, unit=1e-12, variant=variant, beta=0.9, alpha=0.4)
     mids, at = [], 0
     for blocks, (n, _) in zip(per, GROUPS):
@@ -80,7 +85,7 @@ def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad
         mids.append(algebra.middle(**own, lr=lrs[at : at + n], **guard, carry=3))
         at += n
     flat = {k: _flat([blk[k] for blk in per]) if k != "g_sq" else torch.cat([blk[k] for blk in per]) for k in per[0]}
-    joint = algebra.middle(**flat, lr=lrs, **guard, carry=3, layout=Layout(GROUPS))
+    joint = algebra.middle(**flat, lr=lrs, **guard, carry=3, layout=Layout(GROUPS, DEV))
     for name in FIELDS:
         want = [getattr(m, name) for m in mids]
         got = getattr(joint, name)

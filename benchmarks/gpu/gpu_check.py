@@ -80,6 +80,8 @@ GPU_TESTS = (
     "tests/test_backend_contract.py",
     "tests/test_torch_backend.py",
     "tests/test_tf32_split.py",
+    "tests/test_device_lr.py",  # a captured step with lr a CUDA tensor, changed between replays
+    "tests/test_layout.py",  # the middle over several p (index_select, segmented sums on the GPU)
     "tests/test_triton_aot.py",  # every configuration with the machine's Triton (CI: a subset with 3.6)
 )
 
