@@ -85,3 +85,18 @@ def assert_unchanged(net, opt, snap):
         for key, value in entry.items():
             now_value = now["state"][k][key]
             assert torch.equal(now_value, value) if isinstance(value, torch.Tensor) else now_value == value
+
+
+def captured(step, warmup: int = 2):
+    """A CUDA graph of ``step()``, captured after ``warmup`` eager calls on a side stream (as any
+    capture needs); ``graph.replay()`` runs it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()  # recorded, not run
+    return graph

@@ -12,7 +12,7 @@ import torch
 import fgd_fast
 import fgd_fast.backends as registry
 from fgd_fast.backends import PRECISIONS, BackendUnavailable, algebra, resolve_backend
-from helpers import backend_params, device_for_tests, fgd_steps, stiefel_problem
+from helpers import backend_params, captured, device_for_tests, fgd_steps, stiefel_problem
 
 # The selection rule, as the README's backends table states it: (device type, precision) ->
 # what "auto" resolves to when Triton loads, and when it does not. On an H200 "torch" was
@@ -137,15 +137,7 @@ def test_step_captured_in_a_cuda_graph_replays_like_eager_steps(backend):
     eager = fgd_fast.FGD([dict(params=twins, orthogonal=True)], **kw)
     for p, t, g in zip(params, twins, grads):
         p.grad, t.grad = g.clone(), g.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # the first step creates Φ; the second is the captured form
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()  # recorded, not run
+    graph = captured(opt.step)  # two warm-up steps: the first creates Φ; the second is the captured form
     for _ in range(2):
         eager.step()
     for _ in range(3):

@@ -12,7 +12,7 @@ import torch
 import fgd_fast
 from fgd_fast.backends import algebra
 from fgd_fast.backends.base import hyper_table
-from helpers import backend_params, backend_reason, device_for_tests, stiefel_problem
+from helpers import backend_params, backend_reason, captured, device_for_tests, stiefel_problem
 
 SHAPES = [(8, 4, 3, 3), (12, 5), (6, 6)]
 
@@ -105,15 +105,7 @@ def test_a_captured_step_replays_each_new_tensor_lr(backend):
     eager = fgd_fast.FGD([dict(params=twins, orthogonal=True)], lr=0.1, **kw)
     for p, t, g in zip(params, twins, grads):
         p.grad, t.grad = g.clone(), g.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
+    graph = captured(opt.step)  # (two warm-up steps: the first creates Φ)
     for _ in range(2):
         eager.step()
     for value in (0.05, 0.02, 0.08):
