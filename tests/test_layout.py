@@ -77,15 +77,16 @@ def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad
     gen = torch.Generator().manual_seed(1)
     per = _inputs(gen, grad=grad)
     count = sum(n for n, _ in GROUPS)
-    lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64, device=DEV)  # per-layer η
-    guard = dict(radius=4.0, limit=0.5, unit=1e-12, variant=variant, beta=0.9, alpha=0.4)
+    lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64, device=DEV)  # per-layer η (and α below)
+    alphas = torch.linspace(0.3, 0.5, count, dtype=torch.float64, device=DEV)  # per-layer α
+    guard = dict(radius=4.0, limit=0.5, unit=1e-12, variant=variant, beta=0.9)
     mids, at = [], 0
     for blocks, (n, _) in zip(per, GROUPS):
         own = {k: v.clone() for k, v in blocks.items()}
-        mids.append(algebra.middle(**own, lr=lrs[at : at + n], **guard, carry=3))
+        mids.append(algebra.middle(**own, lr=lrs[at : at + n], alpha=alphas[at : at + n], **guard, carry=3))
         at += n
     flat = {k: _flat([blk[k] for blk in per]) if k != "g_sq" else torch.cat([blk[k] for blk in per]) for k in per[0]}
-    joint = algebra.middle(**flat, lr=lrs, **guard, carry=3, layout=Layout(GROUPS, DEV))
+    joint = algebra.middle(**flat, lr=lrs, alpha=alphas, **guard, carry=3, layout=Layout(GROUPS, DEV))
     for name in FIELDS:
         want = [getattr(m, name) for m in mids]
         got = getattr(joint, name)

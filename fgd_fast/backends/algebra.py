@@ -113,11 +113,16 @@ def mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> tor
     return torch.matmul(x, y, out=out) if out is not None else torch.matmul(x, y)
 
 
-def mm_add(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``z + x @ y`` (a new tensor, or ``out``): a ``p × p`` product of the middle added to ``z``."""
+def mm_add(
+    z: torch.Tensor, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None, alpha: float = 1.0
+) -> torch.Tensor:
+    """``z + α·x @ y`` (a new tensor, or ``out``): a ``p × p`` product of the middle added to ``z``."""
     if z.dim() == x.dim() == y.dim() == 3:
-        return torch.baddbmm(z, x, y, out=out) if out is not None else torch.baddbmm(z, x, y)
-    return torch.add(z, torch.matmul(x, y), out=out) if out is not None else z + torch.matmul(x, y)
+        if out is not None:
+            return torch.baddbmm(z, x, y, alpha=alpha, out=out)
+        return torch.baddbmm(z, x, y, alpha=alpha)
+    product = torch.matmul(x, y)
+    return torch.add(z, product, alpha=alpha, out=out) if out is not None else torch.add(z, product, alpha=alpha)
 
 
 def i_plus_d(d: torch.Tensor, x: torch.Tensor, alpha: Scalar, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,6 +139,11 @@ def sym(m: torch.Tensor) -> torch.Tensor:
     return 0.5 * (m + m.transpose(-1, -2))
 
 
+def _axpy(x: torch.Tensor, y: torch.Tensor, a) -> torch.Tensor:
+    """``x + a·y`` (a new tensor) in one op where ``a`` is a number."""
+    return torch.add(x, y, alpha=a) if isinstance(a, (int, float)) else x + a * y
+
+
 # -- the middle's products over a layout (per group; see :mod:`.layout`) ----------------------
 def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
     """``XY`` (``XᵀY`` with ``tx``) per layer."""
@@ -145,24 +155,25 @@ def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
     return out
 
 
-def _mm_add(lay: Layout, z, x, y, tx: bool = False) -> torch.Tensor:
-    """``Z + XY`` (``Z + XᵀY`` with ``tx``) per layer."""
+def _mm_add(lay: Layout, z, x, y, tx: bool = False, alpha: float = 1.0) -> torch.Tensor:
+    """``Z + αXY`` (``Z + αXᵀY`` with ``tx``) per layer."""
     if lay.single:
-        return mm_add(z, x.transpose(-1, -2) if tx else x, y)
+        return mm_add(z, x.transpose(-1, -2) if tx else x, y, alpha=alpha)
     out = lay.empty(x.dtype)
     for zk, xk, yk, ok in zip(lay.pieces(z), lay.pieces(x), lay.pieces(y), lay.pieces(out)):
-        mm_add(zk, xk.transpose(-1, -2) if tx else xk, yk, out=ok)
+        mm_add(zk, xk.transpose(-1, -2) if tx else xk, yk, out=ok, alpha=alpha)
     return out
 
 
 def _i_plus_d(lay: Layout, d, x, alpha: Scalar, extra=None) -> torch.Tensor:
-    """``(I + αD)·X (+ extra)`` per layer as ``X + α·D·X`` (:func:`i_plus_d`)."""
+    """``(I + αD)·X (+ extra)`` per layer as ``X + α·D·X`` (:func:`i_plus_d`); ``alpha`` a
+    number or per-layer values already broadcast to the blocks (:meth:`.Layout.col`)."""
     if lay.single:
         return i_plus_d(d, x, alpha, extra)
     z = x if extra is None else x + extra
     if not isinstance(alpha, (int, float)):  # per-layer α
-        return z + lay.col(alpha) * _mm(lay, d, x)
-    return _mm_add(lay, z, d * alpha if alpha != 1.0 else d, x)
+        return z + alpha * _mm(lay, d, x)
+    return _mm_add(lay, z, d, x, alpha=alpha)
 
 
 def finite_of(x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +340,8 @@ def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Ten
     would be ~u·p where the distance may be 1e-6)."""
     lay = layout or Layout.of(a_minus_i)
     dm = _mm(lay, a_minus_i, m)  # DM
-    first = lay.sym(dm.add(m).add_(t)).mul_(2.0).add_(a_minus_i)  # D + 2 sym(M + T + DM)
+    x = dm.add(m).add_(t)
+    first = (x + lay.t(x)).add_(a_minus_i)  # D + 2 sym(M + T + DM) = D + X + Xᵀ (not in place: Xᵀ may be a view)
     second = lay.sym(_mm(lay, m, dm.add_(m).add_(t, alpha=2.0), tx=True))  # sym(Mᵀ(AM + 2T)), AM = M + DM
     return first.add_(second).add_(w)
 
@@ -407,22 +419,29 @@ def middle(
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        finite = inputs_finite(g_norm, phi_sq, e, lay)
+        host = host_reads_free(a.device)  # (a CPU: skip what a host read shows is not needed)
+        if host and bool(finite_of(g_norm).all()):  # every ‖g‖ finite: E's own check is not needed
+            finite = finite_of(g_norm) & finite_of(phi_sq)
+        else:
+            finite = inputs_finite(g_norm, phi_sq, e, lay)
         if radius is not None:
             scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
-        if scale is not None:  # (in place: the callers' blocks are scratch of this step)
+        if scale is not None and not (host and float(scale.min()) == 1.0):  # s = 1 everywhere: nothing to scale
+            # (in place: the callers' blocks are scratch of this step)
             s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
+            s2 = s * s
             e = e.mul_(s)  # E → sE (exact when s = 1)
-            gg, uu = (m.mul_(s * s) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
+            gg, uu = (m.mul_(s2) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
             if b is not None:
-                b, c = b.mul_(s), c.mul_(s * s)  # B → sB, C → s²C
-                h = h.mul_(s * s) if h is not None else None  # H → s²H
-    inner = lr_ * lay.sym(e)  # η sym(E)
+                b, c = b.mul_(s), c.mul_(s2)  # B → sB, C → s²C
+                h = h.mul_(s2) if h is not None else None  # H → s²H
+    half_lr = 0.5 * lr_ if isinstance(lr_, (int, float)) else lr_ * 0.5
+    inner = (e + lay.t(e)).mul_(half_lr)  # η sym(E)
     if b is not None:
         sb = lay.sym(b)  # S = sym(B)
         nb = _i_plus_d(lay, a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
-        inner = _mm_add(lay, inner - c - (beta_ - 1.0) * sb, nb, sb)  # −C − (β−1)S + η sym(E) + NBS
-        inner = inner - alpha_ * (lay.t(nb) + b)  # − α(BᵀN + B)
+        inner = _mm_add(lay, _axpy(inner.sub_(c), sb, -(beta_ - 1.0)), nb, sb)  # −C − (β−1)S + η sym(E) + NBS
+        inner = _axpy(inner, lay.t(nb).add_(b), -alpha_)  # − α(BᵀN + B)
         del nb
     m_phi = _i_plus_d(lay, a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
     pull_back = -alpha_ * a_minus_i  # F₀ = −α(A − I)
@@ -431,7 +450,7 @@ def middle(
     if variant == "paper" or predict:
         t = e * (-lr_)  # T = θᵀ(sU) = β sB − η sE
         if b is not None:
-            t = t.add_(b * beta_)
+            t = t.add_(b, alpha=beta_) if isinstance(beta_, (int, float)) else t.add_(b * beta_)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
         z = lay.sym(_i_plus_d(lay, a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
         feedback = pull_back - _i_plus_d(lay, a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)
@@ -449,16 +468,17 @@ def middle(
 
     # (per layer with several p: kept with the layout, keyed on the rule itself)
     target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
-    movable = finite & all_finite(m_phi, lay)
     if host_reads_free(a.device):
         d_full = step_distance(a_minus_i, m_theta, t, w, lay)  # θ₊ᵀθ₊ − I of the full step
         dist_full = lay.norm(d_full).to(torch.float64)
-        if full_steps_fit(dist_full, movable, target):  # t = 1 for every layer
+        # (a non-finite M_Φ makes the full step's distance non-finite: it does not fit, and the blend checks M_Φ)
+        if full_steps_fit(dist_full, finite, target):  # t = 1 for every layer
             fits = storable(dist_full, p, stored)
             ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale), ahead)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
+    movable = finite & all_finite(m_phi, lay)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)

@@ -91,8 +91,8 @@ def emulated_tf32_middle(form: str = "lean") -> Iterator[None]:
         product = torch.matmul(_tf32(x), _tf32(y))
         return product if out is None else out.copy_(product)
 
-    def mm_add(z, x, y, out=None):
-        total = z + mm(x, y)
+    def mm_add(z, x, y, out=None, alpha=1.0):
+        total = z + alpha * mm(x, y)
         return total if out is None else out.copy_(total)
 
     def i_plus_d(d, x, alpha, extra=None):
