@@ -109,6 +109,9 @@ def fgd(
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
     authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`);
     ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`);
+    ``lr``: one value or one per layer, numbers or one-element tensors (a tensor reaches the
+    backends that read η on the device as it is, so a captured step sees it change; the others
+    get its value);
     ``gram_refresh``: at most how many steps the torch backend on a CPU carries θᵀθ, θᵀΦ, ΦᵀΦ
     from step to step before reading them from the parameters again (1: every step; see
     :class:`fgd_fast.FGD`).

@@ -12,7 +12,9 @@ over the orthogonal parameters of one device:
 * ``bufs[i]`` — Φ storage (the parameter's shape, float32 for float16/bfloat16 parameters,
   else the parameter dtype), or ``None`` for the stateless ``momentum == 0`` form;
 * ``fresh[i]`` — Φ is known to be zero (first step): a backend may skip reading it;
-* ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α;
+* ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α (floats; a backend that sets
+  ``prepare.device_lr = True`` may get η as one-element tensors, to read on the device:
+  :func:`hyper_table`);
 * ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products (``torch``,
   ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it;
 * ``trust_radius`` — ρ of the step guard (:mod:`.algebra`), ``None`` for no guard;
@@ -20,6 +22,10 @@ over the orthogonal parameters of one device:
   guard, a request to predict it (``None``: no prediction);
 * ``variant`` — ``"official"`` (the authors' code) or ``"paper"`` (Algorithm 1 as printed:
   the θ step takes the tangent part of Φ₊; :mod:`.algebra`).
+
+Carried Grams (optional; a backend that supports them sets ``prepare.carries_grams = True``):
+``gram_refresh`` — at most how many steps the backend may carry its Gram blocks from step to
+step (:mod:`.carry`; 1: never).
 
 Row shards (optional; a backend that supports them sets ``prepare.row_shards = True``, the
 others only ever see whole matrices):
