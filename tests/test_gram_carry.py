@@ -200,3 +200,18 @@ def _settled(refresh, lr, steps=600):
 def test_float32_settles_as_close_with_carried_grams(lr):
     fresh, carried = _settled(1, lr), _settled(4, lr)  # (measured 1.00× and 1.14×; 8 steps: 1.25× at 1e-4)
     assert carried <= 1.2 * fresh, (carried, fresh)
+
+
+def test_blocks_of_freed_tensors_are_dropped():
+    """A dropped model's carried blocks go at the next step of any model (no memory held)."""
+    import gc
+
+    _run(4, steps=3)  # leaves an entry, its tensors freed with the function's locals
+    gc.collect()
+    assert len(carry._store) == 1
+    params = _params()
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="torch", gram_refresh=4)
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=p.dtype) * 0.01
+    opt.step()
+    assert len(carry._store) == 1 and all(r() is not None for e in carry._store.values() for r in e.refs)

@@ -46,7 +46,7 @@ class Carried:
 
 
 _store: dict[tuple, Carried] = {}
-_CAPACITY = 64  # entries kept (one per middle group of layers); the oldest go first
+_CAPACITY = 8  # entries kept (one per middle group of layers: a model has a few); the oldest go first
 
 
 def _stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple, tuple[int, ...]]:
@@ -71,6 +71,8 @@ def keep(key: tuple, blocks: tuple[torch.Tensor, ...], tensors: Sequence[torch.T
     """Store the next step's blocks of ``key``, stamped with ``tensors`` as they are now (call
     after the step's writes)."""
     refs, versions = _stamp(tensors)
+    for old in [k for k, e in _store.items() if any(r() is None for r in e.refs)]:
+        del _store[old]  # entries of tensors since freed (a model dropped) hold memory for nothing
     _store[key] = Carried(blocks, refs, versions, age)
     while len(_store) > _CAPACITY:
         del _store[next(iter(_store))]
