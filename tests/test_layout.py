@@ -102,3 +102,20 @@ def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad
             assert torch.allclose(joint.carried[k], _flat([m.carried[k] for m in mids]), rtol=1e-12, atol=1e-14)
     if grad > 1:
         assert (joint.guarded > 0).any()  # the spike made the guard bind somewhere
+
+
+def test_indices_used_while_capturing_are_never_evicted(monkeypatch):
+    """A captured step's replays read the layout's index tensors: those stay cached."""
+    from fgd_fast.backends import layout
+
+    monkeypatch.setattr(layout, "_indices", {})
+    monkeypatch.setattr(layout, "_pinned", set())
+    monkeypatch.setattr(layout, "_INDEX_CAPACITY", 2)
+    monkeypatch.setattr(layout, "_capturing", lambda: True)
+    captured = Layout([(1, 2), (1, 3)])
+    kept = captured._index()
+    monkeypatch.setattr(layout, "_capturing", lambda: False)
+    for k in range(4, 8):  # more layouts than the capacity
+        Layout([(1, 2), (1, k)])._index()
+    assert captured._index() is kept
+    assert len(layout._indices) == 3  # the pinned one and the two newest

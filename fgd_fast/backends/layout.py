@@ -45,7 +45,12 @@ class _Index:
 
 
 _indices: dict[tuple, _Index] = {}
-_INDEX_CAPACITY = 32
+_INDEX_CAPACITY = 32  # unpinned entries kept, the oldest evicted first
+_pinned: set = set()  # entries used while a CUDA graph was captured: its replays read them, never evicted
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class Layout:
@@ -113,9 +118,12 @@ class Layout:
     def _index(self) -> _Index:
         key = (self.groups, self.device)
         if key not in _indices:
-            if len(_indices) >= _INDEX_CAPACITY:
-                del _indices[next(iter(_indices))]
+            unpinned = [k for k in _indices if k not in _pinned]
+            if len(unpinned) >= _INDEX_CAPACITY:
+                del _indices[unpinned[0]]
             _indices[key] = _Index(self.groups, self.device)
+        if _capturing():
+            _pinned.add(key)
         return _indices[key]
 
     # -- structure ------------------------------------------------------------------------
