@@ -130,7 +130,7 @@ def fgd(
     if len(grads) != count or len(momentum_buffers) != count:
         raise ValueError("params, grads and momentum_buffers must have the same length")
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
-    read: list[list[float]] = []
+    read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
     def host_lrs() -> list[float]:  # read from tensors only where needed (a GPU tensor's read synchronises)
         if not read:

@@ -159,16 +159,16 @@ def plant(name: str) -> Callable[[], None]:
 
         original = carry.take
 
-        def take(key, tensors, count, refresh):
+        def take(key, tensors, refresh):
             entry = carry._store.get(key)
             if name == "carry_kept_after_failed_step":  # the entry stays (not popped)
-                found = original(key, tensors, count, refresh)
+                found = original(key, tensors, refresh)
                 if found is not None:
                     carry._store[key] = found
                 return found
             if entry is not None:  # versions as they are now: every write unseen
                 entry.versions = tuple(t._version for t in tensors)
-            return original(key, tensors, count, refresh)
+            return original(key, tensors, refresh)
 
         undo.append((carry, "take", original))
         carry.take = take

@@ -435,8 +435,7 @@ def middle(
             if b is not None:
                 b, c = b.mul_(s), c.mul_(s2)  # B → sB, C → s²C
                 h = h.mul_(s2) if h is not None else None  # H → s²H
-    half_lr = 0.5 * lr_ if isinstance(lr_, (int, float)) else lr_ * 0.5
-    inner = (e + lay.t(e)).mul_(half_lr)  # η sym(E)
+    inner = (e + lay.t(e)).mul_(0.5 * lr_)  # η sym(E)
     if b is not None:
         sb = lay.sym(b)  # S = sym(B)
         nb = _i_plus_d(lay, a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
@@ -450,7 +449,7 @@ def middle(
     if variant == "paper" or predict:
         t = e * (-lr_)  # T = θᵀ(sU) = β sB − η sE
         if b is not None:
-            t = t.add_(b, alpha=beta_) if isinstance(beta_, (int, float)) else t.add_(b * beta_)
+            t = _axpy(t, b, beta_)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
         z = lay.sym(_i_plus_d(lay, a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
         feedback = pull_back - _i_plus_d(lay, a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)
@@ -482,7 +481,7 @@ def middle(
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
-    x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha if isinstance(alpha, (int, float)) else -alpha_))
+    x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha_))
     # X₁ = 2 sym(K₀Y), K₀ = I − αD;  X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU
     # (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
     x2 = lay.sym(_mm(lay, delta, y.add_(t), tx=True)).add_(w)

@@ -222,8 +222,8 @@ def hyper_table(values: tuple, dtype: torch.dtype, device: torch.device, owners:
     An η given as a tensor (``FGD(lr=torch.tensor(…))``, changed in place by a scheduler) is
     read on the device at every step instead: the η column is gathered from the tensors by
     device ops (captured with the step, so a replay reads the tensors' values then)."""
-    tensors = [k for k, row in enumerate(values) if isinstance(row[0], torch.Tensor)]
-    fixed = tuple((0.0, *row[1:]) if k in tensors else row for k, row in enumerate(values)) if tensors else values
+    tensors = any(isinstance(row[0], torch.Tensor) for row in values)
+    fixed = tuple((0.0, *row[1:]) if isinstance(row[0], torch.Tensor) else row for row in values)
     entry = _hyper_tables.get_or(
         ("hyper", device, dtype, owners, len(values)), lambda: _HyperTable(len(values), dtype, device)
     )
@@ -301,7 +301,7 @@ def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
     if len(parts) < 2 or torch.compiler.is_compiling():
         return None
     base = parts[0]._base
-    if len(parts) < 2 or base is None or base.dim() != 1 or not base.is_contiguous():
+    if base is None or base.dim() != 1 or not base.is_contiguous():
         return None
     size, start = base.element_size(), parts[0].data_ptr() - base.data_ptr()
     end = start

@@ -53,12 +53,12 @@ def _stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple, tuple[int, ...]]:
     return tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors)
 
 
-def take(key: tuple, tensors: Sequence[torch.Tensor], count: int, refresh: int) -> Carried | None:
-    """The entry of ``key`` if it holds at least ``count`` blocks made from ``tensors`` as they
-    are now and younger than ``refresh`` steps, else None. The entry is removed either way (its
-    blocks become the step's scratch; :func:`keep` stores the next one)."""
+def take(key: tuple, tensors: Sequence[torch.Tensor], refresh: int) -> Carried | None:
+    """The entry of ``key`` if its blocks were made from ``tensors`` as they are now and are
+    younger than ``refresh`` steps, else None. The entry is removed either way (its blocks
+    become the step's scratch; :func:`keep` stores the next one)."""
     entry = _store.pop(key, None)
-    if entry is None or len(entry.blocks) < count or entry.age + 1 >= refresh:
+    if entry is None or entry.age + 1 >= refresh:
         return None
     if len(entry.refs) != len(tensors) or any(r() is not t for r, t in zip(entry.refs, tensors)):
         return None

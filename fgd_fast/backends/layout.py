@@ -80,11 +80,6 @@ class Layout:
         shape = (n, p, p) if self.single else (self.numel,)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat ``(numel,)`` buffer (or a block) viewed in the layout's shape."""
-        n, p = self.groups[0]
-        return flat.view(n, p, p) if self.single else flat.reshape(-1)
-
     def pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each group's ``(L_k, p_k, p_k)`` view of block ``x``."""
         if self.single:
@@ -100,8 +95,8 @@ class Layout:
         raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
 
     def memo(self, key: tuple, p: torch.Tensor):
-        """``key[0](*key[1:2], p, *key[2:])`` (a per-layer function of p, e.g. the guard's target),
-        computed once per layout and key."""
+        """``key[0](key[1], p, *key[2:])`` with p per layer (e.g. the guard's target), computed
+        once per layout and key."""
         index = self._index()
         if key not in index.memo:
             index.memo[key] = key[0](key[1], p, *key[2:])

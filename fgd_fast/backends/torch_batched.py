@@ -413,13 +413,15 @@ class _Group:
         if refresh > 1 and b.predict and b.dtype == b.cdt:
             wide = all(m.n >= 2 * m.p for m, _ in members)
             self.carry = 3 if b.writes_phi and wide else 1
-        self.tensors = [t for m, gc in members for t in m.params[gc[0].s : gc[-1].e]]
-        if b.writes_phi:
-            self.tensors += [t for m, gc in members for t in m.bufs[gc[0].s : gc[-1].e]]
+        self.tensors = self._of("params") + (self._of("bufs") if b.writes_phi else [])
         self.key = ("carry", self.layout.groups, b.cdt) + tuple(id(t) for t in self.tensors)
 
     def symmetric_slots(self) -> tuple[int, ...]:
         return self.first.symmetric_slots()
+
+    def _of(self, name: str) -> list[torch.Tensor]:
+        """The members' ``params``, ``grads`` or ``bufs`` of the group's layers, in its order."""
+        return [t for m, gc in self.members for t in getattr(m, name)[gc[0].s : gc[-1].e]]
 
     def keep(self) -> None:
         """After the step's writes: keep the next step's blocks (where this step made them)."""
@@ -440,7 +442,7 @@ class _Group:
         blocks = [lay.empty(b.cdt) for _ in range(b.block_count())]
         if b.predict:
             blocks.append(torch.empty((lay.count,), dtype=torch.float64, device=lay.device))
-        entry = carry.take(self.key, self.tensors, 1, self.refresh) if self.carry else None
+        entry = carry.take(self.key, self.tensors, self.refresh) if self.carry else None
         carried = 0
         if entry is not None:  # the carried blocks are this step's scratch (the middle scales B, C)
             carried = 3 if b.reads_phi and len(entry.blocks) == 3 else 1
@@ -452,7 +454,7 @@ class _Group:
             views = [lay.layers(blk, s, e) for blk in blocks[: b.block_count()]]
             member.grams(scratch[member.cdt], gemm_chunks, views, carried)
         if b.predict:  # ‖g‖² per layer (float64: no overflow for a finite g), last
-            _grad_sq([g for m, gc in self.members for g in m.grads[gc[0].s : gc[-1].e]], blocks[-1])
+            _grad_sq(self._of("grads"), blocks[-1])
         return blocks
 
     def _hyper(self, name: str, dtype: torch.dtype | None = None):
