@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 
 def _kernels(name: str = "fgd_step"):
-    """A kernel module (``fgd_step`` or ``tc_step``); without fgd_fast (no torch) the kernel
+    """A kernel module (``fgd_step``, ``tc_step``, ``guard``); without fgd_fast (no torch) the kernel
     folder is loaded by path as a package, so that this script needs only Triton."""
     try:
         return importlib.import_module(f"fgd_fast.kernels.{name}")
@@ -73,6 +73,12 @@ def configurations():
         for has_phi in (True, False):
             config = T.UPDATE_CONFIG[precision, aligned]
             out.append(("tc_update_kernel", dict(common, HAS_PHI=has_phi, PRECISION="tf32"), config))
+    G = _kernels("guard")  # the step guard's blend (every backend dtype's blocks: float32 or float64)
+    for acc in ("float32", "float64"):
+        for mode in (M.GB_W_GIVEN, M.GB_W_G, M.GB_W_CHG):
+            out.append(("guard_sums_kernel", dict(ACC=acc, W_MODE=mode), dict(BT=G.TILE)))
+        out.append(("guard_blend_kernel", dict(ACC=acc), dict(BT=G.TILE)))
+    out.append(("guard_choose_kernel", {}, {}))
     return sorted({json.dumps(c, sort_keys=True): c for c in out}.values(), key=lambda c: json.dumps(c, sort_keys=True))
 
 
@@ -88,13 +94,25 @@ def _signature(kernel, acc):
         m_ptr=ptr,
         scratch_ptr=ptr,
         P_MAX="i32",
+        # the guard's blend kernels: per-layer tables, partial sums and results in float64
+        layer_ptr="*i64",
+        coef_ptr="*fp64",
+        weight_ptr="*fp64",
+        part_ptr="*fp64",
+        result_ptr="*fp64",
+        movable_ptr="*i1",
+        n_layers="i32",
     )
+    for name in kernel.arg_names:  # the guard's p × p blocks
+        if name.endswith("_ptr") and name not in types:
+            types[name] = ptr
     return {name: types.get(name, "constexpr") for name in kernel.arg_names}
 
 
 def compile_one(name, consts, config, arch):
     """Compile one configuration; return a JSON-able report."""
-    kernel = getattr(_kernels("tc_step" if name.startswith("tc_") else "fgd_step"), name)
+    module = "tc_step" if name.startswith("tc_") else "guard" if name.startswith("guard_") else "fgd_step"
+    kernel = getattr(_kernels(module), name)
     blocks = {k: v for k, v in config.items() if not k.startswith("num_")}
     consts = dict(consts, **blocks)
     consts = {k: (getattr(tl, v) if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
@@ -137,7 +155,7 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
 
 
 def _sass_ops(cubin: bytes) -> dict:
-    """Counts of the product instructions and of 16-byte global loads in the SASS."""
+    """Counts of the product instructions and of 16-byte global loads and stores in the SASS."""
     sass = _cuobjdump(cubin, "-sass")
     count = lambda pattern: len(re.findall(pattern, sass))  # noqa: E731
     return dict(
@@ -146,6 +164,7 @@ def _sass_ops(cubin: bytes) -> dict:
         ffma=count(r"\bFFMA\b"),
         dfma=count(r"\bDFMA\b"),
         loads_128=count(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b"),
+        stores_128=count(r"\bSTG\.E\S*\.128\b"),
     )
 
 

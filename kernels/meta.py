@@ -62,6 +62,22 @@ UPDATE_WORK = 3
 H_LR, H_BETA, H_ALPHA = range(3)
 HYPER_FIELDS = 3
 
+# rows of the tensor-core split buffers (hi, lo): n padded to a multiple of this, so every hi/lo
+# row (and every layer's block, at offsets Σ p·ld) starts 16-byte aligned; ≥ every BK and BR used
+LD_ALIGN = 128
+
+# the guard's blend kernels (guard.py): work items (layer, tile i, tile j) like the update's
+GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.algebra.WEIGHTS)
+GB_PART = 18  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ
+GB_PART_PAD = 32  # the partial row as a power-of-two vector
+GB_L_OFF, GB_L_P, GB_L_FIRST, GB_L_ITEMS = range(4)  # per layer (int64): block offset, p, first item, items
+GB_LAYER_FIELDS = 4
+GB_C_ALPHA, GB_C_TARGET, GB_C_LR, GB_C_BETA = range(4)  # per layer (float64): α, target, η, β
+GB_COEF_FIELDS = 4
+GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST = range(3)  # per layer (float64): t, Newton–Schulz (0/1), distance
+GB_RESULT_FIELDS = 3
+GB_W_GIVEN, GB_W_G, GB_W_CHG = range(3)  # W = s²UᵀU: a block, or η²G (no Φ), or η²G + β²C − βη(H + Hᵀ)
+
 # update modes of the FMA update kernel
 MODE_PHI = 0  # Φ₊ = U + θ M_Φ
 MODE_THETA = 1  # θ₊ = θ + V + θ M

@@ -45,7 +45,8 @@ import triton.language as tl
 
 from . import meta
 
-LD_ALIGN = 128  # hi/lo rows are padded to a multiple of this (≥ every BK and BR used)
+LD_ALIGN = meta.LD_ALIGN  # hi/lo rows are padded to a multiple of this (≥ every BK and BR used)
+_LD_ALIGN = tl.constexpr(LD_ALIGN)  # (as the kernels read it)
 
 
 @triton.jit
@@ -126,7 +127,9 @@ def tc_split_kernel(
         hi_ptr = tl.load(row + meta.F_HI).to(tl.pointer_type(tl.float32))
         n = tl.load(row + meta.F_N)
         p = tl.load(row + meta.F_P)
-        ld = tl.load(row + meta.F_LD)
+        # hi/lo: scratch at offsets Σ p·ld, ld a multiple of LD_ALIGN: 16-byte aligned in every class
+        hi_ptr = tl.multiple_of(hi_ptr, 16)
+        ld = tl.multiple_of(tl.load(row + meta.F_LD), _LD_ALIGN)
         if ALIGNED:
             theta = tl.multiple_of(theta, 16)
             n = tl.multiple_of(n, 4)
@@ -138,7 +141,7 @@ def tc_split_kernel(
         hi = _tf32(x)  # hi = tf32(θ); the padding rows n ≤ k < ld are zeros
         tl.store(hi_ptr + _at(rk, ci, ld, p, ROWS), hi, mask=inside)
         if LO:
-            lo_ptr = tl.load(row + meta.F_LO).to(tl.pointer_type(tl.float32))
+            lo_ptr = tl.multiple_of(tl.load(row + meta.F_LO).to(tl.pointer_type(tl.float32)), 16)
             tl.store(lo_ptr + _at(rk, ci, ld, p, ROWS), _tf32(x - hi), mask=inside)  # lo = tf32(θ − hi)
 
 
@@ -202,6 +205,8 @@ def tc_gram_kernel(
             b = _load(right, rk, oj, ld_r, p, r1, ROWS, True)
             acc += tl.dot(a, b, fresh, input_precision=PRECISION)
         out = out_ptr + split * split_stride + tl.load(row + meta.F_GRAM) + tl.load(w + meta.G_SLOT) * p * p
+        if ALIGNED:  # every block offset a sum of multiples of p² (p a multiple of 4): 16-byte stores
+            out = tl.multiple_of(out, 16)
         tl.store(out + oi[:, None] * p + oj[None, :], acc, mask=(oi < p)[:, None] & (oj < p)[None, :])
 
 
@@ -226,16 +231,16 @@ def tc_update_kernel(
         row = meta_ptr + layer * meta.META_FIELDS
         theta = tl.load(row + meta.F_THETA).to(tl.pointer_type(tl.float32))
         grad = tl.load(row + meta.F_GRAD).to(tl.pointer_type(tl.float32))
-        hi = tl.load(row + meta.F_HI).to(tl.pointer_type(tl.float32))
+        # hi: 16-byte aligned with rows of a multiple of LD_ALIGN in every class (the split's scratch)
+        hi = tl.multiple_of(tl.load(row + meta.F_HI).to(tl.pointer_type(tl.float32)), 16)
         n = tl.load(row + meta.F_N)
         p = tl.load(row + meta.F_P)
-        ld = tl.load(row + meta.F_LD)
+        ld = tl.multiple_of(tl.load(row + meta.F_LD), _LD_ALIGN)
         mats = m_ptr + tl.load(row + meta.F_M)
         if ALIGNED:
             theta = tl.multiple_of(theta, 16)
             grad = tl.multiple_of(grad, 16)
-            hi = tl.multiple_of(hi, 16)
-            ld = tl.multiple_of(ld, 16)
+            mats = tl.multiple_of(mats, 16)  # M offsets: sums of 2p² (p a multiple of 4)
             n = tl.multiple_of(n, 4)
             p = tl.multiple_of(p, 4)
         m_theta = mats + meta.M_THETA * p * p  # M_θᵀ

@@ -77,6 +77,12 @@ MUTANTS = {
         "a failed step's carried blocks (scaled in place by its middle) kept for the next step",
         [f"{CARRY}::test_a_failed_step_leaves_no_stale_blocks"],
     ),
+    "blend_kernels_target_off": (
+        "the Triton backend's blend kernels without the guard's target (every step kept)",
+        [
+            "tests/test_guard_blend.py::test_the_blend_kernels_choose_and_write_the_step_of_the_torch_ops[three-p-phi-dtype0]"
+        ],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -154,6 +160,16 @@ def plant(name: str) -> Callable[[], None]:
         finite = algebra.finite_of
         _replace("inputs_finite", lambda g_norm, phi_sq, e, layout=None: finite(g_norm) & finite(phi_sq), undo)
 
+    elif name == "blend_kernels_target_off":
+        from fgd_fast.backends import guard_blend
+
+        original = guard_blend.blend
+
+        def blend(lay, **kwargs):
+            return original(lay, **dict(kwargs, target=float("inf")))
+
+        undo.append((guard_blend, "blend", original))
+        guard_blend.blend = blend
     elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry
 

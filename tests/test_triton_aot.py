@@ -51,12 +51,18 @@ def _check(results, archs=2, **selection):
         if aot.expects_tensor_cores(r["kernel"], r["config"]):
             # the products run on tensor cores: HGMMA (wgmma) on sm_90, HMMA (mma.sync) on sm_80
             assert sass[aot.TENSOR_CORE_OP[r["arch"]].lower()] > 0, r
-        elif r["kernel"] != "tc_split_kernel" and r["config"]["ACC"] == "fp32":
+        elif r["kernel"] not in ("tc_split_kernel", "guard_choose_kernel") and r["config"]["ACC"] == "fp32":
             assert sass["hgmma"] == sass["hmma"] == 0 and sass["ffma"] > 0, r  # "ieee": CUDA-core FMA
-    # the aligned tensor-core Gram and update passes load their operands 16 bytes at a time
+    # the aligned tensor-core Gram and update passes load their operands (M included) and store
+    # their results 16 bytes at a time
     for kernel in ("tc_gram_kernel", "tc_update_kernel"):
         aligned = [r for r in results if r["kernel"] == kernel and r["config"]["ALIGNED"] == "True"]
         assert aligned and all(r["sass"]["loads_128"] > 0 for r in aligned), kernel
+        assert all(r["sass"]["stores_128"] > 0 for r in aligned), kernel
+    # hi and lo rows are 16-byte aligned in every class (padded to LD_ALIGN): the split pass stores
+    # them 16 bytes at a time where they are contiguous along n (θ = W2ᵀ), aligned class or not
+    split = [r for r in results if r["kernel"] == "tc_split_kernel" and r["config"]["ROWS"] == "True"]
+    assert split and all(r["sass"]["stores_128"] > 0 for r in split)
 
 
 #: every configuration for both architectures on a GPU machine (its session runs this file) or
@@ -104,7 +110,7 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
     real = tb._launch
 
     def record(kernel, grid, *args, **kw):
-        keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI")
+        keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI", "W_MODE")
         consts = {k: kw[k] for k in keys if k in kw}
         consts = {k: (str(v).removeprefix("tl.") if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
         consts = {
@@ -112,7 +118,9 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
             for k, v in consts.items()
         }
         cfg = {
-            k: v for k, v in kw.items() if k in ("BP", "BM", "BK", "BR", "BN", "BS", "BL", "num_warps", "num_stages")
+            k: v
+            for k, v in kw.items()
+            if k in ("BP", "BM", "BK", "BR", "BN", "BS", "BL", "BT", "num_warps", "num_stages")
         }
         seen.append(
             (

@@ -326,6 +326,36 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
         assert (p - t).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("shape", [(30, 16, 3, 3), (41, 12)], ids=["rows-n144-p30", "cols-n41-p12"])
+def test_a_layer_is_aligned_only_where_n_and_p_both_are(shape, monkeypatch):
+    """The ALIGNED kernels assert ``n`` and ``p`` multiples of 4 (the p × p block offsets and the
+    M loads depend on p whatever the layout): a layer whose contiguous dimension alone is a
+    multiple of 4 (θ = W2ᵀ with n = 144, p = 30; θ = W2 with p = 12, n = 41) must not get them —
+    on a GPU a hint that does not hold is a misaligned 16-byte access. The step is still right."""
+    from fgd_fast.backends import triton as tb
+
+    aligned = []
+    real = tb._launch
+
+    def launch(kernel, grid, *args, **kwargs):
+        if "ALIGNED" in kwargs:
+            aligned.append(kwargs["ALIGNED"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    gen = torch.Generator().manual_seed(1)
+    param = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape, generator=gen)))
+    twin = torch.nn.Parameter(param.detach().clone())
+    opt = fgd_fast.FGD([dict(params=[param], orthogonal=True)], lr=0.05, backend="triton", precision="tf32x3")
+    ref = fgd_fast.FGD([dict(params=[twin], orthogonal=True)], lr=0.05, backend="reference")
+    param.grad = torch.randn(shape, generator=gen) * 0.01
+    twin.grad = param.grad.clone()
+    opt.step()
+    ref.step()
+    assert aligned and not any(aligned), aligned
+    assert (param - twin).abs().max() < 1e-3  # TF32 operands: the tensor-core bound of this file
+
+
 def test_every_row_tile_divides_the_padding_of_hi_and_lo():
     """hi and lo rows are padded to ``LD_ALIGN``; the Gram pass walks them in ``BK`` steps and
     the update in ``BR`` rows, unmasked inside the padding: every such tile must divide it."""

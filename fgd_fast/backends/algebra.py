@@ -391,6 +391,7 @@ def middle(
     variant: str = "official",
     carry: int = 0,
     layout: Layout | None = None,
+    blend_kernels=None,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -405,6 +406,8 @@ def middle(
     the one written for every layer (with a prediction; else ``carried`` is None).
     ``layout``: the blocks' :class:`.layout.Layout` (several p in one flat buffer; default: one
     ``(L, p, p)`` batch); ``lr``, ``beta``, ``alpha``: floats or ``L`` per-layer values.
+    ``blend_kernels``: where the guard blends, do it by this function's launches
+    (:func:`.guard_blend.blend`, the Triton backend's) instead of torch ops: the same rule.
     """
     lay = layout or Layout.of(a)
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
@@ -413,13 +416,13 @@ def middle(
     dist = lay.norm(a_minus_i)  # ‖θᵀθ − I‖_F
     lr_, beta_, alpha_ = (lay.col(v) for v in (lr, beta, alpha))  # per-layer values broadcast to the blocks
     predict = radius is not None or limit is not None
+    host = host_reads_free(a.device)  # (a CPU: skip what a host read shows is not needed)
     scale = None
     if not predict:
         finite = all_finite(e, lay)  # E = θᵀg finite (without a prediction: the plain check)
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        host = host_reads_free(a.device)  # (a CPU: skip what a host read shows is not needed)
         if host and bool(finite_of(g_norm).all()):  # every ‖g‖ finite: E's own check is not needed
             finite = finite_of(g_norm) & finite_of(phi_sq)
         else:
@@ -457,8 +460,10 @@ def middle(
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
-    w = uu if uu is not None else velocity_gram(c, h, gg, beta_, lr_, lay)  # s²UᵀU (the blocks are scaled)
+    # s²UᵀU (the blocks are scaled); the blend kernels form it from its parts where no host check needs it first
+    w = uu if uu is not None or (blend_kernels is not None and not host) else velocity_gram(c, h, gg, beta_, lr_, lay)
     if radius is None:  # only the prediction
+        w = w if w is not None else velocity_gram(c, h, gg, beta_, lr_, lay)
         d_full = step_distance(a_minus_i, m_theta, t, w, lay)
         dist_next = lay.norm(d_full).to(torch.float64)
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi, lay)
@@ -467,7 +472,7 @@ def middle(
 
     # (per layer with several p: kept with the layout, keyed on the rule itself)
     target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
-    if host_reads_free(a.device):
+    if host:
         d_full = step_distance(a_minus_i, m_theta, t, w, lay)  # θ₊ᵀθ₊ − I of the full step
         dist_full = lay.norm(d_full).to(torch.float64)
         # (a non-finite M_Φ makes the full step's distance non-finite: it does not fit, and the blend checks M_Φ)
@@ -477,8 +482,35 @@ def middle(
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_full, fits, guard_codes(scale), ahead)
 
     # the guard: D(t) = D₀ + tX₁ + t²X₂ for θ₊ = θK₀ + t(θΔ + sU)
-    movable = finite & all_finite(m_phi, lay)
     delta = m_theta - pull_back  # Δ = K − K₀ = M_θ − F₀
+    if blend_kernels is not None:  # the products here, the rest in three launches (guard_blend.py)
+        d2 = _mm(lay, a_minus_i, a_minus_i)  # D²
+        y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T
+        weight, newton, dist_next = blend_kernels(
+            lay,
+            d=a_minus_i,
+            d2=d2,
+            d3=_mm(lay, d2, a_minus_i),  # D³
+            z=_i_plus_d(lay, a_minus_i, y, -alpha_),  # Z = K₀Y (X₁ = Z + Zᵀ)
+            v=_mm(lay, delta, y.add_(t), tx=True),  # V = Δᵀ(Y + T) (X₂ = sym(V) + s²UᵀU)
+            w=w,
+            gg=gg,
+            c=c if b is not None else None,
+            h=h,
+            m_phi=m_phi,
+            m_theta=m_theta,
+            delta=delta,
+            feedback=feedback,
+            movable=finite,
+            alpha=alpha,
+            target=target,
+            lr=lr,
+            beta=beta,
+        )
+        scale = scale * weight  # U → tsU
+        fits = storable(dist_next, p, stored)
+        return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, fits, guard_codes(scale))
+    movable = finite & all_finite(m_phi, lay)
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
     x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha_))

@@ -406,6 +406,7 @@ def middle_of_runs(
     max_distance=None,
     variant="official",
     precision="ieee",
+    blend_kernels=None,
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run: one call per chain of
     consecutive runs that read Φ alike, their p's in one :class:`.layout.Layout`.
@@ -424,6 +425,7 @@ def middle_of_runs(
     (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products at
     ``precision`` whatever the global TF32 setting (``"tf32"``/``"tf32x3"``: TF32 tensor cores,
     which the middle's ``X − D·X`` forms keep at fp32 accuracy; the CUDA backend: IEEE).
+    ``blend_kernels``: the guard's blend by kernels (:func:`.algebra.middle`).
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -468,6 +470,7 @@ def middle_of_runs(
                 limit=max_distance,
                 variant=variant,
                 layout=lay,
+                blend_kernels=blend_kernels,
             )
             m_theta = mid.feedback if (feedback_with_phi and chain[0].reads_phi) else mid.m_theta
             for r in chain:

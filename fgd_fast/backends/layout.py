@@ -102,6 +102,14 @@ class Layout:
             index.memo[key] = key[0](key[1], p, *key[2:])
         return index.memo[key]
 
+    def cached(self, key: tuple, build):
+        """``build()``, made once per layout, device and key (e.g. a kernel's work table): kept
+        with the layout's indices (and, like them, pinned while a CUDA graph is captured)."""
+        index = self._index()
+        if key not in index.memo:
+            index.memo[key] = build()
+        return index.memo[key]
+
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
         index = self._index()

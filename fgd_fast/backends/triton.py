@@ -63,6 +63,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
+from . import guard_blend
 from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
@@ -170,7 +171,7 @@ def _order(layers, params):
 def _guard(ops, trust_radius, max_distance, variant) -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
     multi-tensor torch op on the inputs (the Gram kernels do not take it); G and H come from
-    the Gram pass."""
+    the Gram pass; the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict else None
     unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
@@ -182,6 +183,7 @@ def _guard(ops, trust_radius, max_distance, variant) -> dict:
         trust_radius=trust_radius,
         max_distance=max_distance,
         variant=variant,
+        blend_kernels=guard_blend.blend,  # the guard's blend in three launches, not ~90 torch ops
     )
 
 
@@ -447,9 +449,13 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
     )
 
 
-def _aligned(tensors, np_list, rows) -> bool:
-    """Every address 16-byte aligned and the contiguous dimension a multiple of 4 floats."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n if rows else p) % 4 == 0 for n, p in np_list)
+def _aligned(tensors, np_list) -> bool:
+    """Every address 16-byte aligned and both n and p multiples of 4 floats: what the tensor-core
+    kernels' ``ALIGNED`` hints assert (``tl.multiple_of(n, 4)``, ``(p, 4)``; p also sets the
+    offsets of the p × p blocks and the M loads' rows). A layer with only its contiguous
+    dimension a multiple of 4 is not aligned: a hint that does not hold makes a wrong 16-byte
+    access on a GPU."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(n % 4 == 0 and p % 4 == 0 for n, p in np_list)
 
 
 class _TensorCoreClass(_Checked):
@@ -486,7 +492,7 @@ class _TensorCoreClass(_Checked):
         self.split = _split_buffers.get_or(
             ("tc-split", device, owners, numel), lambda: torch.empty(numel, dtype=torch.float32, device=device)
         )
-        aligned = _aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list, rows)
+        aligned = _aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list)
         self.consts = dict(ROWS=rows, ALIGNED=aligned)
         self.gram_config = TC.GRAM_CONFIG[precision, aligned]
         self.update_config = TC.UPDATE_CONFIG[precision, aligned]
@@ -642,7 +648,7 @@ def prepare_triton(
         aligned = None
         if dtype == torch.float32 and tensor_cores:
             own = (params[i], grads[i]) + ((bufs[i],) if has_phi else ())
-            aligned = _aligned(own, [(shape.n, shape.p)], shape.transposed)
+            aligned = _aligned(own, [(shape.n, shape.p)])
         return dtype, has_phi, shape.transposed, aligned
 
     classes = layer_classes(len(params), key)

@@ -1,0 +1,175 @@
+"""The guard's blend as Triton kernels (``kernels/guard.py``, ``fgd_fast/backends/guard_blend.py``)
+against the torch ops of :func:`fgd_fast.backends.algebra.middle` it replaces.
+
+Every layer blended (as on a GPU, where no host read lets the middle skip it), on Gram blocks
+of random near-orthonormal θ whose steps the guard keeps, scales, resets and resets by
+Newton–Schulz, in one ``p`` and in a layout of several (odd p included), float32 and float64,
+with and without Φ, with per-layer hyper-parameters and with ``UᵀU`` given as one block. The
+decisions must be the same and the matrices equal to rounding (the kernels sum every weight's
+distance directly, so only a distance within rounding of the target could choose otherwise).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fgd_fast.backends import algebra
+from fgd_fast.backends.layout import Layout
+from helpers import backend_reason, device_for_tests
+
+REASON = backend_reason("triton")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
+
+# (gradient and Φ scale, distance of θ from the manifold, max_distance): together they make the
+# guard keep (K), scale (S), reset (R) and reset by Newton–Schulz (Rn) layers, with Φ and without
+CASES = [(1e-3, 0.0, 1e-2), (3e-2, 0.0, 1e-3), (3e-2, 3e-2, 1e-3), (0.3, 1e-3, 1e-2), (1e-3, 0.1, 1e-2)]
+LAYOUTS = {"one-p": [(3, 5)], "three-p": [(2, 5), (3, 17), (2, 40)]}
+
+
+def _blocks(groups, dtype, scale, off, gen):
+    """``[A, E, B, C, G, H]`` in the layout of ``groups`` and ‖g‖² per layer, from float64 θ, Φ, g."""
+    per_group, g_sq = [], []
+    for n, p in groups:
+        theta = torch.linalg.qr(torch.randn(n, 3 * p, p, dtype=torch.float64, generator=gen))[0]
+        theta = theta + off * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
+        phi = scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
+        g = scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
+        mt = theta.mT
+        per_group.append([mt @ theta, mt @ g, mt @ phi, phi.mT @ phi, g.mT @ g, phi.mT @ g])
+        g_sq.append((g * g).sum((1, 2)))
+    device = device_for_tests()
+    lay = Layout(groups, device)
+    blocks = [
+        (per_group[0][k] if lay.single else torch.cat([pg[k].reshape(-1) for pg in per_group])).to(device, dtype)
+        for k in range(6)
+    ]
+    return lay, blocks, torch.cat(g_sq).to(device)
+
+
+def _middles(lay, blocks, g_sq, *, momentum, limit, per_layer, given_uu):
+    """The middle by torch ops and by the blend kernels, on copies of the same blocks."""
+    from fgd_fast.backends import guard_blend
+
+    count = lay.count
+    if per_layer:  # per-layer η, β, α as the fused backends' hyper table gives them
+        kw = dict(dtype=blocks[0].dtype, device=blocks[0].device)
+        lr = torch.linspace(0.05, 0.15, count, **kw)
+        beta = torch.full((count,), 0.9, **kw)
+        alpha = torch.linspace(0.3, 0.45, count, **kw)
+    else:
+        lr, beta, alpha = 0.1, 0.9, 0.4
+    out = []
+    for kernels in (None, guard_blend.blend):
+        a, e, b, c, gg, h = (x.clone() for x in blocks)
+        if not momentum:
+            b = c = h = None
+        uu = None
+        if given_uu:  # UᵀU as one block (the torch backend's form)
+            uu = algebra.velocity_gram(c, h, gg, lay.col(beta), lay.col(lr), lay)
+            gg = h = None
+        mid = algebra.middle(
+            a,
+            b,
+            c,
+            e,
+            lr=lr,
+            beta=beta,
+            alpha=alpha,
+            g_sq=g_sq.clone(),
+            h=h,
+            gg=gg,
+            uu=uu,
+            radius=4.0,
+            limit=limit,
+            unit=algebra.store_unit(blocks[0].dtype),
+            stored=blocks[0].dtype,
+            layout=lay,
+            blend_kernels=kernels,
+        )
+        out.append(mid)
+    return out, lay.col(alpha) if per_layer else alpha
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_blend_kernels_choose_and_write_the_step_of_the_torch_ops(dtype, momentum, layout, monkeypatch):
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {momentum} {layout}".encode()))
+    tol = 2e-5 if dtype == torch.float32 else 1e-12
+    seen = set()
+    for k, (scale, off, limit) in enumerate(CASES):
+        lay, blocks, g_sq = _blocks(LAYOUTS[layout], dtype, scale, off, gen)
+        (ref, got), alpha = _middles(
+            lay, blocks, g_sq, momentum=momentum, limit=limit, per_layer=k % 2 == 1, given_uu=k == 2
+        )
+        assert got.guarded.tolist() == ref.guarded.tolist(), (scale, off, limit)
+        assert torch.equal(got.scale, ref.scale)
+        for name in ("m_theta", "m_phi", "feedback", "dist_next"):
+            want, have = getattr(ref, name), getattr(got, name)
+            assert (have - want).abs().max() <= tol * max(1.0, float(want.abs().max())), name
+        assert torch.equal(got.finite_next, ref.finite_next)
+        # which decisions this case exercised (Newton–Schulz: a reset whose M_θ is −½D)
+        d = blocks[0] - lay.eye(dtype)
+        per_layer = [p * p for n, p in lay.groups for _ in range(n)]
+        resets_ns = [
+            torch.allclose(mt, -0.5 * dl, rtol=1e-4, atol=0.0)
+            for mt, dl in zip(torch.split(ref.m_theta.reshape(-1), per_layer), torch.split(d.reshape(-1), per_layer))
+        ]
+        for code, ns in zip(ref.guarded.tolist(), resets_ns):
+            seen.add("Rn" if code == 2 and ns else "KSR"[code])
+    assert seen == {"K", "S", "R", "Rn"}, seen  # every branch of the rule compared
+
+
+def test_a_non_finite_layer_is_reset_by_the_kernels_as_by_torch(monkeypatch):
+    """A layer whose ‖g‖ overflows (s = 0) and one whose E holds a NaN: both reset, the others
+    stepped, the same as the torch ops."""
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(5)
+    lay, blocks, g_sq = _blocks(LAYOUTS["three-p"], torch.float32, 1e-3, 0.0, gen)
+    g_sq[1] = float("inf")
+    blocks[1][lay.spans[1][0] + 3] = float("nan")  # E of the first p = 17 layer
+    (ref, got), _ = _middles(lay, blocks, g_sq, momentum=True, limit=1e-2, per_layer=False, given_uu=False)
+    assert got.guarded.tolist() == ref.guarded.tolist()
+    assert ref.guarded[1] == 2 and ref.guarded[2] == 2 and (ref.guarded == 0).any()
+    for name in ("m_theta", "m_phi", "feedback"):
+        assert torch.isfinite(getattr(got, name)).all()
+        assert torch.allclose(getattr(got, name), getattr(ref, name), atol=1e-6, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:the FGD step guard bound")
+def test_the_triton_backend_blends_by_the_kernels(monkeypatch):
+    """Where the guard binds, the Triton step launches the three blend kernels (not the torch
+    ops) and writes the step the reference writes."""
+    import fgd_fast
+    from fgd_fast.backends import triton as tb
+
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    launched = []
+    real = tb._launch
+
+    def launch(kernel, grid, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 4, 3, 3), (12, 6, 3, 3)]
+    dev = device_for_tests()
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen)).to(dev)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(lr=0.5, momentum=0.9, max_distance=1e-3)  # large steps: the guard scales them
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], backend="triton", precision="ieee", **kw)
+    ref = fgd_fast.FGD([dict(params=twins, orthogonal=True)], backend="reference", **kw)
+    for _ in range(3):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen).to(dev)
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert {"guard_sums_kernel", "guard_choose_kernel", "guard_blend_kernel"} <= set(launched)
+    for p, t in zip(params, twins):
+        assert (p - t).abs().max() < 1e-4
