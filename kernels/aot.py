@@ -79,6 +79,15 @@ def configurations():
             out.append(("guard_sums_kernel", dict(ACC=acc, W_MODE=mode), dict(BT=G.TILE)))
         out.append(("guard_blend_kernel", dict(ACC=acc), dict(BT=G.TILE)))
     out.append(("guard_choose_kernel", {}, {}))
+    B = _kernels("blocks")  # the Gram blocks gathered into the middle's layout
+    for has_phi, predict in itertools.product((True, False), (True, False)):
+        common = dict(HAS_PHI=has_phi, PREDICT=predict)
+        for acc in ("float32", "float64"):  # the CUDA-core classes: full blocks
+            out.append(("gram_gather_kernel", dict(common, ACC=acc, MIRROR=False, LO=False, UPPER=1), dict(BT=B.TILE)))
+        for lo, aligned in itertools.product((True, False), (True, False)):  # tensor cores: upper tiles
+            upper = T.GRAM_CONFIG["tf32", aligned]["BM"]
+            consts = dict(common, ACC="float32", MIRROR=True, LO=lo, UPPER=upper)
+            out.append(("gram_gather_kernel", consts, dict(BT=B.TILE)))
     return sorted({json.dumps(c, sort_keys=True): c for c in out}.values(), key=lambda c: json.dumps(c, sort_keys=True))
 
 
@@ -102,6 +111,8 @@ def _signature(kernel, acc):
         result_ptr="*fp64",
         movable_ptr="*i1",
         n_layers="i32",
+        n_splits="i32",
+        numel="i32",
     )
     for name in kernel.arg_names:  # the guard's p × p blocks
         if name.endswith("_ptr") and name not in types:
@@ -111,7 +122,8 @@ def _signature(kernel, acc):
 
 def compile_one(name, consts, config, arch):
     """Compile one configuration; return a JSON-able report."""
-    module = "tc_step" if name.startswith("tc_") else "guard" if name.startswith("guard_") else "fgd_step"
+    module = {"tc": "tc_step", "guard": "guard"}.get(name.split("_")[0], "fgd_step")
+    module = "blocks" if name == "gram_gather_kernel" else module
     kernel = getattr(_kernels(module), name)
     blocks = {k: v for k, v in config.items() if not k.startswith("num_")}
     consts = dict(consts, **blocks)

@@ -66,6 +66,11 @@ HYPER_FIELDS = 3
 # row (and every layer's block, at offsets Σ p·ld) starts 16-byte aligned; ≥ every BK and BR used
 LD_ALIGN = 128
 
+# the Gram blocks' gather into the middle's layout (blocks.py): per layer (int64) the layout
+# offset, p and the offset of the layer's blocks in the Gram slabs
+GG_OFF, GG_P, GG_SRC = range(3)
+GG_FIELDS = 3
+
 # the guard's blend kernels (guard.py): work items (layer, tile i, tile j) like the update's
 GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.algebra.WEIGHTS)
 GB_PART = 18  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ

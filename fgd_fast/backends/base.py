@@ -393,7 +393,6 @@ def middle_of_runs(
     hyper,
     runs,
     *,
-    assemble=None,
     feedback_with_phi=False,
     transposed=False,
     g_sq=None,
@@ -407,6 +406,7 @@ def middle_of_runs(
     variant="official",
     precision="ieee",
     blend_kernels=None,
+    gather=None,
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run: one call per chain of
     consecutive runs that read Φ alike, their p's in one :class:`.layout.Layout`.
@@ -415,8 +415,6 @@ def middle_of_runs(
     ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
     ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
     θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
-    ``assemble(blocks, a, c, gg) -> (a, c, gg)`` may build A, C and G from the raw blocks
-    (tensor-core kernels store split products and only the upper tiles of symmetric blocks).
     ``velocity_slots``: the slots of ``G = gᵀg`` and ``H = Φᵀg`` where the Gram kernel forms
     them (else torch forms them from ``grads``, ``phis``). ``g_sq``
     (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
@@ -425,7 +423,9 @@ def middle_of_runs(
     (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products at
     ``precision`` whatever the global TF32 setting (``"tf32"``/``"tf32x3"``: TF32 tensor cores,
     which the middle's ``X − D·X`` forms keep at fp32 accuracy; the CUDA backend: IEEE).
-    ``blend_kernels``: the guard's blend by kernels (:func:`.algebra.middle`).
+    ``blend_kernels``: the guard's blend by kernels (:func:`.algebra.middle`). ``gather(lay,
+    chain) -> [A, E, B, C, G, H]``: the chain's blocks in ``lay``, formed by the backend (one
+    launch: :func:`.gram_gather.gather`) instead of views of ``gram`` copied into the layout.
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -433,25 +433,11 @@ def middle_of_runs(
     with fp32_matmuls(precision):
         for chain in _chains(runs):  # one middle per chain of runs (several p in one layout)
             first, end = chain[0].first, chain[-1].end
-            parts = []  # per run: [A, E, B, C, G, H] ((cnt, p, p) views or None)
-            for r in chain:
-                cnt, p = r.end - r.first, r.p
-                blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
-                a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
-                b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
-                gg = h_blk = None
-                if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
-                    gg = blocks[:, velocity_slots[0]]
-                    h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
-                elif g_sq is not None:  # ... or by torch products
-                    gg, h_blk = velocity_blocks(
-                        grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype
-                    )
-                if assemble is not None:
-                    a, c, gg = assemble(blocks, a, c, gg)
-                parts.append([a, e, b, c, gg, h_blk])
             lay = Layout([(r.end - r.first, r.p) for r in chain], gram.device)
-            a, e, b, c, gg, h_blk = (_in_layout(lay, [pt[k] for pt in parts]) for k in range(6))
+            if gather is not None:  # the Gram kernels' blocks gathered into the layout by the backend
+                a, e, b, c, gg, h_blk = gather(lay, chain)
+            else:
+                a, e, b, c, gg, h_blk = _chain_blocks(lay, chain, gram, g_sq, velocity_slots, grads, phis)
             h = hyper[first:end]
             mid = middle(
                 a,
@@ -481,6 +467,25 @@ def middle_of_runs(
                 out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
             mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
     return join_checks(mids)
+
+
+def _chain_blocks(lay, chain, gram, g_sq, velocity_slots, grads, phis) -> list:
+    """``[A, E, B, C, G, H]`` of a chain in ``lay`` from views of ``gram`` (``None`` where absent;
+    G and H from the Gram kernel's slots, or torch products of ``grads`` and ``phis``)."""
+    parts = []  # per run: [A, E, B, C, G, H] ((cnt, p, p) views or None)
+    for r in chain:
+        cnt, p = r.end - r.first, r.p
+        blocks = gram[r.gram_at : r.gram_at + cnt * r.slots * p * p].view(cnt, r.slots, p, p)
+        a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
+        b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
+        gg = h_blk = None
+        if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
+            gg = blocks[:, velocity_slots[0]]
+            h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
+        elif g_sq is not None:  # ... or by torch products
+            gg, h_blk = velocity_blocks(grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype)
+        parts.append([a, e, b, c, gg, h_blk])
+    return [_in_layout(lay, [pt[k] for pt in parts]) for k in range(6)]
 
 
 def _chains(runs: list[Run]) -> list[list[Run]]:

@@ -63,7 +63,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from . import guard_blend
+from . import gram_gather, guard_blend
 from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
@@ -185,6 +185,19 @@ def _guard(ops, trust_radius, max_distance, variant) -> dict:
         variant=variant,
         blend_kernels=guard_blend.blend,  # the guard's blend in three launches, not ~90 torch ops
     )
+
+
+def _gatherer(slabs, splits, has_phi, predict, **layout):
+    """``gather(lay, chain)`` for :func:`.base.middle_of_runs`: the chain's Gram blocks summed over
+    the splits into the layout, in one launch (:func:`.gram_gather.gather`)."""
+
+    def gather(lay, chain):
+        sources = tuple(
+            r.gram_at + k * r.slots * r.p * r.p for r in chain for k in range(r.end - r.first)
+        )  # each layer's blocks in a slab
+        return gram_gather.gather(lay, sources, slabs, splits, has_phi=has_phi, predict=predict, **layout)
+
+    return gather
 
 
 class _Checked:
@@ -311,17 +324,19 @@ class _Class(_Checked):
                 **self.consts,
                 **self.gram_config,
             )
-        gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
+        predict = trust_radius is not None or max_distance is not None
+        gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=False)  # the splits summed, into the layout
 
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
         self.checks(
             middle_of_runs(
-                gram,
+                partial,
                 self.mats,
                 ops.hyper,
                 runs,
+                gather=gather,
                 feedback_with_phi=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
@@ -381,7 +396,6 @@ class _TCShapes:
     splits: int
     gram_total: int
     m_total: int
-    upper: dict  # p -> bool (p, p) mask of the tiles i <= j (the stored tiles of H and C)
 
 
 def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -> _TCShapes:
@@ -427,10 +441,6 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
         (layer, r, c) for layer, (n, p) in enumerate(np_list) for r in range(_cdiv(n, br)) for c in range(_cdiv(p, bn))
     ]
     update_work.sort(key=lambda w: -np_list[w[0]][1])  # the largest p (the longest K) first
-    upper = {}
-    for _, p in np_list:
-        t = torch.arange(p, device=device) // bm
-        upper[p] = t[:, None] <= t[None, :]
     as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return _TCShapes(
         as_table(split_work, meta.SPLIT_WORK),
@@ -445,7 +455,6 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
         splits,
         g_total,
         m_total,
-        upper,
     )
 
 
@@ -575,26 +584,19 @@ class _TensorCoreClass(_Checked):
             **self.consts,
             **self.gram_config,
         )
-        gram = partial.view(sh.splits, sh.gram_total).sum(0) if sh.splits > 1 else partial
-
-        def assemble(blocks, h, c, gg):
-            upper = sh.upper[h.shape[-1]]
-            a = torch.where(upper, h, h.mT)  # the lower tiles of hiᵀhi are the transposes of the upper ones
-            if self.lo:
-                low = blocks[:, meta.SLOT_L]
-                a = a + (low + low.mT)  # A = hiᵀhi + L + Lᵀ
-            mirror = lambda m: torch.where(upper, m, m.mT) if m is not None else None  # noqa: E731
-            return a, mirror(c), mirror(gg)
+        # the splits summed, the symmetric blocks' lower tiles mirrored and A = hiᵀhi + L + Lᵀ,
+        # into the middle's layout: one launch (kernels/blocks.py)
+        gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
         self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
         self.checks(
             middle_of_runs(
-                gram,
+                partial,
                 self.mats,
                 ops.hyper,
                 runs,
-                assemble=assemble,
+                gather=gather,
                 transposed=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
