@@ -110,6 +110,8 @@ def _signature(kernel, acc):
         part_ptr="*fp64",
         result_ptr="*fp64",
         movable_ptr="*i1",
+        scale_ptr="*fp64",
+        top="fp32",
         n_layers="i32",
         n_splits="i32",
         numel="i32",

@@ -17,7 +17,9 @@ an Inf or a NaN).
 ``guard_choose_kernel`` — one program per layer: sums its rows in a fixed order (deterministic,
 no atomics) and applies the rule: the largest weight whose distance is within the target where
 the step is movable, else 0, and at 0 the Newton–Schulz pull-back where the α pull-back is
-beyond the target and farther. Writes ``[t, newton, distance]`` per layer (float64).
+beyond the target and farther. Writes per layer (float64) ``[t, newton, distance, ts, code,
+fits]``: with the trust scale s, the update's total scale, what the guard did (``guards.KEPT``,
+``SCALED``, ``RESET``) and whether θ₊ fits the parameters' dtype.
 
 ``guard_blend_kernel`` — work item as the sums': the step of the chosen weight, in place:
 ``M_Φ ← tM_Φ``, ``M_θ ← F₀' + tΔ``, ``F ← F₀' + t(F − F₀)`` (``F₀' = −α'D``, α' = ½ for the
@@ -112,7 +114,7 @@ def guard_sums_kernel(
 
 
 @triton.jit
-def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, part_ptr, result_ptr, n_layers):
+def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, scale_ptr, part_ptr, result_ptr, n_layers, top):
     for layer in range(tl.program_id(0), n_layers, tl.num_programs(0)):
         row = layer_ptr + layer * meta.GB_LAYER_FIELDS
         first = tl.load(row + meta.GB_L_FIRST)
@@ -132,10 +134,20 @@ def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, part_ptr, 
         dist = tl.sqrt(tl.sum(tl.where(idx == pick, sums, 0.0), 0))
         d_ns = tl.sqrt(tl.sum(tl.where(idx == meta.GB_WEIGHTS + 1, sums, 0.0), 0))
         newton = (weight == 0.0) & ~(dist <= target) & (d_ns < dist)
+        dist = tl.where(newton, d_ns, dist)
+        scale = tl.load(scale_ptr + layer) * weight  # U → tsU
+        code = (scale < 1.0).to(tl.float64) + (scale <= 0.0).to(tl.float64)  # KEPT / SCALED / RESET
+        # θ₊ fits the parameters' dtype: its largest entry ≤ ‖θ₊‖_F ≤ √(p + √p·d) (top: its max, or inf)
+        p = tl.load(row + meta.GB_L_P).to(tl.float64)
+        top64 = tl.cast(top, tl.float64)
+        fits = (dist - dist == 0.0) & (dist * tl.sqrt(p) + p < top64 * top64)
         out = result_ptr + layer * meta.GB_RESULT_FIELDS
         tl.store(out + meta.GB_R_WEIGHT, weight)
         tl.store(out + meta.GB_R_NEWTON, newton.to(tl.float64))
-        tl.store(out + meta.GB_R_DIST, tl.where(newton, d_ns, dist))
+        tl.store(out + meta.GB_R_DIST, dist)
+        tl.store(out + meta.GB_R_SCALE, scale)
+        tl.store(out + meta.GB_R_CODE, code)
+        tl.store(out + meta.GB_R_FITS, fits.to(tl.float64))
 
 
 @triton.jit

@@ -79,8 +79,10 @@ GB_L_OFF, GB_L_P, GB_L_FIRST, GB_L_ITEMS = range(4)  # per layer (int64): block 
 GB_LAYER_FIELDS = 4
 GB_C_ALPHA, GB_C_TARGET, GB_C_LR, GB_C_BETA = range(4)  # per layer (float64): α, target, η, β
 GB_COEF_FIELDS = 4
-GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST = range(3)  # per layer (float64): t, Newton–Schulz (0/1), distance
-GB_RESULT_FIELDS = 3
+# per layer (float64): t, Newton–Schulz (0/1), distance, the update's scale ts, guards code
+# (KEPT 0 / SCALED 1 / RESET 2), θ₊ storable in the parameters' dtype (0/1)
+GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST, GB_R_SCALE, GB_R_CODE, GB_R_FITS = range(6)
+GB_RESULT_FIELDS = 6
 GB_W_GIVEN, GB_W_G, GB_W_CHG = range(3)  # W = s²UᵀU: a block, or η²G (no Φ), or η²G + β²C − βη(H + Hᵀ)
 
 # update modes of the FMA update kernel

@@ -486,7 +486,7 @@ def middle(
     if blend_kernels is not None:  # the products here, the rest in three launches (guard_blend.py)
         d2 = _mm(lay, a_minus_i, a_minus_i)  # D²
         y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T
-        weight, newton, dist_next = blend_kernels(
+        scale, dist_next, fits, codes = blend_kernels(
             lay,
             d=a_minus_i,
             d2=d2,
@@ -502,14 +502,14 @@ def middle(
             delta=delta,
             feedback=feedback,
             movable=finite,
+            scale=scale,
+            stored=stored,
             alpha=alpha,
             target=target,
             lr=lr,
             beta=beta,
         )
-        scale = scale * weight  # U → tsU
-        fits = storable(dist_next, p, stored)
-        return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, fits, guard_codes(scale))
+        return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, fits, codes)  # scale: ts
     movable = finite & all_finite(m_phi, lay)
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)

@@ -75,14 +75,18 @@ def blend(
     delta,
     feedback,
     movable,
+    scale,
+    stored,
     alpha,
     target,
     lr,
     beta,
 ):
     """The guard's step of the largest weight that fits, per layer, written in place into
-    ``m_phi``, ``m_theta`` and ``feedback``; returns ``(weight, newton, dist)`` ``(L,)`` float64,
-    bool, float64 as :func:`.algebra.choose_weight`. Blocks in ``lay`` (contiguous): ``d = A −
+    ``m_phi``, ``m_theta`` and ``feedback``; returns ``(scale, dist, fits, codes)`` per layer:
+    the update's total scale ``ts`` and the step's distance (float64), whether θ₊ fits ``stored``
+    (:func:`.algebra.storable`) and what the guard did (int8, :func:`.algebra.guard_codes`).
+    ``scale``: the trust scale s per layer (float64). Blocks in ``lay`` (contiguous): ``d = A −
     I``, ``d2 = D²``, ``d3 = D³``, ``z = K₀Y``, ``v = Δᵀ(Y + T)``, and ``w = s²UᵀU`` or its parts
     (``gg = s²G``, with Φ ``c = s²C`` and ``h = s²H``). ``alpha``, ``target``, ``lr``, ``beta``:
     floats or per-layer values; ``movable``: ``(L,)`` bool."""
@@ -135,9 +139,11 @@ def blend(
         coef,
         weights,
         movable,
+        scale,
         part,
         result,
         count,
+        _top(stored),
     )
     backend._launch(
         guard.guard_blend_kernel,
@@ -155,4 +161,12 @@ def blend(
         ACC=acc,
         BT=guard.TILE,
     )
-    return result[:, meta.GB_R_WEIGHT], result[:, meta.GB_R_NEWTON] != 0, result[:, meta.GB_R_DIST]
+    scale, dist, fits, codes = (result[:, k] for k in (meta.GB_R_SCALE, meta.GB_R_DIST, meta.GB_R_FITS, meta.GB_R_CODE))
+    return scale, dist, fits != 0, codes.to(torch.int8)
+
+
+def _top(stored: torch.dtype | None) -> float:
+    """The largest value ``stored`` holds (inf where a finite θ₊ always fits: float32, float64)."""
+    if stored is None or stored in (torch.float32, torch.float64):
+        return float("inf")
+    return float(torch.finfo(stored).max)
