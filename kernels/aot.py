@@ -79,6 +79,11 @@ def configurations():
             out.append(("guard_sums_kernel", dict(ACC=acc, W_MODE=mode), dict(BT=G.TILE)))
         out.append(("guard_blend_kernel", dict(ACC=acc), dict(BT=G.TILE)))
     out.append(("guard_choose_kernel", {}, {}))
+    P = _kernels("products")  # the middle's products over every layer of a layout
+    for acc, tx, has_z, big in itertools.product(("float32", "float64"), (True, False), (True, False), (True, False)):
+        for precision in ("ieee", "tf32") if acc == "float32" else ("ieee",):
+            consts = dict(ACC=acc, TX=tx, HAS_Z=has_z, PRECISION=precision)
+            out.append(("mid_mm_kernel", consts, P.CONFIG[big]))
     B = _kernels("blocks")  # the Gram blocks gathered into the middle's layout
     for has_phi, predict in itertools.product((True, False), (True, False)):
         common = dict(HAS_PHI=has_phi, PREDICT=predict)
@@ -111,6 +116,7 @@ def _signature(kernel, acc):
         result_ptr="*fp64",
         movable_ptr="*i1",
         scale_ptr="*fp64",
+        alpha_ptr="*fp64",
         top="fp32",
         n_layers="i32",
         n_splits="i32",
@@ -124,7 +130,7 @@ def _signature(kernel, acc):
 
 def compile_one(name, consts, config, arch):
     """Compile one configuration; return a JSON-able report."""
-    module = {"tc": "tc_step", "guard": "guard"}.get(name.split("_")[0], "fgd_step")
+    module = {"tc": "tc_step", "guard": "guard", "mid": "products"}.get(name.split("_")[0], "fgd_step")
     module = "blocks" if name == "gram_gather_kernel" else module
     kernel = getattr(_kernels(module), name)
     blocks = {k: v for k, v in config.items() if not k.startswith("num_")}
@@ -190,9 +196,12 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def tensor_cores_ok(r: dict) -> bool:
-    """A tensor-core configuration's SASS has tensor-core products (HGMMA on sm_90, HMMA on sm_80)."""
+    """A tensor-core configuration's SASS has tensor-core products (HGMMA on sm_90, HMMA on sm_80;
+    the middle's products may take HMMA on sm_90 too: its 32-row tiles are below wgmma's 64)."""
     if "error" in r or not expects_tensor_cores(r["kernel"], r["config"]):
         return True
+    if r["kernel"] == "mid_mm_kernel":
+        return r["sass"]["hgmma"] + r["sass"]["hmma"] > 0
     return r["sass"][TENSOR_CORE_OP[r["arch"]].lower()] > 0
 
 

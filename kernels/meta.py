@@ -71,6 +71,10 @@ LD_ALIGN = 128
 GG_OFF, GG_P, GG_SRC = range(3)
 GG_FIELDS = 3
 
+# the middle's products (products.py): per layer (int64) the layout offset and p
+MM_OFF, MM_P = range(2)
+MM_FIELDS = 2
+
 # the guard's blend kernels (guard.py): work items (layer, tile i, tile j) like the update's
 GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.algebra.WEIGHTS)
 GB_PART = 18  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ

@@ -50,7 +50,8 @@ def _check(results, archs=2, **selection):
         sass = r["sass"]
         if aot.expects_tensor_cores(r["kernel"], r["config"]):
             # the products run on tensor cores: HGMMA (wgmma) on sm_90, HMMA (mma.sync) on sm_80
-            assert sass[aot.TENSOR_CORE_OP[r["arch"]].lower()] > 0, r
+            # (the middle's 32-row product tiles: HMMA on both)
+            assert aot.tensor_cores_ok(r), r
         elif (
             r["kernel"] not in ("tc_split_kernel", "guard_choose_kernel", "gram_gather_kernel")
             and r["config"]["ACC"] == "fp32"
@@ -114,7 +115,7 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
 
     def record(kernel, grid, *args, **kw):
         keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI", "W_MODE")
-        keys += ("PREDICT", "MIRROR", "UPPER")
+        keys += ("PREDICT", "MIRROR", "UPPER", "TX", "HAS_Z")
         consts = {k: kw[k] for k in keys if k in kw}
         consts = {k: (str(v).removeprefix("tl.") if k in ("DTYPE", "ACC") else v) for k, v in consts.items()}
         consts = {

@@ -84,6 +84,7 @@ GPU_TESTS = (
     "tests/test_layout.py",  # the middle over several p (index_select, segmented sums on the GPU)
     "tests/test_guard_blend.py",  # the guard's blend kernels compiled for the GPU, against the torch ops
     "tests/test_gram_gather.py",  # the Gram blocks' gather into the middle's layout, bit for bit
+    "tests/test_mid_products.py",  # the middle's products in one launch for every p, against torch's
     "tests/test_triton_aot.py",  # every configuration with the machine's Triton (CI: a subset with 3.6)
 )
 

@@ -147,6 +147,8 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, a) -> torch.Tensor:
 # -- the middle's products over a layout (per group; see :mod:`.layout`) ----------------------
 def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
     """``XY`` (``XᵀY`` with ``tx``) per layer."""
+    if lay.products is not None:  # the backend's (one launch for every p)
+        return lay.products(lay, x, y, tx=tx)
     if lay.single:
         return mm(x.transpose(-1, -2) if tx else x, y)
     out = lay.empty(x.dtype)
@@ -157,6 +159,8 @@ def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
 
 def _mm_add(lay: Layout, z, x, y, tx: bool = False, alpha: float = 1.0) -> torch.Tensor:
     """``Z + αXY`` (``Z + αXᵀY`` with ``tx``) per layer."""
+    if lay.products is not None:
+        return lay.products(lay, x, y, z=z, alpha=alpha, tx=tx)
     if lay.single:
         return mm_add(z, x.transpose(-1, -2) if tx else x, y, alpha=alpha)
     out = lay.empty(x.dtype)
@@ -167,12 +171,14 @@ def _mm_add(lay: Layout, z, x, y, tx: bool = False, alpha: float = 1.0) -> torch
 
 def _i_plus_d(lay: Layout, d, x, alpha: Scalar, extra=None) -> torch.Tensor:
     """``(I + αD)·X (+ extra)`` per layer as ``X + α·D·X`` (:func:`i_plus_d`); ``alpha`` a
-    number or per-layer values already broadcast to the blocks (:meth:`.Layout.col`)."""
+    number or ``L`` per-layer values."""
+    if lay.products is not None:
+        return lay.products(lay, d, x, z=x if extra is None else x + extra, alpha=alpha)
     if lay.single:
-        return i_plus_d(d, x, alpha, extra)
+        return i_plus_d(d, x, lay.col(alpha), extra)
     z = x if extra is None else x + extra
     if not isinstance(alpha, (int, float)):  # per-layer α
-        return z + alpha * _mm(lay, d, x)
+        return z + lay.col(alpha) * _mm(lay, d, x)
     return _mm_add(lay, z, d, x, alpha=alpha)
 
 
@@ -491,7 +497,7 @@ def middle(
             d=a_minus_i,
             d2=d2,
             d3=_mm(lay, d2, a_minus_i),  # D³
-            z=_i_plus_d(lay, a_minus_i, y, -alpha_),  # Z = K₀Y (X₁ = Z + Zᵀ)
+            z=_i_plus_d(lay, a_minus_i, y, -alpha),  # Z = K₀Y (X₁ = Z + Zᵀ)
             v=_mm(lay, delta, y.add_(t), tx=True),  # V = Δᵀ(Y + T) (X₂ = sym(V) + s²UᵀU)
             w=w,
             gg=gg,
@@ -513,7 +519,7 @@ def middle(
     movable = finite & all_finite(m_phi, lay)
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = _i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
-    x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha_))
+    x1 = 2.0 * lay.sym(_i_plus_d(lay, a_minus_i, y, -alpha))
     # X₁ = 2 sym(K₀Y), K₀ = I − αD;  X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU
     # (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
     x2 = lay.sym(_mm(lay, delta, y.add_(t), tx=True)).add_(w)

@@ -407,6 +407,7 @@ def middle_of_runs(
     precision="ieee",
     blend_kernels=None,
     gather=None,
+    products=None,
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run: one call per chain of
     consecutive runs that read Φ alike, their p's in one :class:`.layout.Layout`.
@@ -426,6 +427,8 @@ def middle_of_runs(
     ``blend_kernels``: the guard's blend by kernels (:func:`.algebra.middle`). ``gather(lay,
     chain) -> [A, E, B, C, G, H]``: the chain's blocks in ``lay``, formed by the backend (one
     launch: :func:`.gram_gather.gather`) instead of views of ``gram`` copied into the layout.
+    ``products``: how the middle's products run (:attr:`.layout.Layout.products`; the Triton
+    backend's :func:`.mid_products.engine`: one launch each for every p).
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -434,6 +437,7 @@ def middle_of_runs(
         for chain in _chains(runs):  # one middle per chain of runs (several p in one layout)
             first, end = chain[0].first, chain[-1].end
             lay = Layout([(r.end - r.first, r.p) for r in chain], gram.device)
+            lay.products = products
             if gather is not None:  # the Gram kernels' blocks gathered into the layout by the backend
                 a, e, b, c, gg, h_blk = gather(lay, chain)
             else:

@@ -62,6 +62,9 @@ class Layout:
         self.count = sum(n for n, _ in self.groups)
         self.single = len(self.groups) == 1
         self.numel = sum(n * p * p for n, p in self.groups)
+        # how the middle's products run over this layout: None, torch (one batched product per
+        # group); or a function of the backend's (the Triton backend's: one launch for every p)
+        self.products = None
         self.spans, at, first = [], 0, 0
         for n, p in self.groups:  # (flat start, first layer, layers, p) per group
             self.spans.append((at, first, n, p))

@@ -63,7 +63,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from . import gram_gather, guard_blend
+from . import gram_gather, guard_blend, mid_products
 from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
@@ -337,6 +337,7 @@ class _Class(_Checked):
                 ops.hyper,
                 runs,
                 gather=gather,
+                products=mid_products.engine(precision),
                 feedback_with_phi=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
@@ -597,6 +598,7 @@ class _TensorCoreClass(_Checked):
                 ops.hyper,
                 runs,
                 gather=gather,
+                products=mid_products.engine(precision),
                 transposed=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),

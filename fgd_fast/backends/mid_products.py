@@ -1,0 +1,85 @@
+"""The middle's ``p × p`` products as one Triton launch each over every layer of a layout
+(``kernels/products.py``), for the Triton backend.
+
+:func:`.algebra.middle` forms its products through the layout (``_mm``, ``_mm_add``,
+``_i_plus_d``); with ``Layout.products`` set (by :func:`.base.middle_of_runs`, which the Triton
+backend hands :func:`engine`) each is this one launch instead of one batched product per
+distinct p plus the buffer it fills and, for per-layer α, two more ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import Layout
+
+__all__ = ["engine"]
+
+
+def _tables(lay: Layout, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(work, layers)``: work items ``(layer, i, j)`` (int32) over ``tile × tile`` blocks of the
+    results, and per layer ``[layout offset, p]`` (int64); built once per layout."""
+
+    def build():
+        work, layers = [], []
+        at = 0
+        for p in (p for n, p in lay.groups for _ in range(n)):
+            tiles = -(-p // tile)
+            work += [(len(layers), i, j) for i in range(tiles) for j in range(tiles)]
+            layers.append([at, p])
+            at += p * p
+        as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype).to(lay.device)  # noqa: E731
+        return as_tensor(work, torch.int32), as_tensor(layers, torch.int64)
+
+    return lay.cached(("mid-mm", tile), build)
+
+
+def _alphas(lay: Layout, alpha) -> torch.Tensor:
+    """α per layer, float64 ``(L,)``: a number's table is built once per layout."""
+    if isinstance(alpha, (int, float)):
+        return lay.cached(
+            ("mid-mm-alpha", float(alpha)),
+            lambda: torch.full((lay.count,), float(alpha), dtype=torch.float64, device=lay.device),
+        )
+    return alpha.reshape(-1).to(torch.float64)
+
+
+def engine(precision: str):
+    """``products(lay, x, y, *, z=None, alpha=1.0, tx=False) -> Z + α·op(X)Y`` (a new block of
+    ``lay``; ``op(X) = Xᵀ`` with ``tx``; α a number or per-layer values), its products at
+    ``precision`` (``"ieee"``, or TF32 tensor cores for ``"tf32"``/``"tf32x3"``: float32
+    blocks only)."""
+
+    def products(lay: Layout, x, y, *, z=None, alpha=1.0, tx: bool = False) -> torch.Tensor:
+        import triton.language as tl
+
+        from ..kernels import products as kernels
+        from . import triton as backend
+
+        config = kernels.CONFIG[max(p for _, p in lay.groups) >= kernels.BIG_P]
+        work, layers = _tables(lay, config["BM"])
+        x, y = x.contiguous(), y.contiguous()
+        z = z.contiguous() if z is not None else None
+        out = lay.empty(x.dtype)
+        items = work.shape[0]
+        acc = {torch.float32: tl.float32, torch.float64: tl.float64}[x.dtype]
+        backend._launch(
+            kernels.mid_mm_kernel,
+            (backend._persistent(items, lay.device),),
+            work,
+            layers,
+            x,
+            y,
+            z if z is not None else out,
+            _alphas(lay, alpha),
+            out,
+            items,
+            ACC=acc,
+            TX=tx,
+            HAS_Z=z is not None,
+            PRECISION="ieee" if precision == "ieee" or x.dtype == torch.float64 else "tf32",
+            **config,
+        )
+        return out
+
+    return products
