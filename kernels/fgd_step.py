@@ -157,10 +157,7 @@ def update_kernel(
         grad = tl.load(row + meta.F_GRAD).to(tl.pointer_type(DTYPE))
         n = tl.load(row + meta.F_N)
         p = tl.load(row + meta.F_P)
-        if MODE == meta.MODE_PHI:
-            mat = m_ptr + tl.load(row + meta.F_M) + meta.M_PHI * p * p  # M_Φ
-        else:
-            mat = m_ptr + tl.load(row + meta.F_M) + meta.M_THETA * p * p  # M (the θ matrix)
+        mat = m_ptr + tl.load(row + meta.F_M)  # M_Φ (MODE_PHI) or the θ matrix: the launch's buffer
         lr = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_LR)  # η
         beta = tl.load(hyper_ptr + layer * meta.HYPER_FIELDS + meta.H_BETA)  # β
         rows = rb * BR + rr

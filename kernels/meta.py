@@ -13,7 +13,9 @@ the n dimension padded to ``ld`` rows with zeros); the FMA kernels leave them 0.
 
 **Block order** (every fused backend, Triton and CUDA): per layer the Gram blocks
 ``[A | E | B | C]`` (Triton: ``+ G | H`` for the guard, ``+ L`` for the split products), each
-``p × p`` in the accumulation type, and the update matrices ``[M_θ | M_Φ]``.
+``p × p`` in the accumulation type, and the update matrices ``[M_θ | M_Φ]`` (CUDA; the Triton
+update kernels read M_θ and M_Φ from the middle's two buffers, at ``F_M``: the sum of the p²
+of the layers before).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ SLOT_L = 6
 GRAM_SLOTS = 6  # slots of the FMA kernels (A, E, B, C, G, H)
 TC_GRAM_SLOTS = 7  # slots of the tensor-core kernels (A, E, B, C, G, H, L)
 
-# update matrices: θ₊ = θ + V + θ M_θ-slot, Φ₊ = U + θ M_Φ
+# update matrices (the CUDA backend's interleaved buffer): θ₊ = θ + V + θ M_θ-slot, Φ₊ = U + θ M_Φ
 M_THETA = 0
 M_PHI = 1
 M_SLOTS = 2

@@ -31,8 +31,8 @@ multiples of 4) the loads are 16-byte vectors.
 Work item = (layer, row block, column block). Both products read the same hi tile per K step
 (hi = tf32(θ) is exactly what a TF32 product of θ sees) and hi is never written, so θ and Φ
 are updated in place tile by tile with no snapshot: each item reads θ, Φ, g only at the
-elements it writes. M_θ, M_Φ are stored transposed (``Mᵀ[c, k]`` at ``c·p + k``), so the
-right operand is K-contiguous.
+elements it writes. M_θ and M_Φ are read where the middle left them, row-major in its two
+buffers (``M[k, c]`` at the layer's offset + ``k·p + c``).
 
 Layouts (``ROWS``): ``True``: θ = W2ᵀ, memory holds θᵀ row-major, θ[k, i] at ``i·n + k``
 (hi/lo at ``i·ld + k``); ``False``: θ = W2, θ[k, i] at ``k·p + i`` (hi/lo likewise, ld rows).
@@ -216,7 +216,8 @@ def tc_update_kernel(
     hyper_ptr,
     work_ptr,
     n_items,
-    m_ptr,
+    mt_ptr,
+    mp_ptr,
     HAS_PHI: tl.constexpr,
     ROWS: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -236,28 +237,30 @@ def tc_update_kernel(
         n = tl.load(row + meta.F_N)
         p = tl.load(row + meta.F_P)
         ld = tl.multiple_of(tl.load(row + meta.F_LD), _LD_ALIGN)
-        mats = m_ptr + tl.load(row + meta.F_M)
+        m_at = tl.load(row + meta.F_M)  # the layer's M_θ and M_Φ: row-major in the middle's buffers
+        m_theta = mt_ptr + m_at
+        m_phi = mp_ptr + m_at
         if ALIGNED:
             theta = tl.multiple_of(theta, 16)
             grad = tl.multiple_of(grad, 16)
-            mats = tl.multiple_of(mats, 16)  # M offsets: sums of 2p² (p a multiple of 4)
+            m_theta = tl.multiple_of(m_theta, 16)  # offsets: sums of p² (p a multiple of 4)
+            m_phi = tl.multiple_of(m_phi, 16)
             n = tl.multiple_of(n, 4)
             p = tl.multiple_of(p, 4)
-        m_theta = mats + meta.M_THETA * p * p  # M_θᵀ
-        m_phi = mats + meta.M_PHI * p * p  # M_Φᵀ
         rows = tl.load(w + meta.U_RB) * BR + tl.arange(0, BR)  # < ld: hi rows past n are zeros
         cols = tl.load(w + meta.U_CB) * BN + tl.arange(0, BN)
-        cc = tl.minimum(cols, p - 1)
+        mc = cols < p
         acc_t = tl.zeros((BR, BN), dtype=tl.float32)
         acc_p = tl.zeros((BR, BN), dtype=tl.float32)
         for k0 in range(0, p, BK):
             ks = k0 + tl.arange(0, BK)
             mk = ks < p
             a = tl.load(hi + _at(rows, ks, ld, p, ROWS), mask=mk[None, :], other=0.0)  # hi[rows, k-step]
-            bt = tl.load(m_theta + cc[None, :] * p + ks[:, None], mask=mk[:, None], other=0.0)  # M_θ[k-step, cols]
+            mb = mk[:, None] & mc[None, :]
+            bt = tl.load(m_theta + ks[:, None] * p + cols[None, :], mask=mb, other=0.0)  # M_θ[k-step, cols]
             acc_t = tl.dot(a, bt, acc_t, input_precision=PRECISION)  # hi M_θ
             if HAS_PHI:
-                bp = tl.load(m_phi + cc[None, :] * p + ks[:, None], mask=mk[:, None], other=0.0)
+                bp = tl.load(m_phi + ks[:, None] * p + cols[None, :], mask=mb, other=0.0)
                 acc_p = tl.dot(a, bp, acc_p, input_precision=PRECISION)  # hi M_Φ
         off = _at(rows, cols, n, p, ROWS)
         m = (rows < n)[:, None] & (cols < p)[None, :]

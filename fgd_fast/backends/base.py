@@ -408,6 +408,7 @@ def middle_of_runs(
     blend_kernels=None,
     gather=None,
     products=None,
+    kept=None,
 ) -> Checks:
     """The O(p³) middle (:func:`.algebra.middle`) of every run: one call per chain of
     consecutive runs that read Φ alike, their p's in one :class:`.layout.Layout`.
@@ -427,8 +428,11 @@ def middle_of_runs(
     ``blend_kernels``: the guard's blend by kernels (:func:`.algebra.middle`). ``gather(lay,
     chain) -> [A, E, B, C, G, H]``: the chain's blocks in ``lay``, formed by the backend (one
     launch: :func:`.gram_gather.gather`) instead of views of ``gram`` copied into the layout.
-    ``products``: how the middle's products run (:attr:`.layout.Layout.products`; the Triton
-    backend's :func:`.mid_products.engine`: one launch each for every p).
+    ``kept``: a list; where given, each chain's ``(θ matrix, M_Φ)`` (the middle's blocks in its
+    layout: per layer at the sum of the p² before it) is appended to it and ``mats`` is not
+    written (the Triton update kernels read them where they are). ``products``: how the
+    middle's products run (:attr:`.layout.Layout.products`; the Triton backend's
+    :func:`.mid_products.engine`: one launch each for every p).
     Returns the per-layer checks (:class:`.algebra.Checks`) in launch order; an update kernel
     takes the guard's scale through :func:`.algebra.scaled_hyper`.
     """
@@ -463,12 +467,15 @@ def middle_of_runs(
                 blend_kernels=blend_kernels,
             )
             m_theta = mid.feedback if (feedback_with_phi and chain[0].reads_phi) else mid.m_theta
-            for r in chain:
-                cnt, p = r.end - r.first, r.p
-                out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
-                m_t, m_p = (lay.layers(m, r.first - first, r.end - first) for m in (m_theta, mid.m_phi))
-                out[:, M_THETA].copy_(m_t.mT if transposed else m_t)  # M_θ = M_Φ − α(A − I) (or F)
-                out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
+            if kept is not None:  # the update reads the middle's own buffers (layout order)
+                kept.append((m_theta, mid.m_phi))
+            else:
+                for r in chain:
+                    cnt, p = r.end - r.first, r.p
+                    out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
+                    m_t, m_p = (lay.layers(m, r.first - first, r.end - first) for m in (m_theta, mid.m_phi))
+                    out[:, M_THETA].copy_(m_t.mT if transposed else m_t)  # M_θ = M_Φ − α(A − I) (or F)
+                    out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
             mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
     return join_checks(mids)
 

@@ -218,17 +218,16 @@ class _Shapes:
     gram_full: torch.Tensor  # int32 (W, 3): every (layer, i, j) (B and E)
     update_work: torch.Tensor  # int32 (I, 2): layer, row block
     gram_off: list[int]  # element offset of [A|E|B|C] per layer
-    m_off: list[int]  # element offset of [M_θ|M_Φ] per layer
+    m_off: list[int]  # element offset of the layer's M_θ and M_Φ in the middle's (layout) buffers
     chunk: list[int]  # rows per split per layer
     splits: int
     gram_total: int
-    m_total: int
 
 
 def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     acc_bytes = 8 if acc_name == "float64" else 4
     gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
-    g_total = m_total = 0
+    g_total = m_total = 0  # (m_total: the layers' offsets in the middle's buffers)
     for layer, (n, p) in enumerate(np_list):
         nt = triton.cdiv(p, bp)
         gram_sym += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
@@ -237,7 +236,7 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
         gram_off.append(g_total)
         m_off.append(m_total)
         g_total += meta.GRAM_SLOTS * p * p
-        m_total += meta.M_SLOTS * p * p
+        m_total += p * p  # M_θ and M_Φ: in the middle's two buffers, layout order
     splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_sym))))
     splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
     chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
@@ -251,7 +250,6 @@ def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
         chunk,
         splits,
         g_total,
-        m_total,
     )
 
 
@@ -328,14 +326,15 @@ class _Class(_Checked):
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=False)  # the splits summed, into the layout
 
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
-        self.mats = torch.empty(sh.m_total, dtype=self.acc, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
+        kept = []  # the update reads the middle's M_θ (or F) and M_Φ where they are
         self.checks(
             middle_of_runs(
                 partial,
-                self.mats,
+                None,
                 ops.hyper,
                 runs,
+                kept=kept,
                 gather=gather,
                 products=mid_products.engine(precision),
                 feedback_with_phi=True,
@@ -343,6 +342,8 @@ class _Class(_Checked):
                 **_guard(ops, trust_radius, max_distance, variant),
             )
         )
+        # (one chain: every layer of a class reads Φ alike; contiguous, so the kernels index them)
+        self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
@@ -358,21 +359,16 @@ class _Class(_Checked):
 
     def apply(self) -> None:
         sh = self.shapes
-        args = (
-            self.meta,
-            self.hyper_step,
-            sh.update_work,
-            sh.update_work.shape[0],
-            self.mats,
-            self.scratch,
-            self.p_max,
-        )
+        args = (self.meta, self.hyper_step, sh.update_work, sh.update_work.shape[0])
         modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
             _launch(
                 K.update_kernel,
                 (self.programs,),
                 *args,
+                self.m_phi if mode == meta.MODE_PHI else self.m_theta,
+                self.scratch,
+                self.p_max,
                 MODE=mode,
                 HAS_PHI=self.has_phi,
                 **self.consts,
@@ -396,7 +392,6 @@ class _TCShapes:
     chunk: list[int]
     splits: int
     gram_total: int
-    m_total: int
 
 
 def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -> _TCShapes:
@@ -410,7 +405,7 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
         m_off.append(m_total)
         s_total += p * ld[layer]
         g_total += meta.TC_GRAM_SLOTS * p * p
-        m_total += meta.M_SLOTS * p * p
+        m_total += p * p  # M_θ and M_Φ: in the middle's two buffers, layout order
         nt = _cdiv(p, bm)
         upper = [(i, j) for i in range(nt) for j in range(i, nt)]
         full = [(i, j) for i in range(nt) for j in range(nt)]
@@ -455,7 +450,6 @@ def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -
         chunk,
         splits,
         g_total,
-        m_total,
     )
 
 
@@ -589,21 +583,23 @@ class _TensorCoreClass(_Checked):
         # into the middle's layout: one launch (kernels/blocks.py)
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
-        self.mats = torch.empty(sh.m_total, dtype=torch.float32, device=device)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
+        kept = []  # the update reads the middle's M_θ and M_Φ where they are
         self.checks(
             middle_of_runs(
                 partial,
-                self.mats,
+                None,
                 ops.hyper,
                 runs,
+                kept=kept,
                 gather=gather,
                 products=mid_products.engine(precision),
-                transposed=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
             )
         )
+        # (one chain: every layer of a class reads Φ alike; contiguous, so the kernels index them)
+        self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
         self.programs = _persistent(sh.update_work.shape[0], device)
 
     def apply(self) -> None:
@@ -616,7 +612,8 @@ class _TensorCoreClass(_Checked):
             self.hyper_step,
             sh.update_work,
             items,
-            self.mats,
+            self.m_theta,
+            self.m_phi,
             HAS_PHI=self.has_phi,
             PRECISION="tf32",
             **self.consts,
