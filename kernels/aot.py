@@ -80,19 +80,19 @@ def configurations():
         out.append(("guard_blend_kernel", dict(ACC=acc), dict(BT=G.TILE)))
     out.append(("guard_choose_kernel", {}, {}))
     P = _kernels("products")  # the middle's products over every layer of a layout
-    for acc, tx, has_z, big in itertools.product(("float32", "float64"), (True, False), (True, False), (True, False)):
-        for precision in ("ieee", "tf32") if acc == "float32" else ("ieee",):
-            consts = dict(ACC=acc, TX=tx, HAS_Z=has_z, PRECISION=precision)
-            out.append(("mid_mm_kernel", consts, P.CONFIG[big]))
+    for tx, has_z, big, precision in itertools.product((True, False), (True, False), (True, False), ("ieee", "tf32")):
+        consts = dict(ACC="float32", TX=tx, HAS_Z=has_z, PRECISION=precision)  # (float64: torch's products)
+        out.append(("mid_mm_kernel", consts, P.CONFIG[big]))
     B = _kernels("blocks")  # the Gram blocks gathered into the middle's layout
     for has_phi, predict in itertools.product((True, False), (True, False)):
         common = dict(HAS_PHI=has_phi, PREDICT=predict)
         for acc in ("float32", "float64"):  # the CUDA-core classes: full blocks
-            out.append(("gram_gather_kernel", dict(common, ACC=acc, MIRROR=False, LO=False, UPPER=1), dict(BT=B.TILE)))
+            consts = dict(common, ACC=acc, MIRROR=False, LO=False, UPPER=1)
+            out.append(("gram_gather_kernel", consts, B.CONFIG[acc]))
         for lo, aligned in itertools.product((True, False), (True, False)):  # tensor cores: upper tiles
             upper = T.GRAM_CONFIG["tf32", aligned]["BM"]
             consts = dict(common, ACC="float32", MIRROR=True, LO=lo, UPPER=upper)
-            out.append(("gram_gather_kernel", consts, dict(BT=B.TILE)))
+            out.append(("gram_gather_kernel", consts, B.CONFIG["float32"]))
     return sorted({json.dumps(c, sort_keys=True): c for c in out}.values(), key=lambda c: json.dumps(c, sort_keys=True))
 
 
@@ -222,7 +222,7 @@ def select(configs: list, *, subset: bool = False, smoke: bool = False) -> list:
     if smoke:
         seen, kept = set(), []
         for name, consts, cfg in configs:
-            key = (name, consts.get("DTYPE", "float32"))
+            key = (name, consts.get("DTYPE", consts.get("ACC", "float32")))  # (float64 blocks too)
             if name.startswith("tc_") or key not in seen:
                 kept.append((name, consts, cfg))
                 seen.add(key)

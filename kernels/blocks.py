@@ -18,6 +18,9 @@ import triton.language as tl
 from . import meta
 
 TILE = 32  # BT × BT entries per work item
+# per accumulation type: float32 with 4 warps spilled 8 bytes (Triton 3.6, sm_80 and sm_90), float64
+# with 8 warps (both Triton versions, sm_90)
+CONFIG = {"float32": dict(BT=TILE, num_warps=8), "float64": dict(BT=TILE, num_warps=4)}
 
 
 @triton.jit

@@ -78,7 +78,7 @@ def gather(
         MIRROR=mirror,
         LO=lo,
         UPPER=upper,
-        BT=blocks.TILE,
+        **blocks.CONFIG[str(slabs.dtype).removeprefix("torch.")],
     )
     n, p = lay.groups[0]
     shaped = (lambda x: x.view(n, p, p)) if lay.single else (lambda x: x)  # noqa: E731

@@ -47,8 +47,9 @@ def _alphas(lay: Layout, alpha) -> torch.Tensor:
 def engine(precision: str):
     """``products(lay, x, y, *, z=None, alpha=1.0, tx=False) -> Z + α·op(X)Y`` (a new block of
     ``lay``; ``op(X) = Xᵀ`` with ``tx``; α a number or per-layer values), its products at
-    ``precision`` (``"ieee"``, or TF32 tensor cores for ``"tf32"``/``"tf32x3"``: float32
-    blocks only)."""
+    ``precision`` (``"ieee"``, or TF32 tensor cores for ``"tf32"``/``"tf32x3"``). float32 blocks
+    only: Triton 3.6 (the GPU machine's) cannot compile a float64 dot, so float64 middles keep
+    torch's products."""
 
     def products(lay: Layout, x, y, *, z=None, alpha=1.0, tx: bool = False) -> torch.Tensor:
         import triton.language as tl
@@ -62,7 +63,8 @@ def engine(precision: str):
         z = z.contiguous() if z is not None else None
         out = lay.empty(x.dtype)
         items = work.shape[0]
-        acc = {torch.float32: tl.float32, torch.float64: tl.float64}[x.dtype]
+        if x.dtype != torch.float32:
+            raise TypeError(f"the middle's product kernel takes float32 blocks, got {x.dtype}")
         backend._launch(
             kernels.mid_mm_kernel,
             (backend._persistent(items, lay.device),),
@@ -74,10 +76,10 @@ def engine(precision: str):
             _alphas(lay, alpha),
             out,
             items,
-            ACC=acc,
+            ACC=tl.float32,
             TX=tx,
             HAS_Z=z is not None,
-            PRECISION="ieee" if precision == "ieee" or x.dtype == torch.float64 else "tf32",
+            PRECISION="ieee" if precision == "ieee" else "tf32",
             **config,
         )
         return out

@@ -336,7 +336,8 @@ class _Class(_Checked):
                 runs,
                 kept=kept,
                 gather=gather,
-                products=mid_products.engine(precision),
+                # float64 middles keep torch's products (Triton 3.6 cannot compile a float64 dot)
+                products=mid_products.engine(precision) if self.acc == torch.float32 else None,
                 feedback_with_phi=True,
                 precision=precision,
                 **_guard(ops, trust_radius, max_distance, variant),
