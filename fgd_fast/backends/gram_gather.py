@@ -16,25 +16,6 @@ from .layout import Layout
 __all__ = ["gather"]
 
 
-def _tables(lay: Layout, sources: tuple[int, ...], tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(work, layers)`` of a chain (built once per layout and source offsets): work items
-    ``(layer, i, j)`` (int32) and per layer ``[layout offset, p, source offset]`` (int64)."""
-
-    def build():
-        work, layers = [], []
-        at = 0
-        ps = [p for n, p in lay.groups for _ in range(n)]
-        for k, (p, src) in enumerate(zip(ps, sources)):
-            tiles = -(-p // tile)
-            layers.append([at, p, src])
-            work += [(k, i, j) for i in range(tiles) for j in range(tiles)]
-            at += p * p
-        as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype).to(lay.device)  # noqa: E731
-        return as_tensor(work, torch.int32), as_tensor(layers, torch.int64)
-
-    return lay.cached(("gram-gather", sources, tile), build)
-
-
 def gather(
     lay: Layout,
     sources: tuple[int, ...],
@@ -57,7 +38,8 @@ def gather(
     from ..kernels import blocks
     from . import triton as backend
 
-    work, layers = _tables(lay, sources, blocks.TILE)
+    # per layer: the block's offset in the layout, p, and its blocks' offset in a slab
+    work, layers = lay.tiles(blocks.TILE, ("gather", sources), lambda k, at, p, first, items: [at, p, sources[k]])
     numel = lay.numel
     dst = torch.empty(6 * numel, dtype=slabs.dtype, device=slabs.device)
     items = work.shape[0]

@@ -26,25 +26,6 @@ def _kernels():
     return guard, meta, tl
 
 
-def _tables(lay: Layout, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(work, layers)`` of a layout (built once per layout): work items ``(layer, i, j)``
-    (int32) and per layer ``[offset, p, first item, items]`` (int64)."""
-
-    def build():
-        work, layers = [], []
-        at = 0
-        for n, p in lay.groups:
-            tiles = -(-p // tile)
-            for _ in range(n):
-                layers.append([at, p, len(work), tiles * tiles])
-                work += [(len(layers) - 1, i, j) for i in range(tiles) for j in range(tiles)]
-                at += p * p
-        as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype).to(lay.device)  # noqa: E731
-        return as_tensor(work, torch.int32), as_tensor(layers, torch.int64)
-
-    return lay.cached(("guard-blend", tile), build)
-
-
 def _weights(lay: Layout) -> torch.Tensor:
     from .algebra import WEIGHTS
 
@@ -98,7 +79,8 @@ def blend(
     w, gg, c, h = (x.contiguous() if x is not None else None for x in (w, gg, c, h))
     if not all(x.is_contiguous() for x in (d, d2, d3, z, v, m_phi, m_theta, delta, feedback)):
         raise RuntimeError("the guard's blend kernels write the middle's own (contiguous) blocks")
-    work, layers = _tables(lay, guard.TILE)
+    # per layer: the block's offset, p, its first work item and how many
+    work, layers = lay.tiles(guard.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
     coef = torch.stack([_per_layer(x, count, device) for x in (alpha, target, lr, beta)], 1)
     weights = _weights(lay)
     if w is not None:

@@ -113,6 +113,24 @@ class Layout:
             index.memo[key] = build()
         return index.memo[key]
 
+    def tiles(self, tile: int, key: tuple, row) -> tuple[torch.Tensor, torch.Tensor]:
+        """The work table of a kernel over every layer's ``p × p`` block in ``tile × tile`` items:
+        ``(layer, i, j)`` (int32, ``(items, 3)``), and a per-layer int64 table of rows
+        ``row(layer, offset, p, first item, items)`` (``offset``: of the layer's block in the
+        layout). Built once per layout, tile and ``key`` (which names ``row``)."""
+
+        def build():
+            work, rows, at = [], [], 0
+            for k, p in enumerate(p for n, p in self.groups for _ in range(n)):
+                t = -(-p // tile)
+                rows.append(row(k, at, p, len(work), t * t))
+                work += [(k, i, j) for i in range(t) for j in range(t)]
+                at += p * p
+            as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype).to(self.device)  # noqa: E731
+            return as_tensor(work, torch.int32).reshape(-1, 3), as_tensor(rows, torch.int64)
+
+        return self.cached(("tiles", tile, *key), build)
+
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
         index = self._index()

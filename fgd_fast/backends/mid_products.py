@@ -16,24 +16,6 @@ from .layout import Layout
 __all__ = ["engine"]
 
 
-def _tables(lay: Layout, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(work, layers)``: work items ``(layer, i, j)`` (int32) over ``tile × tile`` blocks of the
-    results, and per layer ``[layout offset, p]`` (int64); built once per layout."""
-
-    def build():
-        work, layers = [], []
-        at = 0
-        for p in (p for n, p in lay.groups for _ in range(n)):
-            tiles = -(-p // tile)
-            work += [(len(layers), i, j) for i in range(tiles) for j in range(tiles)]
-            layers.append([at, p])
-            at += p * p
-        as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype).to(lay.device)  # noqa: E731
-        return as_tensor(work, torch.int32), as_tensor(layers, torch.int64)
-
-    return lay.cached(("mid-mm", tile), build)
-
-
 def _alphas(lay: Layout, alpha) -> torch.Tensor:
     """α per layer, float64 ``(L,)``: a number's table is built once per layout."""
     if isinstance(alpha, (int, float)):
@@ -58,7 +40,7 @@ def engine(precision: str):
         from . import triton as backend
 
         config = kernels.CONFIG[max(p for _, p in lay.groups) >= kernels.BIG_P]
-        work, layers = _tables(lay, config["BM"])
+        work, layers = lay.tiles(config["BM"], ("products",), lambda k, at, p, first, items: [at, p])
         x, y = x.contiguous(), y.contiguous()
         z = z.contiguous() if z is not None else None
         out = lay.empty(x.dtype)
