@@ -100,3 +100,21 @@ def captured(step, warmup: int = 2):
     with torch.cuda.graph(graph):
         step()  # recorded, not run
     return graph
+
+
+def gram_blocks(lay, dtype, gen, *, scale: float, off: float):
+    """``([A, E, B, C, G, H], ‖g‖²)`` of random layers in layout ``lay`` (blocks in its shape,
+    ``dtype``, on ``lay.device``): θ orthonormal plus ``off`` of noise, Φ and g of ``scale``,
+    every product in float64 (``H = Φᵀg``, ``G = gᵀg``: the guard's)."""
+    per_group, g_sq = [], []
+    for n, p in lay.groups:
+        theta = torch.linalg.qr(torch.randn(n, 3 * p, p, dtype=torch.float64, generator=gen))[0]
+        theta = theta + off * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
+        phi, g = (scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen) for _ in range(2))
+        per_group.append([theta.mT @ theta, theta.mT @ g, theta.mT @ phi, phi.mT @ phi, g.mT @ g, phi.mT @ g])
+        g_sq.append((g * g).sum((1, 2)))
+    blocks = [
+        (per_group[0][k] if lay.single else torch.cat([pg[k].reshape(-1) for pg in per_group])).to(lay.device, dtype)
+        for k in range(6)
+    ]
+    return blocks, torch.cat(g_sq).to(lay.device)

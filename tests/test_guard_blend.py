@@ -18,7 +18,7 @@ import torch
 
 from fgd_fast.backends import algebra
 from fgd_fast.backends.layout import Layout
-from helpers import backend_reason, device_for_tests
+from helpers import backend_reason, device_for_tests, gram_blocks
 
 REASON = backend_reason("triton")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
@@ -30,23 +30,9 @@ LAYOUTS = {"one-p": [(3, 5)], "three-p": [(2, 5), (3, 17), (2, 40)]}
 
 
 def _blocks(groups, dtype, scale, off, gen):
-    """``[A, E, B, C, G, H]`` in the layout of ``groups`` and ‖g‖² per layer, from float64 θ, Φ, g."""
-    per_group, g_sq = [], []
-    for n, p in groups:
-        theta = torch.linalg.qr(torch.randn(n, 3 * p, p, dtype=torch.float64, generator=gen))[0]
-        theta = theta + off * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
-        phi = scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
-        g = scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
-        mt = theta.mT
-        per_group.append([mt @ theta, mt @ g, mt @ phi, phi.mT @ phi, g.mT @ g, phi.mT @ g])
-        g_sq.append((g * g).sum((1, 2)))
-    device = device_for_tests()
-    lay = Layout(groups, device)
-    blocks = [
-        (per_group[0][k] if lay.single else torch.cat([pg[k].reshape(-1) for pg in per_group])).to(device, dtype)
-        for k in range(6)
-    ]
-    return lay, blocks, torch.cat(g_sq).to(device)
+    """The layout of ``groups``, its Gram blocks and ‖g‖² per layer (:func:`helpers.gram_blocks`)."""
+    lay = Layout(groups, device_for_tests())
+    return (lay, *gram_blocks(lay, dtype, gen, scale=scale, off=off))
 
 
 def _middles(lay, blocks, g_sq, *, momentum, limit, per_layer, given_uu):

@@ -14,7 +14,7 @@ import torch
 
 from fgd_fast.backends import algebra
 from fgd_fast.backends.layout import Layout
-from helpers import backend_reason, device_for_tests
+from helpers import backend_reason, device_for_tests, gram_blocks
 
 REASON = backend_reason("triton")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
@@ -54,22 +54,6 @@ def test_one_launch_computes_every_layers_product(groups, tx):
         assert (gk - (zk + a * want)).abs().max() <= tol * max(1.0, float(want.abs().max()))
 
 
-def _grams(lay, dtype, gen, scale):
-    """Gram blocks of near-orthonormal θ (off by 1e-3) and Φ, g of ``scale``, in ``lay``."""
-    per_group, g_sq = [], []
-    for n, p in lay.groups:
-        theta = torch.linalg.qr(torch.randn(n, 3 * p, p, dtype=torch.float64, generator=gen))[0]
-        theta = theta + 1e-3 * torch.randn(theta.shape, dtype=torch.float64, generator=gen)
-        phi, g = (scale * torch.randn(theta.shape, dtype=torch.float64, generator=gen) for _ in range(2))
-        per_group.append([theta.mT @ theta, theta.mT @ g, theta.mT @ phi, phi.mT @ phi, g.mT @ g, phi.mT @ g])
-        g_sq.append((g * g).sum((1, 2)))
-    blocks = [
-        (per_group[0][k] if lay.single else torch.cat([pg[k].reshape(-1) for pg in per_group])).to(lay.device, dtype)
-        for k in range(6)
-    ]
-    return blocks, torch.cat(g_sq).to(lay.device)
-
-
 @pytest.mark.parametrize("groups", list(GROUPS))
 @pytest.mark.parametrize("variant", ["official", "paper"])
 @pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
@@ -84,7 +68,7 @@ def test_the_middle_with_the_engine_is_the_torch_middle(groups, variant, momentu
     for products in (None, mid_products.engine("ieee")):
         lay = Layout(GROUPS[groups], device_for_tests())
         lay.products = products
-        blocks, g_sq = _grams(lay, dtype, torch.Generator().manual_seed(gen.initial_seed()), 0.3)
+        blocks, g_sq = gram_blocks(lay, dtype, torch.Generator().manual_seed(gen.initial_seed()), scale=0.3, off=1e-3)
         a, e, b, c, gg, h = blocks
         if not momentum:
             b = c = h = None

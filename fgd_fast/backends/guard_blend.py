@@ -1,7 +1,7 @@
 """The step guard's blend as three Triton launches (``kernels/guard.py``) for the Triton backend.
 
 :func:`.algebra.middle` hands its blocks to :func:`blend` where the Triton backend asked for it
-(``middle(blend=...)``): instead of ~90 small torch ops (the pull-back polynomial, X₁ and X₂,
+(``middle(blend_kernels=...)``): instead of ~90 small torch ops (the pull-back polynomial, X₁ and X₂,
 six inner products per layer, the weight rule, the masked blend of three matrices), one launch
 sums every layer's distances per tile, one applies the rule per layer, one writes the blended
 matrices in place. The rule is :func:`.algebra.choose_weight`'s, with one difference for the
@@ -30,13 +30,6 @@ def _weights(lay: Layout) -> torch.Tensor:
     from .algebra import WEIGHTS
 
     return lay.cached(("guard-weights",), lambda: torch.tensor(WEIGHTS[:-1], dtype=torch.float64).to(lay.device))
-
-
-def _per_layer(v, count: int, device) -> torch.Tensor:
-    """A float, ``(L,)`` or ``(L, 1, 1)``-broadcast value as ``(L,)`` float64."""
-    if isinstance(v, torch.Tensor):
-        return v.reshape(-1).to(torch.float64) if v.numel() == count else v.to(torch.float64).expand(count)
-    return torch.full((count,), float(v), dtype=torch.float64, device=device)
 
 
 def blend(
@@ -81,7 +74,7 @@ def blend(
         raise RuntimeError("the guard's blend kernels write the middle's own (contiguous) blocks")
     # per layer: the block's offset, p, its first work item and how many
     work, layers = lay.tiles(guard.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
-    coef = torch.stack([_per_layer(x, count, device) for x in (alpha, target, lr, beta)], 1)
+    coef = torch.stack([lay.per_layer(x) for x in (alpha, target, lr, beta)], 1)
     weights = _weights(lay)
     if w is not None:
         mode, w_block = meta.GB_W_GIVEN, w

@@ -131,6 +131,18 @@ class Layout:
 
         return self.cached(("tiles", tile, *key), build)
 
+    def per_layer(self, v) -> torch.Tensor:
+        """A float, or ``L`` per-layer values in any shape, as ``(L,)`` float64 (a float's vector
+        built once per layout: kernels take per-layer tables)."""
+        if isinstance(v, torch.Tensor):
+            return (
+                v.reshape(-1).to(torch.float64) if v.numel() == self.count else v.to(torch.float64).expand(self.count)
+            )
+        value = float(v)
+        return self.cached(
+            ("per-layer", value), lambda: torch.full((self.count,), value, dtype=torch.float64, device=self.device)
+        )
+
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
         index = self._index()

@@ -16,16 +16,6 @@ from .layout import Layout
 __all__ = ["engine"]
 
 
-def _alphas(lay: Layout, alpha) -> torch.Tensor:
-    """α per layer, float64 ``(L,)``: a number's table is built once per layout."""
-    if isinstance(alpha, (int, float)):
-        return lay.cached(
-            ("mid-mm-alpha", float(alpha)),
-            lambda: torch.full((lay.count,), float(alpha), dtype=torch.float64, device=lay.device),
-        )
-    return alpha.reshape(-1).to(torch.float64)
-
-
 def engine(precision: str):
     """``products(lay, x, y, *, z=None, alpha=1.0, tx=False) -> Z + α·op(X)Y`` (a new block of
     ``lay``; ``op(X) = Xᵀ`` with ``tx``; α a number or per-layer values), its products at
@@ -55,7 +45,7 @@ def engine(precision: str):
             x,
             y,
             z if z is not None else out,
-            _alphas(lay, alpha),
+            lay.per_layer(alpha),
             out,
             items,
             ACC=tl.float32,

@@ -201,8 +201,16 @@ def _gatherer(slabs, splits, has_phi, predict, **layout):
 
 
 class _Checked:
-    """What a launch class reports from its middle: the per-layer checks and the update
-    kernel's hyper-parameter table with the guard's scale folded in."""
+    """What a launch class keeps from its middle: the per-layer checks, the update kernel's
+    hyper-parameter table with the guard's scale folded in, and the update matrices."""
+
+    def middle(self, slabs, runs, **kwargs) -> None:
+        """The middle of every run (:func:`.base.middle_of_runs`): its checks, and M_θ (or F) and
+        M_Φ kept where it left them for the update kernels (one chain: every layer of a class
+        reads Φ alike; contiguous, so the kernels index them)."""
+        kept = []
+        self.checks(middle_of_runs(slabs, None, self.ops.hyper, runs, kept=kept, **kwargs))
+        self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
 
     def checks(self, checks) -> None:
         self.dist, self.finite = checks.dist, checks.finite
@@ -227,7 +235,7 @@ class _Shapes:
 def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
     acc_bytes = 8 if acc_name == "float64" else 4
     gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
-    g_total = m_total = 0  # (m_total: the layers' offsets in the middle's buffers)
+    g_total = m_total = 0
     for layer, (n, p) in enumerate(np_list):
         nt = triton.cdiv(p, bp)
         gram_sym += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
@@ -327,24 +335,16 @@ class _Class(_Checked):
 
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
-        kept = []  # the update reads the middle's M_θ (or F) and M_Φ where they are
-        self.checks(
-            middle_of_runs(
-                partial,
-                None,
-                ops.hyper,
-                runs,
-                kept=kept,
-                gather=gather,
-                # float64 middles keep torch's products (Triton 3.6 cannot compile a float64 dot)
-                products=mid_products.engine(precision) if self.acc == torch.float32 else None,
-                feedback_with_phi=True,
-                precision=precision,
-                **_guard(ops, trust_radius, max_distance, variant),
-            )
+        self.middle(
+            partial,
+            runs,
+            gather=gather,
+            # float64 middles keep torch's products (Triton 3.6 cannot compile a float64 dot)
+            products=mid_products.engine(precision) if self.acc == torch.float32 else None,
+            feedback_with_phi=True,
+            precision=precision,
+            **_guard(ops, trust_radius, max_distance, variant),
         )
-        # (one chain: every layer of a class reads Φ alike; contiguous, so the kernels index them)
-        self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
@@ -585,22 +585,14 @@ class _TensorCoreClass(_Checked):
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        kept = []  # the update reads the middle's M_θ and M_Φ where they are
-        self.checks(
-            middle_of_runs(
-                partial,
-                None,
-                ops.hyper,
-                runs,
-                kept=kept,
-                gather=gather,
-                products=mid_products.engine(precision),
-                precision=precision,
-                **_guard(ops, trust_radius, max_distance, variant),
-            )
+        self.middle(
+            partial,
+            runs,
+            gather=gather,
+            products=mid_products.engine(precision),
+            precision=precision,
+            **_guard(ops, trust_radius, max_distance, variant),
         )
-        # (one chain: every layer of a class reads Φ alike; contiguous, so the kernels index them)
-        self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
         self.programs = _persistent(sh.update_work.shape[0], device)
 
     def apply(self) -> None:
