@@ -12,18 +12,22 @@ matrix of the step of weight t is ``D(t) = D₀ + tX₁ + t²X₂`` with
 partial sums per item, ``‖D(t_k)‖²`` for each of the 15 positive weights (the distances
 themselves, not a quartic from inner products: no second, exact re-check is needed), ``‖D₀‖²``,
 the Newton–Schulz pull-back's ``‖¼D³ − ¾D²‖²`` and ``Σ 0·X₂ + Σ 0·M_Φ`` (NaN where either has
-an Inf or a NaN).
+an Inf or a NaN) and ``‖D‖²`` (the current distance, for the checks).
 
 ``guard_choose_kernel`` — one program per layer: sums its rows in a fixed order (deterministic,
 no atomics) and applies the rule: the largest weight whose distance is within the target where
 the step is movable, else 0, and at 0 the Newton–Schulz pull-back where the α pull-back is
 beyond the target and farther. Writes per layer (float64) ``[t, newton, distance, ts, code,
-fits]``: with the trust scale s, the update's total scale, what the guard did (``guards.KEPT``,
-``SCALED``, ``RESET``) and whether θ₊ fits the parameters' dtype.
+fits, ‖D‖]``: with the trust scale s, the update's total scale, what the guard did
+(``guards.KEPT``, ``SCALED``, ``RESET``) and whether θ₊ fits the parameters' dtype; with
+``HYPER`` also the update kernel's hyper-parameter row ``[tsη, tsβ, α]``. Without ``GUARD`` (the
+guard off, the step only predicted) every layer takes t = 1 and reports the full step's distance.
 
 ``guard_blend_kernel`` — work item as the sums': the step of the chosen weight, in place:
 ``M_Φ ← tM_Φ``, ``M_θ ← F₀' + tΔ``, ``F ← F₀' + t(F − F₀)`` (``F₀' = −α'D``, α' = ½ for the
-Newton–Schulz reset), each left as it is where t = 1 (the full step).
+Newton–Schulz reset), each left as it is where t = 1 (the full step); with ``FULL`` only
+``M_Φ`` and ``M_θ``, written for every layer (the fused middle forms M_θ here: ``F₀ + tΔ`` with
+``Δ = M_Φ`` at t = 1 too).
 """
 
 from __future__ import annotations
@@ -111,10 +115,26 @@ def guard_sums_kernel(
         tl.store(out + meta.GB_WEIGHTS, tl.sum(tl.sum(d0 * d0, 1), 0).to(tl.float64))
         tl.store(out + meta.GB_WEIGHTS + 1, tl.sum(tl.sum(d_ns * d_ns, 1), 0).to(tl.float64))
         tl.store(out + meta.GB_WEIGHTS + 2, bad.to(tl.float64))
+        tl.store(out + meta.GB_WEIGHTS + 3, tl.sum(tl.sum(d * d, 1), 0).to(tl.float64))  # ‖D‖² (the check's)
 
 
 @triton.jit
-def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, scale_ptr, part_ptr, result_ptr, n_layers, top):
+def guard_choose_kernel(
+    layer_ptr,
+    coef_ptr,
+    weight_ptr,
+    movable_ptr,
+    scale_ptr,
+    part_ptr,
+    result_ptr,
+    hyper_ptr,
+    hyper_out_ptr,
+    n_layers,
+    top,
+    ACC: tl.constexpr,
+    HYPER: tl.constexpr,
+    GUARD: tl.constexpr,
+):
     for layer in range(tl.program_id(0), n_layers, tl.num_programs(0)):
         row = layer_ptr + layer * meta.GB_LAYER_FIELDS
         first = tl.load(row + meta.GB_L_FIRST)
@@ -125,7 +145,10 @@ def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, scale_ptr,
         target = tl.load(coef_ptr + layer * meta.GB_COEF_FIELDS + meta.GB_C_TARGET)
         bad = tl.sum(tl.where(idx == meta.GB_WEIGHTS + 2, sums, 0.0), 0)
         movable = (tl.load(movable_ptr + layer) != 0) & (bad == 0.0)  # (NaN compares False)
-        fits = (idx < meta.GB_WEIGHTS) & (sums <= target * target) & movable  # NaN compares False
+        if GUARD:
+            fits = (idx < meta.GB_WEIGHTS) & (sums <= target * target) & movable  # NaN compares False
+        else:  # the full step (t = 1) whatever its distance: only its prediction
+            fits = idx == 0
         first_fit = tl.min(tl.where(fits, idx, idx + meta.GB_PART_PAD), 0)  # the largest weight that fits
         some = first_fit < meta.GB_WEIGHTS
         weight = tl.where(some, tl.load(weight_ptr + first_fit % meta.GB_WEIGHTS), 0.0)
@@ -141,6 +164,8 @@ def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, scale_ptr,
         p = tl.load(row + meta.GB_L_P).to(tl.float64)
         top64 = tl.cast(top, tl.float64)
         fits = (dist - dist == 0.0) & (dist * tl.sqrt(p) + p < top64 * top64)
+        if not GUARD:  # (with the guard a non-finite M_Φ is not movable: reset, Φ₊ = 0)
+            fits = fits & (bad == 0.0)
         out = result_ptr + layer * meta.GB_RESULT_FIELDS
         tl.store(out + meta.GB_R_WEIGHT, weight)
         tl.store(out + meta.GB_R_NEWTON, newton.to(tl.float64))
@@ -148,6 +173,14 @@ def guard_choose_kernel(layer_ptr, coef_ptr, weight_ptr, movable_ptr, scale_ptr,
         tl.store(out + meta.GB_R_SCALE, scale)
         tl.store(out + meta.GB_R_CODE, code)
         tl.store(out + meta.GB_R_FITS, fits.to(tl.float64))
+        tl.store(out + meta.GB_R_DIST0, tl.sqrt(tl.sum(tl.where(idx == meta.GB_WEIGHTS + 3, sums, 0.0), 0)))
+        if HYPER:  # the update kernel's table [tsη, tsβ, α] (its U = βΦ − ηg becomes tsU)
+            h_in = hyper_ptr + layer * meta.HYPER_FIELDS
+            h_out = hyper_out_ptr + layer * meta.HYPER_FIELDS
+            ts = scale.to(ACC)
+            tl.store(h_out + meta.H_LR, ts * tl.load(h_in + meta.H_LR))
+            tl.store(h_out + meta.H_BETA, ts * tl.load(h_in + meta.H_BETA))
+            tl.store(h_out + meta.H_ALPHA, tl.load(h_in + meta.H_ALPHA))
 
 
 @triton.jit
@@ -163,6 +196,7 @@ def guard_blend_kernel(
     feedback_ptr,
     n_items,
     ACC: tl.constexpr,
+    FULL: tl.constexpr,
     BT: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -170,7 +204,18 @@ def guard_blend_kernel(
         layer = tl.load(work_ptr + item * 3)
         res = result_ptr + layer * meta.GB_RESULT_FIELDS
         weight = tl.load(res + meta.GB_R_WEIGHT)
-        if weight != 1.0:  # t = 1: the full step, left as it is
+        if FULL:  # M_θ of every layer (the fused middle leaves it to this kernel; F is not kept)
+            d = _tile(d_ptr + off, ri, cj, p, m)
+            t = weight.to(ACC)
+            alpha = tl.load(coef_ptr + layer * meta.GB_COEF_FIELDS + meta.GB_C_ALPHA).to(ACC)
+            base = d * -tl.where(tl.load(res + meta.GB_R_NEWTON) != 0.0, 0.5, alpha)  # F₀' = −α'D
+            at = off + ri[:, None] * p + cj[None, :]
+            delta = tl.load(delta_ptr + at, mask=m, other=0.0)  # Δ (may be M_Φ itself: read first)
+            m_phi = tl.load(m_phi_ptr + at, mask=m, other=0.0)
+            moving = t > 0.0
+            tl.store(m_phi_ptr + at, tl.where(moving, m_phi * t, 0.0), mask=m)  # tM_Φ (a reset: Φ₊ = 0)
+            tl.store(m_theta_ptr + at, tl.where(moving, base + delta * t, base), mask=m)  # F₀' + tΔ
+        elif weight != 1.0:  # t = 1: the full step, left as it is
             d = _tile(d_ptr + off, ri, cj, p, m)
             t = weight.to(ACC)
             alpha = tl.load(coef_ptr + layer * meta.GB_COEF_FIELDS + meta.GB_C_ALPHA).to(ACC)

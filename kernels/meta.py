@@ -79,17 +79,31 @@ MM_FIELDS = 2
 
 # the guard's blend kernels (guard.py): work items (layer, tile i, tile j) like the update's
 GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.algebra.WEIGHTS)
-GB_PART = 18  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ
+GB_PART = 19  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ, ‖D‖²
 GB_PART_PAD = 32  # the partial row as a power-of-two vector
 GB_L_OFF, GB_L_P, GB_L_FIRST, GB_L_ITEMS = range(4)  # per layer (int64): block offset, p, first item, items
 GB_LAYER_FIELDS = 4
 GB_C_ALPHA, GB_C_TARGET, GB_C_LR, GB_C_BETA = range(4)  # per layer (float64): α, target, η, β
 GB_COEF_FIELDS = 4
 # per layer (float64): t, Newton–Schulz (0/1), distance, the update's scale ts, guards code
-# (KEPT 0 / SCALED 1 / RESET 2), θ₊ storable in the parameters' dtype (0/1)
-GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST, GB_R_SCALE, GB_R_CODE, GB_R_FITS = range(6)
-GB_RESULT_FIELDS = 6
+# (KEPT 0 / SCALED 1 / RESET 2), θ₊ storable in the parameters' dtype (0/1), ‖θᵀθ − I‖_F now
+GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST, GB_R_SCALE, GB_R_CODE, GB_R_FITS, GB_R_DIST0 = range(7)
+GB_RESULT_FIELDS = 7
 GB_W_GIVEN, GB_W_G, GB_W_CHG = range(3)  # W = s²UᵀU: a block, or η²G (no Φ), or η²G + β²C − βη(H + Hᵀ)
+
+# the fused middle (middle.py, products.py' mid_jobs_kernel, fgd_fast/backends/fused_middle.py): one
+# buffer of MP_SLOTS blocks of the layout; the Gram blocks' slots (SLOT_A … SLOT_H) first, then the
+# prologue's B' = sB, S' = sym(sB), Q (the M_Φ bracket's elementwise terms), T = θᵀ(sU)
+MP_B, MP_S, MP_Q, MP_T = range(6, 10)
+MP_SLOTS = 10
+MP_RULE_RADIUS, MP_RULE_TARGET = range(2)  # the guard's per-layer rule (float64): ρ, the target distance
+MP_RULE_FIELDS = 2
+# a product job of mid_jobs_kernel (int64 row): out = Z + γ·ZTᵀ + α·op(X)·Y (op(X) = Xᵀ where TX),
+# and out2 = out + ADD2 where OUT2 ≥ 0; operands as slots of the buffer (−1: none), α and γ as codes
+MJ_X, MJ_Y, MJ_Z, MJ_ZT, MJ_OUT, MJ_OUT2, MJ_ADD2, MJ_TX, MJ_ALPHA, MJ_GAMMA = range(10)
+MJ_FIELDS = 10
+MJ_WORK = 4  # work-table columns (int32): job, layer, tile i, tile j
+COEF_ONE, COEF_MINUS_ONE, COEF_MINUS_ALPHA = range(3)  # α, γ: 1, −1, or the layer's −α (hyper table)
 
 # update modes of the FMA update kernel
 MODE_PHI = 0  # Φ₊ = U + θ M_Φ

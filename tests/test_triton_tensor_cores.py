@@ -188,9 +188,10 @@ def test_three_launches_per_step_whatever_the_number_of_layers():
         before = dict(tb.launch_counts)
         _run([(16, 8, 3, 3), (20, 6)] * (layers // 2), "tf32x3", 0.9, steps=1, seed=0)
         counts.append({k: v - before.get(k, 0) for k, v in tb.launch_counts.items() if v != before.get(k, 0)})
-    # two launch classes (both layouts), each: split, Gram, the blocks' gather, the middle's five
-    # products on a CPU (see tests/test_triton_backend.py), update
-    want = {"tc_split_kernel": 2, "tc_gram_kernel": 2, "gram_gather_kernel": 2, "mid_mm_kernel": 10}
+    # two launch classes (both layouts), each: split, Gram, the blocks' gather, the fused middle
+    # (its prologue, five product launches, the guard's three), update
+    want = {"tc_split_kernel": 2, "tc_gram_kernel": 2, "gram_gather_kernel": 2, "mid_prep_kernel": 2}
+    want |= {"mid_jobs_kernel": 10, "guard_sums_kernel": 2, "guard_choose_kernel": 2, "guard_blend_kernel": 2}
     want["tc_update_kernel"] = 2
     assert counts[0] == counts[1] == want
 

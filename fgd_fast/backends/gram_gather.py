@@ -27,12 +27,14 @@ def gather(
     mirror: bool,
     lo: bool = False,
     upper: int = 1,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor | None]:
     """``[A, E, B, C, G, H]`` of the layers of ``lay`` (``None`` where not formed: B, C, H
     without Φ, G and H without a prediction), each a block of ``lay`` in its own buffer.
     ``slabs``: the Gram kernel's output, ``splits`` slabs of equal size one after the other;
     ``sources``: each layer's element offset in a slab. ``mirror``: symmetric blocks hold only
-    their upper tiles of ``upper`` rows; ``lo``: A = hiᵀhi + L + Lᵀ (the tensor cores' split)."""
+    their upper tiles of ``upper`` rows; ``lo``: A = hiᵀhi + L + Lᵀ (the tensor cores' split).
+    ``out``: the buffer to write (block k at ``k·numel``; at least six blocks), else a new one."""
     import triton.language as tl
 
     from ..kernels import blocks
@@ -41,7 +43,7 @@ def gather(
     # per layer: the block's offset in the layout, p, and its blocks' offset in a slab
     work, layers = lay.tiles(blocks.TILE, ("gather", sources), lambda k, at, p, first, items: [at, p, sources[k]])
     numel = lay.numel
-    dst = torch.empty(6 * numel, dtype=slabs.dtype, device=slabs.device)
+    dst = out if out is not None else torch.empty(6 * numel, dtype=slabs.dtype, device=slabs.device)
     items = work.shape[0]
     backend._launch(
         blocks.gram_gather_kernel,

@@ -15,7 +15,7 @@ import torch
 
 from .layout import Layout
 
-__all__ = ["blend"]
+__all__ = ["blend", "launches"]
 
 
 def _kernels():
@@ -64,51 +64,93 @@ def blend(
     I``, ``d2 = D²``, ``d3 = D³``, ``z = K₀Y``, ``v = Δᵀ(Y + T)``, and ``w = s²UᵀU`` or its parts
     (``gg = s²G``, with Φ ``c = s²C`` and ``h = s²H``). ``alpha``, ``target``, ``lr``, ``beta``:
     floats or per-layer values; ``movable``: ``(L,)`` bool."""
-    from . import triton as backend
-
     guard, meta, tl = _kernels()
-    count, device = lay.count, lay.device
     # the Gram blocks are read where they are when contiguous (views of one slot: a copy otherwise)
     w, gg, c, h = (x.contiguous() if x is not None else None for x in (w, gg, c, h))
     if not all(x.is_contiguous() for x in (d, d2, d3, z, v, m_phi, m_theta, delta, feedback)):
         raise RuntimeError("the guard's blend kernels write the middle's own (contiguous) blocks")
-    # per layer: the block's offset, p, its first work item and how many
-    work, layers = lay.tiles(guard.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
     coef = torch.stack([lay.per_layer(x) for x in (alpha, target, lr, beta)], 1)
-    weights = _weights(lay)
     if w is not None:
         mode, w_block = meta.GB_W_GIVEN, w
     else:
         mode, w_block = (meta.GB_W_CHG if c is not None else meta.GB_W_G), gg
+    result = launches(
+        lay,
+        coef,
+        mode,
+        dict(d=d, d2=d2, d3=d3, z=z, v=v, w=w_block, c=c, h=h, m_phi=m_phi, m_theta=m_theta, delta=delta),
+        feedback=feedback,
+        movable=movable,
+        scale=scale,
+        stored=stored,
+    )
+    scale, dist, fits, codes = (result[:, k] for k in (meta.GB_R_SCALE, meta.GB_R_DIST, meta.GB_R_FITS, meta.GB_R_CODE))
+    return scale, dist, fits != 0, codes.to(torch.int8)
+
+
+def launches(
+    lay: Layout,
+    coef: torch.Tensor,
+    w_mode: int,
+    blocks: dict,
+    *,
+    feedback=None,
+    movable,
+    scale,
+    stored,
+    hyper=None,
+    hyper_out=None,
+    part=None,
+    result=None,
+    guard: bool = True,
+) -> torch.Tensor:
+    """The three launches of the guard (sums, rule, blend) over the blocks of ``lay`` in
+    ``blocks`` (``d, d2, d3, z, v, w, c, h, m_phi, m_theta, delta``: contiguous; ``c``, ``h``
+    ``None`` unless ``w_mode`` needs them); ``coef``: ``(L, 4)`` float64 ``[α, target, η, β]``.
+    Without ``feedback`` the blend writes M_Φ and M_θ of every layer (the fused middle's);
+    ``hyper``/``hyper_out``: the rule also writes the update's table ``[tsη, tsβ, α]``.
+    ``part``/``result``: the partial sums' and the result's buffers (persistent), else new.
+    ``guard=False``: t = 1 for every layer (the full step's distance predicted, nothing blended).
+    Returns the ``(L, meta.GB_RESULT_FIELDS)`` float64 result table."""
+    from . import triton as backend
+
+    kernels, meta, tl = _kernels()
+    count, device, d = lay.count, lay.device, blocks["d"]
+    # per layer: the block's offset, p, its first work item and how many
+    work, layers = lay.tiles(kernels.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
+    weights = _weights(lay)
     acc = {torch.float32: tl.float32, torch.float64: tl.float64}[d.dtype]  # the blocks' (compute) dtype
     items = work.shape[0]
     programs = backend._persistent(items, device)
-    part = torch.empty((items, meta.GB_PART), dtype=torch.float64, device=device)
+    if part is None:
+        part = torch.empty((items, meta.GB_PART), dtype=torch.float64, device=device)
+    w_block = blocks["w"]
     backend._launch(
-        guard.guard_sums_kernel,
+        kernels.guard_sums_kernel,
         (programs,),
         work,
         layers,
         coef,
         weights,
         d,
-        d2,
-        d3,
-        z,
-        v,
+        blocks["d2"],
+        blocks["d3"],
+        blocks["z"],
+        blocks["v"],
         w_block,
-        c if c is not None else w_block,
-        h if h is not None else w_block,
-        m_phi,
+        blocks.get("c") if blocks.get("c") is not None else w_block,
+        blocks.get("h") if blocks.get("h") is not None else w_block,
+        blocks["m_phi"],
         part,
         items,
         ACC=acc,
-        W_MODE=mode,
-        BT=guard.TILE,
+        W_MODE=w_mode,
+        BT=kernels.TILE,
     )
-    result = torch.empty((count, meta.GB_RESULT_FIELDS), dtype=torch.float64, device=device)
+    if result is None:
+        result = torch.empty((count, meta.GB_RESULT_FIELDS), dtype=torch.float64, device=device)
     backend._launch(
-        guard.guard_choose_kernel,
+        kernels.guard_choose_kernel,
         (backend._persistent(count, device),),
         layers,
         coef,
@@ -117,27 +159,32 @@ def blend(
         scale,
         part,
         result,
+        hyper if hyper is not None else coef,
+        hyper_out if hyper_out is not None else coef,
         count,
         _top(stored),
+        ACC=acc if hyper is not None else tl.float64,
+        HYPER=hyper is not None,
+        GUARD=guard,
     )
     backend._launch(
-        guard.guard_blend_kernel,
+        kernels.guard_blend_kernel,
         (programs,),
         work,
         layers,
         coef,
         result,
         d,
-        m_phi,
-        m_theta,
-        delta,
-        feedback,
+        blocks["m_phi"],
+        blocks["m_theta"],
+        blocks["delta"],
+        feedback if feedback is not None else blocks["m_theta"],
         items,
         ACC=acc,
-        BT=guard.TILE,
+        FULL=feedback is None,
+        BT=kernels.TILE,
     )
-    scale, dist, fits, codes = (result[:, k] for k in (meta.GB_R_SCALE, meta.GB_R_DIST, meta.GB_R_FITS, meta.GB_R_CODE))
-    return scale, dist, fits != 0, codes.to(torch.int8)
+    return result
 
 
 def _top(stored: torch.dtype | None) -> float:

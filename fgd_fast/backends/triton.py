@@ -63,7 +63,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from . import gram_gather, guard_blend, mid_products
+from . import fused_middle, gram_gather, guard_blend, mid_products
 from .algebra import grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
@@ -85,6 +85,7 @@ from .base import (
     plan_of,
     runs_of,
 )
+from .layout import Layout
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
@@ -132,6 +133,7 @@ _tables = TableCache()
 # the tensor-core split pass's hi/lo buffers (the size of θ, twice): few kept, so that models
 # made and dropped in one process (a sweep) do not pin old ones
 _split_buffers = TableCache(capacity=8)
+_fused_buffers = TableCache(capacity=8)  # the fused middle's memory per launch class (fused_middle.buffers)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -188,14 +190,14 @@ def _guard(ops, trust_radius, max_distance, variant) -> dict:
 
 
 def _gatherer(slabs, splits, has_phi, predict, **layout):
-    """``gather(lay, chain)`` for :func:`.base.middle_of_runs`: the chain's Gram blocks summed over
-    the splits into the layout, in one launch (:func:`.gram_gather.gather`)."""
+    """``gather(lay, chain, out=None)`` for :func:`.base.middle_of_runs`: the chain's Gram blocks
+    summed over the splits into the layout, in one launch (:func:`.gram_gather.gather`)."""
 
-    def gather(lay, chain):
+    def gather(lay, chain, out=None):
         sources = tuple(
             r.gram_at + k * r.slots * r.p * r.p for r in chain for k in range(r.end - r.first)
         )  # each layer's blocks in a slab
-        return gram_gather.gather(lay, sources, slabs, splits, has_phi=has_phi, predict=predict, **layout)
+        return gram_gather.gather(lay, sources, slabs, splits, has_phi=has_phi, predict=predict, out=out, **layout)
 
     return gather
 
@@ -211,6 +213,29 @@ class _Checked:
         kept = []
         self.checks(middle_of_runs(slabs, None, self.ops.hyper, runs, kept=kept, **kwargs))
         self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
+
+    def fused(self, gather, runs, guard: dict, precision: str, key: tuple) -> None:
+        """The guarded middle as the fused kernels (:mod:`.fused_middle`): the Gram blocks gathered
+        into the class's buffer (kept per ``key``), then nine launches; its checks, M_θ, M_Φ and
+        the update's hyper-parameter table kept as :meth:`middle` keeps them."""
+        lay = Layout([(r.end - r.first, r.p) for r in runs], self.ops.hyper.device)
+        bufs = _fused_buffers.get_or((*key, lay.groups), lambda: fused_middle.buffers(lay, self.ops.hyper.dtype))
+        gather(lay, runs, out=bufs.blocks)
+        mid = fused_middle.run(
+            lay,
+            bufs,
+            hyper=self.ops.hyper,
+            g_sq=guard["g_sq"],
+            has_phi=self.has_phi,
+            radius=guard["trust_radius"],
+            limit=guard["max_distance"],
+            unit=guard["unit"],
+            stored=guard["stored"],
+            precision=precision,
+        )
+        self.m_theta, self.m_phi, self.hyper_step = mid.m_theta, mid.m_phi, mid.hyper
+        self.dist, self.finite = mid.dist, mid.finite
+        self.dist_next, self.finite_next, self.guarded = mid.dist_next, mid.finite_next, mid.guarded
 
     def checks(self, checks) -> None:
         self.dist, self.finite = checks.dist, checks.finite
@@ -585,14 +610,14 @@ class _TensorCoreClass(_Checked):
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        self.middle(
-            partial,
-            runs,
-            gather=gather,
-            products=mid_products.engine(precision),
-            precision=precision,
-            **_guard(ops, trust_radius, max_distance, variant),
-        )
+        guard = _guard(ops, trust_radius, max_distance, variant)
+        if fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance, products=True):
+            # the middle and the guard in nine launches (fused_middle.py)
+            self.fused(gather, runs, guard, precision, ("tc-middle", device, owners, has_phi))
+        else:
+            self.middle(
+                partial, runs, gather=gather, products=mid_products.engine(precision), precision=precision, **guard
+            )
         self.programs = _persistent(sh.update_work.shape[0], device)
 
     def apply(self) -> None:

@@ -1,0 +1,200 @@
+"""The Triton backend's fused middle (``fgd_fast/backends/fused_middle.py``: ``kernels/middle.py``,
+``mid_jobs_kernel``, the guard's kernels) against the torch ops of
+:func:`fgd_fast.backends.algebra.middle`, the middle's definition.
+
+On Gram blocks of random near-orthonormal θ whose steps the guard keeps, scales, resets and
+resets by Newton–Schulz, in one ``p`` and in a layout of several (odd p, p above the 32-entry
+tile), with and without Φ, with per-layer hyper-parameters, and with a non-finite layer: the
+same decisions, the update's matrices and hyper-parameters and every check equal to float32
+rounding. Both sides are float32 evaluations of the same formulas (sums of at most p products
+in another order), so they may differ by a few p·u relative to the matrices' size: the
+tolerance is 2e-5 of the largest entry (p ≤ 40 here, u = 6e-8: p·u ≈ 2.4e-6).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fgd_fast.backends import algebra
+from fgd_fast.backends.layout import Layout
+from helpers import backend_reason, device_for_tests, gram_blocks
+
+REASON = backend_reason("triton")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
+
+# (gradient and Φ scale, distance of θ from the manifold, max_distance): keep, scale, reset and
+# Newton–Schulz reset (as in tests/test_guard_blend.py)
+CASES = [(1e-3, 0.0, 1e-2), (3e-2, 0.0, 1e-3), (3e-2, 3e-2, 1e-3), (0.3, 1e-3, 1e-2), (1e-3, 0.1, 1e-2), (10.0, 0, 0.5)]
+LAYOUTS = {"one-p": [(3, 5)], "three-p": [(2, 5), (3, 17), (2, 40)]}
+RADIUS = 4.0
+TOL = 2e-5
+
+
+def _hyper(count: int, per_layer: bool) -> torch.Tensor:
+    """The ``(L, 3)`` float32 table ``[η, β, α]`` of a launch class."""
+    if per_layer:
+        lr = torch.linspace(0.05, 0.15, count)
+        return torch.stack([lr, torch.full((count,), 0.9), torch.linspace(0.3, 0.45, count)], 1)
+    return torch.tensor([[0.1, 0.9, 0.4]]).expand(count, 3).contiguous()
+
+
+def _both(lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: float | None = RADIUS):
+    """``(torch ops' Middle, fused result, fused buffers)`` of the same blocks (``radius=None``:
+    the guard off, only the prediction)."""
+    from fgd_fast.backends import fused_middle
+
+    unit = algebra.store_unit(torch.float32)
+    a, e, b, c, gg, h = (x.clone() for x in blocks)
+    if not momentum:
+        b = c = h = None
+    ref = algebra.middle(
+        a,
+        b,
+        c,
+        e,
+        lr=hyper[:, 0],
+        beta=hyper[:, 1],
+        alpha=hyper[:, 2],
+        g_sq=g_sq.clone(),
+        h=h,
+        gg=gg,
+        radius=radius,
+        limit=limit,
+        unit=unit,
+        stored=torch.float32,
+        layout=lay,
+    )
+    bufs = fused_middle.buffers(lay, torch.float32)
+    bufs.blocks.fill_(float("nan"))  # nothing the prologue does not write may be read
+    for k, x in enumerate(blocks):
+        if momentum or k in (0, 1, 4):  # A, E, G (and B, C, H with Φ)
+            bufs.blocks[k * lay.numel : (k + 1) * lay.numel] = x.reshape(-1)
+    got = fused_middle.run(
+        lay,
+        bufs,
+        hyper=hyper.to(lay.device),
+        g_sq=g_sq.clone(),
+        has_phi=momentum,
+        radius=radius,
+        limit=limit,
+        unit=unit,
+        stored=torch.float32,
+        precision="ieee",
+    )
+    return ref, got, bufs
+
+
+def _close(have: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    have, want = have.reshape(-1).double().cpu(), want.reshape(-1).double().cpu()
+    assert (have - want).abs().max() <= TOL * max(1.0, float(want.abs().max())), name
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_fused_middle_writes_the_step_and_checks_of_the_torch_ops(momentum, layout, monkeypatch):
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
+    gen = torch.Generator().manual_seed(zlib.crc32(f"fused {momentum} {layout}".encode()))
+    seen = set()
+    for k, (scale, off, limit) in enumerate(CASES):
+        lay = Layout(LAYOUTS[layout], device_for_tests())
+        blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=scale, off=off)
+        hyper = _hyper(lay.count, per_layer=k % 2 == 1)
+        ref, got, _ = _both(lay, blocks, g_sq, hyper, momentum=momentum, limit=limit)
+        case = (scale, off, limit)
+        assert got.guarded.tolist() == ref.guarded.tolist(), case
+        assert torch.allclose(got.scale.cpu(), ref.scale.cpu(), rtol=1e-6, atol=0), case
+        _close(got.m_theta, ref.m_theta, "m_theta")
+        _close(got.m_phi, ref.m_phi, "m_phi")
+        _close(got.dist_next, ref.dist_next, "dist_next")
+        _close(got.dist, ref.dist, "dist")
+        assert got.finite.tolist() == ref.finite.tolist()
+        assert got.finite_next.tolist() == ref.finite_next.tolist()
+        # the update kernel's table: [tsη, tsβ, α]
+        _close(got.hyper, algebra.scaled_hyper(hyper, ref.scale.cpu()), "hyper")
+        seen.update("KSR"[code] for code in ref.guarded.tolist())
+        scales = ref.scale.cpu()
+        seen.update("s" for s, code in zip(scales.tolist(), ref.guarded.tolist()) if 0 < s < 1 and code == 1)
+    assert {"K", "S", "R"} <= seen, seen  # every outcome of the rule compared
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
+def test_without_the_guard_the_fused_middle_predicts_the_full_step(momentum, monkeypatch):
+    """The guard off (``trust_radius=None``, a limit): every layer's full step, unscaled, and its
+    predicted distance, as the torch ops' prediction; no guard outcome; the hyper table as given."""
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(11)
+    for scale, off in ((1e-3, 0.0), (0.3, 1e-2), (10.0, 0.0)):  # (the guard would scale or reset the last two)
+        lay = Layout(LAYOUTS["three-p"], device_for_tests())
+        blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=scale, off=off)
+        hyper = _hyper(lay.count, per_layer=True)
+        ref, got, _ = _both(lay, blocks, g_sq, hyper, momentum=momentum, limit=1e-3, radius=None)
+        assert got.guarded is None and got.scale is None and ref.guarded is None
+        for name in ("m_theta", "m_phi", "dist_next", "dist"):
+            _close(getattr(got, name), getattr(ref, name), name)
+        assert got.finite.tolist() == ref.finite.tolist()
+        assert got.finite_next.tolist() == ref.finite_next.tolist()
+        assert torch.equal(got.hyper.cpu(), hyper)
+
+
+def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):
+    """A layer whose ‖g‖ is infinite and one whose Φ holds a NaN (tr C): both flagged and reset,
+    with finite matrices; the others stepped."""
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(5)
+    lay = Layout(LAYOUTS["three-p"], device_for_tests())
+    blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=1e-3, off=0.0)
+    g_sq[2] = float("inf")
+    blocks[1][lay.spans[1][0] + 3] = float("inf")  # E of the first p = 17 layer (its g: Inf)
+    c_at = lay.spans[2][0] + 40 * 40  # C of the second p = 40 layer: a NaN on the diagonal
+    blocks[3][c_at] = float("nan")
+    ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, False), momentum=True, limit=1e-2)
+    assert got.guarded.tolist() == ref.guarded.tolist()
+    assert got.finite.tolist() == ref.finite.tolist() == [True, True, False, True, True, True, False]
+    assert ref.guarded[2] == 2 and ref.guarded[6] == 2 and (ref.guarded == 0).any()
+    for name in ("m_theta", "m_phi"):
+        assert torch.isfinite(getattr(got, name)).all(), name
+        _close(getattr(got, name), getattr(ref, name), name)
+
+
+def test_the_triton_step_keeps_its_fused_buffers_from_step_to_step(monkeypatch):
+    """The tensor-core step runs the fused middle (its prologue, five product launches, the guard's
+    three) in memory kept per launch class: the same addresses every step (a captured step
+    replays them) and the reference's step."""
+    import fgd_fast
+    from fgd_fast.backends import triton as tb
+
+    launched = []
+    real = tb._launch
+
+    def launch(kernel, grid, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 4, 3, 3), (12, 6, 3, 3), (40, 36)]
+    dev = device_for_tests()
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen)).to(dev)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(lr=0.05, momentum=0.9)
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], backend="triton", precision="tf32x3", **kw)
+    ref = fgd_fast.FGD([dict(params=twins, orthogonal=True)], backend="reference", **kw)
+    addresses = []
+    for _ in range(3):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen).to(dev)
+            t.grad = p.grad.clone()
+        launched.clear()
+        opt.step()
+        ref.step()
+        addresses.append(sorted(b.blocks.data_ptr() for b in tb._fused_buffers.values()))
+        classes = launched.count("tc_update_kernel")  # (aligned layers apart from the others)
+        assert classes >= 2 and launched.count("mid_prep_kernel") == classes
+        assert launched.count("mid_jobs_kernel") == 5 * classes
+        assert "mid_mm_kernel" not in launched
+    assert addresses[1] == addresses[2]
+    for p, t in zip(params, twins):
+        assert (p - t).abs().max() < 1e-4
