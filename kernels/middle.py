@@ -18,9 +18,10 @@ and, with the inputs scaled (B → sB, C → s²C, E → sE, G → s²G, H → s
 Work item = (layer, tile i, tile j), ``BT × BT`` entries. Every item of a layer computes the
 layer's s itself (tr C: p loads), so no second launch is needed; the layer's first item stores
 s, the finiteness flag and the guard kernels' per-layer row ``[α, target, η, β]`` (ρ and the
-target from the per-layer table ``rule``; ρ = ∞ where the guard is off: s = 1). D and W overwrite A and G (each read only at its own entry); the
-others go to their own buffers (E, B, H are read transposed by other items, C's diagonal by
-every item of the layer): slots ``meta.MP_B``, ``MP_S``, ``MP_Q``, ``MP_T`` of the same buffer.
+target from the per-layer table ``rule``; ρ = ∞ where the guard is off: s = 1). D and W
+overwrite A and G (each read only at its own entry); the others go to their own blocks (E, B,
+H are read transposed by other items, C's diagonal by every item of the layer): slots
+``meta.MP_B``, ``MP_S``, ``MP_Q``, ``MP_T`` of the same buffer.
 """
 
 from __future__ import annotations
