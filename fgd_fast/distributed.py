@@ -403,6 +403,7 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
         dist_next=plan.dist_next,
         finite_next=plan.finite_next,
         guarded=plan.guarded,
+        checks=plan.checks,
     )
 
 

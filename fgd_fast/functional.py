@@ -245,6 +245,7 @@ def fgd(
         dist_next=[pl.dist_next for pl in plans],
         finite_next=[pl.finite_next for pl in plans],
         guarded=[pl.guarded for pl in plans],
+        tables=[pl.checks for pl in plans],
     )
     for pl in plans:
         pl.apply()

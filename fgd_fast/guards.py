@@ -62,12 +62,16 @@ def raise_if_invalid(
     dist_next: Sequence[torch.Tensor | None] | None = None,
     finite_next: Sequence[torch.Tensor | None] | None = None,
     guarded: Sequence[torch.Tensor | None] | None = None,
+    tables: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int] | None:
     """Raise if any layer failed a check; return the guard's per-layer decisions read at the
     same synchronisation (``None`` when no check is on: nothing is read).
 
     ``dist[k]``, ``finite[k]``, … are per-layer device tensors of one backend call whose
     layers are ``index[k]`` (positions into ``labels``). One ``.tolist()`` per device.
+    ``tables[k]``: the same five values as one ``(L, 5)`` float64 table where the backend
+    call has one (:attr:`fgd_fast.backends.base.StepPlan.checks`): a device with one call
+    reads it as it is (no op to gather the fields first).
     """
     if not (check_finite or check_manifold) or not labels:
         return None
@@ -83,7 +87,14 @@ def raise_if_invalid(
     by_device: dict[torch.device, list[int]] = {}
     for k, d in enumerate(dist):
         by_device.setdefault(d.device, []).append(k)
+    fields = ("dist", "finite", "dist_next", "finite_next", "guarded")
     for ks in by_device.values():
+        table = tables[ks[0]] if tables is not None and len(ks) == 1 else None
+        if table is not None:  # one backend call's table: its rows, one read
+            for i, row in zip(index[ks[0]], table.tolist()):
+                for name, v in zip(fields, row):
+                    values[name][i] = v
+            continue
         parts = []
         for k in ks:
             d = dist[k].reshape(-1)

@@ -77,12 +77,20 @@ def configurations():
     for acc in ("float32", "float64"):
         for mode in (M.GB_W_GIVEN, M.GB_W_G, M.GB_W_CHG):
             out.append(("guard_sums_kernel", dict(ACC=acc, W_MODE=mode), dict(BT=G.TILE)))
-        out.append(("guard_blend_kernel", dict(ACC=acc), dict(BT=G.TILE)))
-    out.append(("guard_choose_kernel", {}, {}))
+        for full in (True, False) if acc == "float32" else (False,):  # FULL: the fused middle's (float32)
+            out.append(("guard_blend_kernel", dict(ACC=acc, FULL=full), dict(BT=G.TILE)))
+    for guard in (True, False):  # HYPER: the fused middle's (float32 hyper-parameters); else float64 tables
+        out.append(("guard_choose_kernel", dict(ACC="float32", HYPER=True, GUARD=guard), {}))
+        out.append(("guard_choose_kernel", dict(ACC="float64", HYPER=False, GUARD=guard), {}))
     P = _kernels("products")  # the middle's products over every layer of a layout
     for tx, has_z, big, precision in itertools.product((True, False), (True, False), (True, False), ("ieee", "tf32")):
         consts = dict(ACC="float32", TX=tx, HAS_Z=has_z, PRECISION=precision)  # (float64: torch's products)
         out.append(("mid_mm_kernel", consts, P.CONFIG[big]))
+    for big, precision in itertools.product((True, False), ("ieee", "tf32")):  # the fused middle's products
+        out.append(("mid_jobs_kernel", dict(PRECISION=precision), P.CONFIG[big]))
+    MP = _kernels("middle")  # the fused middle's prologue
+    for has_phi in (True, False):
+        out.append(("mid_prep_kernel", dict(HAS_PHI=has_phi), MP.CONFIG))
     B = _kernels("blocks")  # the Gram blocks gathered into the middle's layout
     for has_phi, predict in itertools.product((True, False), (True, False)):
         common = dict(HAS_PHI=has_phi, PREDICT=predict)
@@ -115,7 +123,11 @@ def _signature(kernel, acc):
         part_ptr="*fp64",
         result_ptr="*fp64",
         movable_ptr="*i1",
+        finite_ptr="*i1",
         scale_ptr="*fp64",
+        g_norm_ptr="*fp64",
+        rule_ptr="*fp64",
+        job_ptr="*i64",
         alpha_ptr="*fp64",
         top="fp32",
         n_layers="i32",
@@ -131,7 +143,7 @@ def _signature(kernel, acc):
 def compile_one(name, consts, config, arch):
     """Compile one configuration; return a JSON-able report."""
     module = {"tc": "tc_step", "guard": "guard", "mid": "products"}.get(name.split("_")[0], "fgd_step")
-    module = "blocks" if name == "gram_gather_kernel" else module
+    module = {"gram_gather_kernel": "blocks", "mid_prep_kernel": "middle"}.get(name, module)
     kernel = getattr(_kernels(module), name)
     blocks = {k: v for k, v in config.items() if not k.startswith("num_")}
     consts = dict(consts, **blocks)
@@ -200,7 +212,7 @@ def tensor_cores_ok(r: dict) -> bool:
     the middle's products may take HMMA on sm_90 too: its 32-row tiles are below wgmma's 64)."""
     if "error" in r or not expects_tensor_cores(r["kernel"], r["config"]):
         return True
-    if r["kernel"] == "mid_mm_kernel":
+    if r["kernel"] in ("mid_mm_kernel", "mid_jobs_kernel"):
         return r["sass"]["hgmma"] + r["sass"]["hmma"] > 0
     return r["sass"][TENSOR_CORE_OP[r["arch"]].lower()] > 0
 

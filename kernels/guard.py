@@ -17,9 +17,10 @@ an Inf or a NaN) and ``‖D‖²`` (the current distance, for the checks).
 ``guard_choose_kernel`` — one program per layer: sums its rows in a fixed order (deterministic,
 no atomics) and applies the rule: the largest weight whose distance is within the target where
 the step is movable, else 0, and at 0 the Newton–Schulz pull-back where the α pull-back is
-beyond the target and farther. Writes per layer (float64) ``[t, newton, distance, ts, code,
-fits, ‖D‖]``: with the trust scale s, the update's total scale, what the guard did
-(``guards.KEPT``, ``SCALED``, ``RESET``) and whether θ₊ fits the parameters' dtype; with
+beyond the target and farther. Writes per layer (float64) ``[‖D‖, movable, distance, fits,
+code, t, newton, ts]`` (``meta.GB_R_*``): the current distance, the step's, whether θ₊ fits
+the parameters' dtype, what the guard did (``guards.KEPT``, ``SCALED``, ``RESET``), and with
+the trust scale s the update's total scale; with
 ``HYPER`` also the update kernel's hyper-parameter row ``[tsη, tsβ, α]``. Without ``GUARD`` (the
 guard off, the step only predicted) every layer takes t = 1 and reports the full step's distance.
 
@@ -174,6 +175,7 @@ def guard_choose_kernel(
         tl.store(out + meta.GB_R_CODE, code)
         tl.store(out + meta.GB_R_FITS, fits.to(tl.float64))
         tl.store(out + meta.GB_R_DIST0, tl.sqrt(tl.sum(tl.where(idx == meta.GB_WEIGHTS + 3, sums, 0.0), 0)))
+        tl.store(out + meta.GB_R_FINITE, (tl.load(movable_ptr + layer) != 0).to(tl.float64))
         if HYPER:  # the update kernel's table [tsη, tsβ, α] (its U = βΦ − ηg becomes tsU)
             h_in = hyper_ptr + layer * meta.HYPER_FIELDS
             h_out = hyper_out_ptr + layer * meta.HYPER_FIELDS

@@ -85,10 +85,12 @@ GB_L_OFF, GB_L_P, GB_L_FIRST, GB_L_ITEMS = range(4)  # per layer (int64): block 
 GB_LAYER_FIELDS = 4
 GB_C_ALPHA, GB_C_TARGET, GB_C_LR, GB_C_BETA = range(4)  # per layer (float64): α, target, η, β
 GB_COEF_FIELDS = 4
-# per layer (float64): t, Newton–Schulz (0/1), distance, the update's scale ts, guards code
-# (KEPT 0 / SCALED 1 / RESET 2), θ₊ storable in the parameters' dtype (0/1), ‖θᵀθ − I‖_F now
-GB_R_WEIGHT, GB_R_NEWTON, GB_R_DIST, GB_R_SCALE, GB_R_CODE, GB_R_FITS, GB_R_DIST0 = range(7)
-GB_RESULT_FIELDS = 7
+# per layer (float64): first a step's checks as the optimizer reads them (‖θᵀθ − I‖_F now, the
+# inputs finite (0/1), the step's distance, θ₊ storable in the parameters' dtype (0/1), guards
+# code: KEPT 0 / SCALED 1 / RESET 2), then t, Newton–Schulz (0/1) and the update's scale ts
+GB_R_DIST0, GB_R_FINITE, GB_R_DIST, GB_R_FITS, GB_R_CODE, GB_R_WEIGHT, GB_R_NEWTON, GB_R_SCALE = range(8)
+GB_RESULT_FIELDS = 8
+GB_R_CHECKS = 5  # the first five: a step plan's check table (fgd_fast.backends.base.StepPlan.checks)
 GB_W_GIVEN, GB_W_G, GB_W_CHG = range(3)  # W = s²UᵀU: a block, or η²G (no Φ), or η²G + β²C − βη(H + Hᵀ)
 
 # the fused middle (middle.py, products.py' mid_jobs_kernel, fgd_fast/backends/fused_middle.py): one

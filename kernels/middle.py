@@ -2,7 +2,7 @@
 
 The Triton backend's fused middle (``fgd_fast/backends/fused_middle.py``) starts from the Gram
 blocks ``A, E, B, C, G, H`` of every layer (one flat buffer per block, ``fgd_fast/backends/layout.py``)
-and ‖g‖² per layer. Before its products it needs, per layer, the guard's trust scale and
+and ‖g‖ per layer. Before its products it needs, per layer, the guard's trust scale and
 finiteness of the inputs
 
     r = ‖Φ‖_F + η‖g‖_F  (‖Φ‖² = tr C),   s = min(1, ρ/r)  (0 where r is not finite)
@@ -52,7 +52,7 @@ def mid_prep_kernel(
     work_ptr,
     layer_ptr,
     hyper_ptr,
-    g_sq_ptr,
+    g_norm_ptr,
     blocks_ptr,
     numel,
     rule_ptr,
@@ -86,7 +86,7 @@ def mid_prep_kernel(
         g_blk = blocks_ptr + meta.SLOT_G * numel + off
         h_blk = blocks_ptr + meta.SLOT_H * numel + off
         # the layer's trust scale: r = ‖Φ‖ + η‖g‖ (float64), s = min(1, ρ/r), 0 where r is not finite
-        g_norm = tl.sqrt(tl.load(g_sq_ptr + layer))
+        g_norm = tl.load(g_norm_ptr + layer)  # ‖g‖_F (float64)
         phi_sq = g_norm * 0.0
         if HAS_PHI:
             for k0 in range(0, p, BT):  # ‖Φ‖² = tr C

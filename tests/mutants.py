@@ -83,6 +83,14 @@ MUTANTS = {
             "tests/test_guard_blend.py::test_the_blend_kernels_choose_and_write_the_step_of_the_torch_ops[three-p-phi-dtype0]"
         ],
     ),
+    "fused_trust_scale_off": (
+        "the Triton fused middle without the trust scale (ρ = ∞: s = 1 whatever ‖Φ‖ + η‖g‖)",
+        ["tests/test_fused_middle.py::test_the_fused_middle_writes_the_step_and_checks_of_the_torch_ops[three-p-phi]"],
+    ),
+    "fused_checks_finite_dropped": (
+        "the Triton fused middle's check table reporting every layer's inputs finite",
+        ["tests/test_fused_middle.py::test_a_non_finite_layer_is_reset_as_by_the_torch_ops"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -170,6 +178,25 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((guard_blend, "blend", original))
         guard_blend.blend = blend
+    elif name == "fused_trust_scale_off":
+        from fgd_fast.backends import fused_middle
+
+        original = fused_middle._rule
+        undo.append((fused_middle, "_rule", original))
+        fused_middle._rule = lambda lay, radius, limit, unit: original(lay, float("inf"), limit, unit)
+    elif name == "fused_checks_finite_dropped":
+        from fgd_fast.backends import fused_middle
+        from fgd_fast.kernels import meta
+
+        original = fused_middle.FusedMiddle.__init__
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.check_table = self.check_table.clone()
+            self.check_table[:, meta.GB_R_FINITE] = 1.0
+
+        undo.append((fused_middle.FusedMiddle, "__init__", original))
+        fused_middle.FusedMiddle.__init__ = init
     elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry
 

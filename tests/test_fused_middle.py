@@ -76,7 +76,7 @@ def _both(lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: flo
         lay,
         bufs,
         hyper=hyper.to(lay.device),
-        g_sq=g_sq.clone(),
+        g_norm=g_sq.sqrt(),
         has_phi=momentum,
         radius=radius,
         limit=limit,
@@ -154,6 +154,11 @@ def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):
     assert got.guarded.tolist() == ref.guarded.tolist()
     assert got.finite.tolist() == ref.finite.tolist() == [True, True, False, True, True, True, False]
     assert ref.guarded[2] == 2 and ref.guarded[6] == 2 and (ref.guarded == 0).any()
+    # the optimizer reads the checks from the fused middle's one table: the same five values
+    table = got.check_table.cpu()
+    assert table[:, 1].tolist() == [float(f) for f in ref.finite.tolist()]
+    for k, values in enumerate((got.dist, got.finite, got.dist_next, got.finite_next, got.guarded)):
+        assert torch.equal(table[:, k], values.cpu().to(torch.float64)), k
     for name in ("m_theta", "m_phi"):
         assert torch.isfinite(getattr(got, name)).all(), name
         _close(getattr(got, name), getattr(ref, name), name)

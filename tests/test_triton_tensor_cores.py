@@ -229,7 +229,8 @@ def test_tf32x3_gram_of_an_orthonormal_matrix_is_unbiased(backend):
 def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch):
     """A captured step replays with the addresses it was captured with: the hi/lo buffer of the
     split pass is kept from step to step, so the metadata table that holds its address is built
-    once (new gradient tensors change only the table, never the buffer)."""
+    once (new gradient tensors change only the table, never the buffer); so are the fused
+    middle's buffer (M_θ, M_Φ in it) and the update's hyper-parameter table."""
     from fgd_fast.backends import triton as tb
 
     seen, sizes, hogs = [], [], []
@@ -237,7 +238,7 @@ def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch)
 
     def recording(self, *args, **kwargs):
         real(self, *args, **kwargs)
-        seen.append((self.split.data_ptr(), self.meta.data_ptr()))
+        seen.append((self.split.data_ptr(), self.meta.data_ptr(), self.m_theta.data_ptr(), self.hyper_step.data_ptr()))
         sizes.append(self.split.numel())
 
     monkeypatch.setattr(tb._TensorCoreClass, "__init__", recording)
@@ -255,7 +256,7 @@ def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch)
         hogs.append(torch.empty(sizes[-1]))  # takes a freed buffer's memory, were it freed
     # step 0 creates Φ (another class: no Φ read); steps 1 and 2 are the steady state
     assert seen[1] == seen[2]
-    assert seen[3][0] == seen[2][0]
+    assert seen[3][0] == seen[2][0] and seen[3][2:] == seen[2][2:]
 
 
 def test_a_scheduler_rewrites_the_hyper_parameter_table_in_place(monkeypatch):

@@ -578,11 +578,16 @@ def velocity_blocks(
     return gg, (torch.stack([f.mT @ x for f, x in zip(fs, gs)]) if fs is not None else None)
 
 
-def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``(L,)`` float64 ``‖g‖²`` per layer (one multi-tensor op; float64 accumulation, so a
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``(L,)`` float64 ``‖g‖_F`` per layer (one multi-tensor op; float64 accumulation, so a
     finite float32 gradient cannot overflow it), for backends whose Gram pass does not take
     it."""
-    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square()
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+
+
+def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``(L,)`` float64 ``‖g‖²`` per layer (:func:`grad_norm` squared)."""
+    return grad_norm(grads).square()
 
 
 def scaled_hyper(hyper: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

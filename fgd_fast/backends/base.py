@@ -109,6 +109,9 @@ class StepPlan:
     dist_next: torch.Tensor | None = None  # (L,) ‖θ₊ᵀθ₊ − I‖_F of the step, computed before writing
     finite_next: torch.Tensor | None = None  # (L,) bool: θ₊ and Φ₊ finite
     guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
+    # (L, 5) float64 [dist, finite, dist_next, finite_next, guarded] in input order where one
+    # table holds them all (read with one .tolist(): guards.raise_if_invalid), else None
+    checks: torch.Tensor | None = None
 
 
 class Backend(Protocol):
@@ -354,7 +357,10 @@ def plan_of(units: list, device: torch.device, check_finite: bool) -> StepPlan:
         for u in units:
             u.apply()
 
-    return StepPlan(dist=dist, finite=finite, apply=apply, **extra)
+    # one unit with its checks in one table (the Triton fused middle's), its layers in input order
+    table = getattr(units[0], "check_table", None) if len(units) == 1 else None
+    checks = table if table is not None and all(k == i for k, i in enumerate(order)) else None
+    return StepPlan(dist=dist, finite=finite, apply=apply, checks=checks, **extra)
 
 
 @dataclass

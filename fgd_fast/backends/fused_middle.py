@@ -86,6 +86,7 @@ class FusedMiddle:
         self.dist_next = result[:, meta.GB_R_DIST]
         self.finite_next = result[:, meta.GB_R_FITS] != 0
         self.guarded = result[:, meta.GB_R_CODE].to(torch.int8) if guarded else None
+        self.check_table = result[:, : meta.GB_R_CHECKS]  # the same five values as one table
 
 
 def _jobs(meta, has_phi: bool) -> list[list[tuple]]:
@@ -150,7 +151,7 @@ def run(
     bufs: Buffers,
     *,
     hyper: torch.Tensor,
-    g_sq: torch.Tensor,
+    g_norm: torch.Tensor,
     has_phi: bool,
     radius: float | None,
     limit: float,
@@ -160,7 +161,7 @@ def run(
 ) -> FusedMiddle:
     """The middle of the layers of ``lay`` from their Gram blocks in ``bufs.blocks`` (slots
     ``meta.SLOT_A`` … ``SLOT_H``, float32; G and H formed), ``hyper`` ``(L, 3)`` ``[η, β, α]``
-    and ``g_sq`` ``(L,)`` float64 ‖g‖²: see the module docstring. ``radius=None``: the guard off
+    and ``g_norm`` ``(L,)`` float64 ‖g‖_F: see the module docstring. ``radius=None``: the guard off
     (s = t = 1 for every layer, the full step's distance predicted; ``guarded`` is None)."""
     import triton.language as tl  # noqa: F401  (the kernels' import)
 
@@ -179,7 +180,7 @@ def run(
         work,
         layers,
         hyper,
-        g_sq,
+        g_norm,
         blocks,
         numel,
         _rule(lay, float("inf") if radius is None else radius, limit, unit),

@@ -64,7 +64,7 @@ from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
 from . import fused_middle, gram_gather, guard_blend, mid_products
-from .algebra import grad_sq, scaled_hyper, store_unit
+from .algebra import grad_norm, grad_sq, scaled_hyper, store_unit
 from .base import (
     M_PHI,
     M_THETA,
@@ -130,9 +130,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 _tables = TableCache()
-# the tensor-core split pass's hi/lo buffers (the size of θ, twice): few kept, so that models
+# the tensor-core split pass's hi/lo buffers (the size of θ, twice) and Gram slabs: few kept, so that models
 # made and dropped in one process (a sweep) do not pin old ones
-_split_buffers = TableCache(capacity=8)
+_split_buffers = TableCache(capacity=16)
 _fused_buffers = TableCache(capacity=8)  # the fused middle's memory per launch class (fused_middle.buffers)
 
 
@@ -170,12 +170,13 @@ def _order(layers, params):
     return layers, [stiefel_shape(params[i].shape)[:2] for i in layers]
 
 
-def _guard(ops, trust_radius, max_distance, variant) -> dict:
+def _guard(ops, trust_radius, max_distance, variant, fused: bool = False) -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
-    multi-tensor torch op on the inputs (the Gram kernels do not take it); G and H come from
+    multi-tensor torch op on the inputs (the Gram kernels do not take it; ``fused``: not here,
+    the fused middle takes ‖g‖ itself); G and H come from
     the Gram pass; the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
     predict = trust_radius is not None or max_distance is not None
-    g_sq = grad_sq(ops.grad) if predict else None
+    g_sq = grad_sq(ops.grad) if predict and not fused else None
     unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
     return dict(
         g_sq=g_sq,
@@ -225,7 +226,7 @@ class _Checked:
             lay,
             bufs,
             hyper=self.ops.hyper,
-            g_sq=guard["g_sq"],
+            g_norm=grad_norm(self.ops.grad),
             has_phi=self.has_phi,
             radius=guard["trust_radius"],
             limit=guard["max_distance"],
@@ -236,6 +237,7 @@ class _Checked:
         self.m_theta, self.m_phi, self.hyper_step = mid.m_theta, mid.m_phi, mid.hyper
         self.dist, self.finite = mid.dist, mid.finite
         self.dist_next, self.finite_next, self.guarded = mid.dist_next, mid.finite_next, mid.guarded
+        self.check_table = mid.check_table  # (read by the optimizer in one .tolist(): base.plan_of)
 
     def checks(self, checks) -> None:
         self.dist, self.finite = checks.dist, checks.finite
@@ -590,8 +592,12 @@ class _TensorCoreClass(_Checked):
             **self.consts,
             **TC.SPLIT_CONFIG,
         )
-        # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ
-        partial = torch.empty(sh.splits * sh.gram_total, dtype=torch.float32, device=device)
+        # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ (into slabs
+        # kept like the split buffer: every entry the gather reads is written first)
+        size = sh.splits * sh.gram_total
+        partial = _split_buffers.get_or(
+            ("tc-gram", device, owners, size), lambda: torch.empty(size, dtype=torch.float32, device=device)
+        )
         items = sh.gram_work.shape[0]
         _launch(
             TC.tc_gram_kernel,
@@ -610,8 +616,9 @@ class _TensorCoreClass(_Checked):
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        guard = _guard(ops, trust_radius, max_distance, variant)
-        if fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance, products=True):
+        fused = fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance, products=True)
+        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
+        if fused:
             # the middle and the guard in nine launches (fused_middle.py)
             self.fused(gather, runs, guard, precision, ("tc-middle", device, owners, has_phi))
         else:
