@@ -77,8 +77,9 @@ def configurations():
     for acc in ("float32", "float64"):
         for mode in (M.GB_W_GIVEN, M.GB_W_G, M.GB_W_CHG):
             out.append(("guard_sums_kernel", dict(ACC=acc, W_MODE=mode), dict(BT=G.TILE)))
-        for full in (True, False) if acc == "float32" else (False,):  # FULL: the fused middle's (float32)
-            out.append(("guard_blend_kernel", dict(ACC=acc, FULL=full), dict(BT=G.TILE)))
+        # FULL (with FEEDBACK for the CUDA-core classes that read Φ): the fused middle's (float32)
+        for full, feedback in ((False, False), (True, False), (True, True)) if acc == "float32" else ((False, False),):
+            out.append(("guard_blend_kernel", dict(ACC=acc, FULL=full, FEEDBACK=feedback), dict(BT=G.TILE)))
     for guard in (True, False):  # HYPER: the fused middle's (float32 hyper-parameters); else float64 tables
         out.append(("guard_choose_kernel", dict(ACC="float32", HYPER=True, GUARD=guard), {}))
         out.append(("guard_choose_kernel", dict(ACC="float64", HYPER=False, GUARD=guard), {}))

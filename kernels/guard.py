@@ -28,7 +28,8 @@ guard off, the step only predicted) every layer takes t = 1 and reports the full
 ``M_Φ ← tM_Φ``, ``M_θ ← F₀' + tΔ``, ``F ← F₀' + t(F − F₀)`` (``F₀' = −α'D``, α' = ½ for the
 Newton–Schulz reset), each left as it is where t = 1 (the full step); with ``FULL`` only
 ``M_Φ`` and ``M_θ``, written for every layer (the fused middle forms M_θ here: ``F₀ + tΔ`` with
-``Δ = M_Φ`` at t = 1 too).
+``Δ = M_Φ`` at t = 1 too; with ``FEEDBACK`` ``F = M_θ − M_Φ = F₀'`` in its place, which the
+CUDA-core update kernels read where Φ is).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def guard_blend_kernel(
     n_items,
     ACC: tl.constexpr,
     FULL: tl.constexpr,
+    FEEDBACK: tl.constexpr,
     BT: tl.constexpr,
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -216,7 +218,10 @@ def guard_blend_kernel(
             m_phi = tl.load(m_phi_ptr + at, mask=m, other=0.0)
             moving = t > 0.0
             tl.store(m_phi_ptr + at, tl.where(moving, m_phi * t, 0.0), mask=m)  # tM_Φ (a reset: Φ₊ = 0)
-            tl.store(m_theta_ptr + at, tl.where(moving, base + delta * t, base), mask=m)  # F₀' + tΔ
+            if FEEDBACK:  # F = M_θ − M_Φ = F₀' + tΔ − tM_Φ = F₀' (Δ = M_Φ): the CUDA-core θ pass's
+                tl.store(m_theta_ptr + at, base, mask=m)
+            else:
+                tl.store(m_theta_ptr + at, tl.where(moving, base + delta * t, base), mask=m)  # F₀' + tΔ
         elif weight != 1.0:  # t = 1: the full step, left as it is
             d = _tile(d_ptr + off, ri, cj, p, m)
             t = weight.to(ACC)

@@ -41,9 +41,11 @@ def _hyper(count: int, per_layer: bool) -> torch.Tensor:
     return torch.tensor([[0.1, 0.9, 0.4]]).expand(count, 3).contiguous()
 
 
-def _both(lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: float | None = RADIUS):
+def _both(
+    lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: float | None = RADIUS, feedback: bool = False
+):
     """``(torch ops' Middle, fused result, fused buffers)`` of the same blocks (``radius=None``:
-    the guard off, only the prediction)."""
+    the guard off, only the prediction; ``feedback``: F in M_θ's place)."""
     from fgd_fast.backends import fused_middle
 
     unit = algebra.store_unit(torch.float32)
@@ -83,6 +85,7 @@ def _both(lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: flo
         unit=unit,
         stored=torch.float32,
         precision="ieee",
+        feedback=feedback,
     )
     return ref, got, bufs
 
@@ -137,6 +140,20 @@ def test_without_the_guard_the_fused_middle_predicts_the_full_step(momentum, mon
         assert got.finite.tolist() == ref.finite.tolist()
         assert got.finite_next.tolist() == ref.finite_next.tolist()
         assert torch.equal(got.hyper.cpu(), hyper)
+
+
+def test_for_the_cuda_core_classes_the_fused_middle_writes_the_feedback_term(monkeypatch):
+    """``feedback=True`` (the CUDA-core θ pass reads Φ₊ and F = M_θ − M_Φ): F in M_θ's place,
+    the torch ops' ``feedback``, where the guard keeps, scales and resets."""
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(13)
+    for scale, off, limit in CASES[1:4]:
+        lay = Layout(LAYOUTS["three-p"], device_for_tests())
+        blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=scale, off=off)
+        ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, True), momentum=True, limit=limit, feedback=True)
+        assert got.guarded.tolist() == ref.guarded.tolist()
+        _close(got.m_theta, ref.feedback, "feedback")
+        _close(got.m_phi, ref.m_phi, "m_phi")
 
 
 def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):

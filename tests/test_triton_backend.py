@@ -29,10 +29,12 @@ def test_kernel_launches_per_step_do_not_grow_with_layers(layers):
     opt.step()
     launched = {k: v - before.get(k, 0) for k, v in tb.launch_counts.items() if v != before.get(k, 0)}
     # two launch classes (rows / columns layout), each six Gram launches (A, B, C, E and the
-    # guard's G, H), one gather of the blocks into the middle's layout, the middle's five
-    # products on a CPU (NB, NB·S, M_Φ and the full step's distance: two; the blend only where
-    # the guard binds) and two update launches (Φ₊, then θ₊), whatever the number of layers
-    assert launched == {"gram_kernel": 12, "gram_gather_kernel": 2, "mid_mm_kernel": 10, "update_kernel": 4}
+    # guard's G, H), one gather of the blocks into the middle's layout, the fused middle (its
+    # prologue, five product launches, the guard's three) and two update launches (Φ₊, then θ₊),
+    # whatever the number of layers
+    want = {"gram_kernel": 12, "gram_gather_kernel": 2, "mid_prep_kernel": 2, "mid_jobs_kernel": 10}
+    want |= {"guard_sums_kernel": 2, "guard_choose_kernel": 2, "guard_blend_kernel": 2, "update_kernel": 4}
+    assert launched == want
 
 
 _SPLIT_SHAPES = [(16, 8, 3, 3), (33, 70), (9, 130)]

@@ -85,6 +85,7 @@ GPU_TESTS = (
     "tests/test_guard_blend.py",  # the guard's blend kernels compiled for the GPU, against the torch ops
     "tests/test_gram_gather.py",  # the Gram blocks' gather into the middle's layout, bit for bit
     "tests/test_mid_products.py",  # the middle's products in one launch for every p, against torch's
+    "tests/test_fused_middle.py",  # the fused middle (prologue, product jobs, guard) against the torch ops
     "tests/test_triton_aot.py",  # every configuration with the machine's Triton (CI: a subset with 3.6)
 )
 

@@ -1,10 +1,11 @@
-"""The Triton backend's guarded middle in nine launches over every layer of a launch class.
+"""The Triton backend's middle and step guard in nine launches over every layer of a launch class.
 
 :func:`.algebra.middle` is the middle's definition (and the other backends' implementation);
-with the guard on, the official update and float32 blocks (the default), the Triton backend
-runs this one instead: the same matrices and the same rule, in launches over every layer of a
-layout whatever its p, all in one buffer of :data:`meta.MP_SLOTS` blocks (kept from step to
-step: no allocation, fixed addresses), and no torch op but the result's table.
+with the official update, a prediction (the guard on, or off with the checks' limit) and float32
+blocks (the defaults; every launch class but float64 parameters), the Triton backend runs this
+one instead: the same matrices and the same rule, in launches over every layer of a layout
+whatever its p, all in one buffer of ``meta.MP_SLOTS`` blocks (kept from step to step: no
+allocation, fixed addresses), and no torch op but the result's table.
 
 1. ``mid_prep_kernel`` (``kernels/middle.py``): per layer the trust scale s and the inputs'
    finiteness; per entry D = A − I, B' = sB, S' = sym(B'), Q = η sym(sE) − s²C − (β−1)S' − αB',
@@ -21,8 +22,10 @@ step: no allocation, fixed addresses), and no torch op but the result's table.
    ====  ==========================================================================
 
 3. the guard's three launches (``kernels/guard.py``): every weight's distance, the rule per
-   layer (with the update's scaled hyper-parameters ``[tsη, tsβ, α]``), and M_Φ, M_θ = F₀' + tΔ
-   of the weight chosen, in place.
+   layer (with the update's scaled hyper-parameters ``[tsη, tsβ, α]`` and the checks' table),
+   and M_Φ, M_θ = F₀' + tΔ of the weight chosen, in place (the CUDA-core classes' θ pass, which
+   reads Φ₊, takes F = M_θ − M_Φ = F₀' instead). With the guard off, t = s = 1: the full step
+   and its predicted distance, by the same arithmetic (a guard that does not bind changes no bit).
 
 Without Φ (no momentum yet) B', S', NB and the B-terms drop: P = Q = η sym(sE), T = −ηsE.
 """
@@ -158,11 +161,13 @@ def run(
     unit: float,
     stored: torch.dtype | None,
     precision: str,
+    feedback: bool = False,
 ) -> FusedMiddle:
     """The middle of the layers of ``lay`` from their Gram blocks in ``bufs.blocks`` (slots
     ``meta.SLOT_A`` … ``SLOT_H``, float32; G and H formed), ``hyper`` ``(L, 3)`` ``[η, β, α]``
     and ``g_norm`` ``(L,)`` float64 ‖g‖_F: see the module docstring. ``radius=None``: the guard off
-    (s = t = 1 for every layer, the full step's distance predicted; ``guarded`` is None)."""
+    (s = t = 1 for every layer, the full step's distance predicted; ``guarded`` is None).
+    ``feedback``: ``F = M_θ − M_Φ`` where M_θ would be (the CUDA-core θ pass reads Φ₊ and F)."""
     import triton.language as tl  # noqa: F401  (the kernels' import)
 
     from ..kernels import meta, middle, products
@@ -231,5 +236,6 @@ def run(
         hyper_out=bufs.hyper,
         part=bufs.part,
         guard=radius is not None,
+        write_feedback=feedback,
     )
     return FusedMiddle(m_theta, m_phi, bufs.hyper, result, bufs.finite, guarded=radius is not None)

@@ -103,6 +103,7 @@ def launches(
     part=None,
     result=None,
     guard: bool = True,
+    write_feedback: bool = False,
 ) -> torch.Tensor:
     """The three launches of the guard (sums, rule, blend) over the blocks of ``lay`` in
     ``blocks`` (``d, d2, d3, z, v, w, c, h, m_phi, m_theta, delta``: contiguous; ``c``, ``h``
@@ -111,6 +112,7 @@ def launches(
     ``hyper``/``hyper_out``: the rule also writes the update's table ``[tsη, tsβ, α]``.
     ``part``/``result``: the partial sums' and the result's buffers (persistent), else new.
     ``guard=False``: t = 1 for every layer (the full step's distance predicted, nothing blended).
+    ``write_feedback`` (without ``feedback``): ``F = M_θ − M_Φ`` in M_θ's place.
     Returns the ``(L, meta.GB_RESULT_FIELDS)`` float64 result table."""
     from . import triton as backend
 
@@ -182,6 +184,7 @@ def launches(
         items,
         ACC=acc,
         FULL=feedback is None,
+        FEEDBACK=write_feedback,
         BT=kernels.TILE,
     )
     return result

@@ -215,10 +215,11 @@ class _Checked:
         self.checks(middle_of_runs(slabs, None, self.ops.hyper, runs, kept=kept, **kwargs))
         self.m_theta, self.m_phi = (m.contiguous() for m in kept[0])
 
-    def fused(self, gather, runs, guard: dict, precision: str, key: tuple) -> None:
+    def fused(self, gather, runs, guard: dict, precision: str, key: tuple, feedback: bool = False) -> None:
         """The guarded middle as the fused kernels (:mod:`.fused_middle`): the Gram blocks gathered
         into the class's buffer (kept per ``key``), then nine launches; its checks, M_θ, M_Φ and
-        the update's hyper-parameter table kept as :meth:`middle` keeps them."""
+        the update's hyper-parameter table kept as :meth:`middle` keeps them (``feedback``: F
+        in M_θ's place, for the CUDA-core θ pass that reads Φ₊)."""
         lay = Layout([(r.end - r.first, r.p) for r in runs], self.ops.hyper.device)
         bufs = _fused_buffers.get_or((*key, lay.groups), lambda: fused_middle.buffers(lay, self.ops.hyper.dtype))
         gather(lay, runs, out=bufs.blocks)
@@ -233,6 +234,7 @@ class _Checked:
             unit=guard["unit"],
             stored=guard["stored"],
             precision=precision,
+            feedback=feedback,
         )
         self.m_theta, self.m_phi, self.hyper_step = mid.m_theta, mid.m_phi, mid.hyper
         self.dist, self.finite = mid.dist, mid.finite
@@ -339,8 +341,13 @@ class _Class(_Checked):
             ),
         )
 
-        # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits
-        partial = torch.empty(sh.splits * sh.gram_total, dtype=self.acc, device=device)
+        # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits (into slabs kept
+        # per set of parameters: every entry the gather reads is written first)
+        owners = tuple(params[i].data_ptr() for i in self.layers)
+        size = sh.splits * sh.gram_total
+        partial = _split_buffers.get_or(
+            ("gram", device, owners, size, self.acc), lambda: torch.empty(size, dtype=self.acc, device=device)
+        )
         blocks = (SLOT_A, SLOT_E, SLOT_B, SLOT_C) if has_phi else (SLOT_A, SLOT_E)
         if trust_radius is not None or max_distance is not None:  # the guard's G = gᵀg (and H = Φᵀg)
             blocks += (meta.SLOT_G, meta.SLOT_H) if has_phi else (meta.SLOT_G,)
@@ -362,16 +369,22 @@ class _Class(_Checked):
 
         # the O(p³) middle, one batch per distinct p; with Φ the θ pass reads Φ₊ and F = −α(A − I)
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
-        self.middle(
-            partial,
-            runs,
-            gather=gather,
-            # float64 middles keep torch's products (Triton 3.6 cannot compile a float64 dot)
-            products=mid_products.engine(precision) if self.acc == torch.float32 else None,
-            feedback_with_phi=True,
-            precision=precision,
-            **_guard(ops, trust_radius, max_distance, variant),
-        )
+        # float32 blocks: the fused middle or the middle's product kernels; float64 blocks keep
+        # torch's products (Triton 3.6 cannot compile a float64 dot)
+        fused = fused_middle.applies(dtype=self.acc, variant=variant, max_distance=max_distance, products=True)
+        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
+        if fused:  # the middle and the guard in nine launches (fused_middle.py); F where Φ is read
+            self.fused(gather, runs, guard, precision, ("middle", device, owners, has_phi), feedback=has_phi)
+        else:
+            self.middle(
+                partial,
+                runs,
+                gather=gather,
+                products=mid_products.engine(precision) if self.acc == torch.float32 else None,
+                feedback_with_phi=True,
+                precision=precision,
+                **guard,
+            )
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
