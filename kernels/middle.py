@@ -30,21 +30,11 @@ import triton
 import triton.language as tl
 
 from . import meta
+from .guard import _tile, _tile_t
+from .products import _block
 
 TILE = 32  # BT × BT entries per work item
 CONFIG = dict(BT=TILE, num_warps=8)
-
-
-@triton.jit
-def _at(ptr, ri, cj, p, m):
-    """X[ri, cj] of a row-major ``p × p`` block at ``ptr``."""
-    return tl.load(ptr + ri[:, None] * p + cj[None, :], mask=m, other=0.0)
-
-
-@triton.jit
-def _at_t(ptr, ri, cj, p, m):
-    """Xᵀ[ri, cj] = X[cj, ri]."""
-    return tl.load(ptr + cj[None, :] * p + ri[:, None], mask=m, other=0.0)
 
 
 @triton.jit
@@ -66,9 +56,7 @@ def mid_prep_kernel(
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         w = work_ptr + item * 3
         layer = tl.load(w)
-        row = layer_ptr + layer * meta.MM_FIELDS
-        off = tl.load(row + meta.MM_OFF)
-        p = tl.load(row + meta.MM_P)
+        off, p = _block(layer_ptr, layer)
         ti = tl.load(w + 1)
         tj = tl.load(w + 2)
         ri = ti * BT + tl.arange(0, BT)
@@ -108,19 +96,19 @@ def mid_prep_kernel(
         s = s64.to(tl.float32)
         s2 = s * s
         eye = (ri[:, None] == cj[None, :]).to(tl.float32)
-        tl.store(a_blk + at, _at(a_blk, ri, cj, p, m) - eye, mask=m)  # D = A − I (in A's place)
-        e = s * _at(e_blk, ri, cj, p, m)  # sE
-        q = (0.5 * eta) * (e + s * _at_t(e_blk, ri, cj, p, m))  # η sym(sE)
+        tl.store(a_blk + at, _tile(a_blk, ri, cj, p, m) - eye, mask=m)  # D = A − I (in A's place)
+        e = s * _tile(e_blk, ri, cj, p, m)  # sE
+        q = (0.5 * eta) * (e + s * _tile_t(e_blk, ri, cj, p, m))  # η sym(sE)
         t = -eta * e  # T = −ηsE (+ βsB)
-        w_blk = (eta * eta) * _at(g_blk, ri, cj, p, m)  # η²G
+        w_blk = (eta * eta) * _tile(g_blk, ri, cj, p, m)  # η²G
         out = blocks_ptr + off + at
         if HAS_PHI:
-            b = s * _at(b_blk, ri, cj, p, m)  # B' = sB
-            sb = 0.5 * (b + s * _at_t(b_blk, ri, cj, p, m))  # S' = sym(sB)
-            c = _at(c_blk, ri, cj, p, m)
+            b = s * _tile(b_blk, ri, cj, p, m)  # B' = sB
+            sb = 0.5 * (b + s * _tile_t(b_blk, ri, cj, p, m))  # S' = sym(sB)
+            c = _tile(c_blk, ri, cj, p, m)
             q = q - s2 * c - (beta - 1.0) * sb - alpha * b  # Q = η sym(sE) − s²C − (β−1)S' − αB'
             t += beta * b  # T = βsB − ηsE
-            hh = _at(h_blk, ri, cj, p, m) + _at_t(h_blk, ri, cj, p, m)
+            hh = _tile(h_blk, ri, cj, p, m) + _tile_t(h_blk, ri, cj, p, m)
             w_blk += (beta * beta) * c - (beta * eta) * hh  # + β²C − βη(H + Hᵀ)
             tl.store(out + meta.MP_B * numel, b, mask=m)
             tl.store(out + meta.MP_S * numel, sb, mask=m)

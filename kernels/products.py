@@ -29,6 +29,13 @@ CONFIG = {False: dict(BM=32, BK=32, num_warps=4), True: dict(BM=64, BK=32, num_w
 
 
 @triton.jit
+def _block(layer_ptr, layer):
+    """(offset, p) of a layer's ``p × p`` block in the layout (its row of ``meta.MM_*`` fields)."""
+    row = layer_ptr + layer * meta.MM_FIELDS
+    return tl.load(row + meta.MM_OFF), tl.load(row + meta.MM_P)
+
+
+@triton.jit
 def _product(x, y, ri, cj, p, TX: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """``op(X)Y`` of the ``BM × BM`` tile at rows ``ri``, columns ``cj`` of ``p × p`` blocks
     (row-major at ``x``, ``y``): a K loop of ``BK`` steps, fp32 accumulation."""
@@ -65,9 +72,7 @@ def mid_mm_kernel(
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         w = work_ptr + item * 3
         layer = tl.load(w)
-        row = layer_ptr + layer * meta.MM_FIELDS
-        off = tl.load(row + meta.MM_OFF)
-        p = tl.load(row + meta.MM_P)
+        off, p = _block(layer_ptr, layer)
         ri = tl.load(w + 1) * BM + tl.arange(0, BM)
         cj = tl.load(w + 2) * BM + tl.arange(0, BM)
         acc = _product(x_ptr + off, y_ptr + off, ri, cj, p, TX, PRECISION, BM, BK).to(ACC)
@@ -103,9 +108,7 @@ def mid_jobs_kernel(
         w = work_ptr + item * meta.MJ_WORK
         job = job_ptr + tl.load(w) * meta.MJ_FIELDS
         layer = tl.load(w + 1)
-        row = layer_ptr + layer * meta.MM_FIELDS
-        off = tl.load(row + meta.MM_OFF)
-        p = tl.load(row + meta.MM_P)
+        off, p = _block(layer_ptr, layer)
         ri = tl.load(w + 2) * BM + tl.arange(0, BM)
         cj = tl.load(w + 3) * BM + tl.arange(0, BM)
         block = buf_ptr + off  # the layer's block in slot 0; slot k at + k·numel

@@ -118,3 +118,19 @@ def gram_blocks(lay, dtype, gen, *, scale: float, off: float):
         for k in range(6)
     ]
     return blocks, torch.cat(g_sq).to(lay.device)
+
+
+def record_launches(monkeypatch) -> list[tuple[str, dict]]:
+    """Every Triton launch the backend makes from now on (for the test's duration), as ``(kernel
+    name, keyword arguments)``: its constexprs and tile sizes."""
+    from fgd_fast.backends import triton as tb
+
+    launched = []
+    real = tb._launch
+
+    def launch(kernel, grid, *args, **kwargs):
+        launched.append((kernel.fn.__name__, kwargs))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    return launched

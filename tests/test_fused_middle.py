@@ -20,7 +20,7 @@ import torch
 
 from fgd_fast.backends import algebra
 from fgd_fast.backends.layout import Layout
-from helpers import backend_reason, device_for_tests, gram_blocks
+from helpers import backend_reason, device_for_tests, gram_blocks, record_launches
 
 REASON = backend_reason("triton")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
@@ -188,14 +188,7 @@ def test_the_triton_step_keeps_its_fused_buffers_from_step_to_step(monkeypatch):
     import fgd_fast
     from fgd_fast.backends import triton as tb
 
-    launched = []
-    real = tb._launch
-
-    def launch(kernel, grid, *args, **kwargs):
-        launched.append(kernel.fn.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(tb, "_launch", launch)
+    launches = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     shapes = [(8, 4, 3, 3), (12, 6, 3, 3), (40, 36)]
     dev = device_for_tests()
@@ -209,10 +202,11 @@ def test_the_triton_step_keeps_its_fused_buffers_from_step_to_step(monkeypatch):
         for p, t in zip(params, twins):
             p.grad = torch.randn(p.shape, generator=gen).to(dev)
             t.grad = p.grad.clone()
-        launched.clear()
+        launches.clear()
         opt.step()
         ref.step()
         addresses.append(sorted(b.blocks.data_ptr() for b in tb._fused_buffers.values()))
+        launched = [name for name, _ in launches]
         classes = launched.count("tc_update_kernel")  # (aligned layers apart from the others)
         assert classes >= 2 and launched.count("mid_prep_kernel") == classes
         assert launched.count("mid_jobs_kernel") == 5 * classes

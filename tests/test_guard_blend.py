@@ -18,7 +18,7 @@ import torch
 
 from fgd_fast.backends import algebra
 from fgd_fast.backends.layout import Layout
-from helpers import backend_reason, device_for_tests, gram_blocks
+from helpers import backend_reason, device_for_tests, gram_blocks, record_launches
 
 REASON = backend_reason("triton")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
@@ -131,17 +131,9 @@ def test_the_triton_backend_blends_by_the_kernels(monkeypatch):
     """Where the guard binds, the Triton step launches the three blend kernels (not the torch
     ops) and writes the step the reference writes."""
     import fgd_fast
-    from fgd_fast.backends import triton as tb
 
     monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
-    launched = []
-    real = tb._launch
-
-    def launch(kernel, grid, *args, **kwargs):
-        launched.append(kernel.fn.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(tb, "_launch", launch)
+    launches = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     shapes = [(8, 4, 3, 3), (12, 6, 3, 3)]
     dev = device_for_tests()
@@ -156,6 +148,6 @@ def test_the_triton_backend_blends_by_the_kernels(monkeypatch):
             t.grad = p.grad.clone()
         opt.step()
         ref.step()
-    assert {"guard_sums_kernel", "guard_choose_kernel", "guard_blend_kernel"} <= set(launched)
+    assert {"guard_sums_kernel", "guard_choose_kernel", "guard_blend_kernel"} <= {name for name, _ in launches}
     for p, t in zip(params, twins):
         assert (p - t).abs().max() < 1e-4

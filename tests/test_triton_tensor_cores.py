@@ -20,7 +20,7 @@ import torch
 
 import fgd_fast
 from fgd_fast.backends.tf32 import round_tf32
-from helpers import backend_reason, device_for_tests
+from helpers import backend_reason, device_for_tests, record_launches
 from oracle import fgd_step, from_theta, random_stiefel, stiefel_dist, sym, to_theta
 
 REASON = backend_reason("triton", str(device_for_tests()))
@@ -303,17 +303,7 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
     """ResNet-50's 147-row stem (θ's contiguous dimension not a multiple of 4) used to drop its
     whole launch class to the unaligned tiles and 4-byte loads: aligned layers now form their
     own class, and both classes compute the step."""
-    from fgd_fast.backends import triton as tb
-
-    aligned = []
-    real = tb._launch
-
-    def launch(kernel, grid, *args, **kwargs):
-        if "ALIGNED" in kwargs and "gram" in str(getattr(kernel, "fn", kernel)):
-            aligned.append(kwargs["ALIGNED"])
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(tb, "_launch", launch)
+    launches = record_launches(monkeypatch)
     shapes = [(16, 8, 3, 3), (8, 3, 7, 7), (16, 8, 3, 3)]  # the second: n = 147 (a stem's)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
@@ -326,6 +316,7 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
             t.grad = p.grad.clone()
         opt.step()
         ref.step()
+    aligned = [kw["ALIGNED"] for name, kw in launches if "ALIGNED" in kw and "gram" in name]
     assert sorted(set(aligned)) == [False, True]
     for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
         assert (p - t).abs().max() < 1e-3
@@ -337,17 +328,7 @@ def test_a_layer_is_aligned_only_where_n_and_p_both_are(shape, monkeypatch):
     M loads depend on p whatever the layout): a layer whose contiguous dimension alone is a
     multiple of 4 (θ = W2ᵀ with n = 144, p = 30; θ = W2 with p = 12, n = 41) must not get them —
     on a GPU a hint that does not hold is a misaligned 16-byte access. The step is still right."""
-    from fgd_fast.backends import triton as tb
-
-    aligned = []
-    real = tb._launch
-
-    def launch(kernel, grid, *args, **kwargs):
-        if "ALIGNED" in kwargs:
-            aligned.append(kwargs["ALIGNED"])
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(tb, "_launch", launch)
+    launches = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(1)
     param = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape, generator=gen)))
     twin = torch.nn.Parameter(param.detach().clone())
@@ -357,6 +338,7 @@ def test_a_layer_is_aligned_only_where_n_and_p_both_are(shape, monkeypatch):
     twin.grad = param.grad.clone()
     opt.step()
     ref.step()
+    aligned = [kw["ALIGNED"] for _, kw in launches if "ALIGNED" in kw]
     assert aligned and not any(aligned), aligned
     assert (param - twin).abs().max() < 1e-3  # TF32 operands: the tensor-core bound of this file
 
