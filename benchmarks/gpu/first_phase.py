@@ -20,8 +20,8 @@ so a run killed at any point keeps everything measured before. In priority order
 - ``graph``: the step captured in a CUDA graph (checks off) and replayed (median of events), or
   why it could not be captured;
 - ``breakdown``: one profiled step (checks off), GPU time per kind of kernel (split, Gram,
-  update, cuBLAS products, the rest: the p × p middle, guard and bookkeeping), the kernel
-  count, and the top kernels by time;
+  update, the Triton middle's kernels and guard kernels, cuBLAS products, the rest: the torch
+  paths' p × p middle, guard and bookkeeping), the kernel count, and the top kernels by time;
 - ``memory``: the peak memory one step allocates above what existed before it;
 - ``distance``: max ‖θᵀθ − I‖_F (float64) over ``--steps`` steps of the benchmark's gradient
   stream (:func:`measure.gradient_pool`, ``lr = measure.LR``), for the cases the precision
@@ -119,6 +119,10 @@ def _checks_off(case) -> bool:
 
 def _kind(name: str) -> str:
     n = name.lower()
+    if any(k in n for k in ("mid_prep", "mid_jobs", "mid_mm", "gram_gather")):
+        return "middle kernels"  # the Triton middle: the blocks' gather, prologue, products
+    if "guard_" in n:
+        return "guard kernels"
     if "split" in n:
         return "split"
     if "gram" in n:
