@@ -156,6 +156,19 @@ def test_for_the_cuda_core_classes_the_fused_middle_writes_the_feedback_term(mon
         _close(got.m_phi, ref.m_phi, "m_phi")
 
 
+def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
+    """p = 1 and 3 beside p = 257 (the products take their 64-entry tiles from p = 256 on, and a
+    257 leaves a one-entry edge): the torch ops' decisions and matrices."""
+    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(17)
+    lay = Layout([(1, 1), (2, 3), (1, 257)], device_for_tests())
+    blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=0.3, off=1e-3)
+    ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, True), momentum=True, limit=1e-2)
+    assert got.guarded.tolist() == ref.guarded.tolist()
+    for name in ("m_theta", "m_phi", "dist_next"):
+        _close(getattr(got, name), getattr(ref, name), name)
+
+
 def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):
     """A layer whose ‖g‖ is infinite and one whose Φ holds a NaN (tr C): both flagged and reset,
     with finite matrices; the others stepped."""
