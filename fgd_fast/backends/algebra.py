@@ -347,9 +347,11 @@ def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Ten
     lay = layout or Layout.of(a_minus_i)
     dm = _mm(lay, a_minus_i, m)  # DM
     x = dm.add(m).add_(t)
-    first = (x + lay.t(x)).add_(a_minus_i)  # D + 2 sym(M + T + DM) = D + X + Xᵀ (not in place: Xᵀ may be a view)
-    second = lay.sym(_mm(lay, m, dm.add_(m).add_(t, alpha=2.0), tx=True))  # sym(Mᵀ(AM + 2T)), AM = M + DM
-    return first.add_(second).add_(w)
+    v = _mm(lay, m, dm.add_(m).add_(t, alpha=2.0), tx=True)  # V = Mᵀ(AM + 2T), AM = M + DM
+    # D + 2 sym(X) + sym(V) = D + Y + Yᵀ with Y = X + V/2: one transposed read, not two (on a CPU a
+    # transposed operand is read element by element; not in place: Yᵀ may be a view)
+    y = x.add_(v, alpha=0.5)
+    return (y + lay.t(y)).add_(a_minus_i).add_(w)
 
 
 def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, layout: Layout) -> tuple[torch.Tensor, ...]:
@@ -444,13 +446,18 @@ def middle(
             if b is not None:
                 b, c = b.mul_(s), c.mul_(s2)  # B → sB, C → s²C
                 h = h.mul_(s2) if h is not None else None  # H → s²H
-    inner = (e + lay.t(e)).mul_(0.5 * lr_)  # η sym(E)
-    if b is not None:
+    if b is None:
+        inner = (e + lay.t(e)).mul_(0.5 * lr_)  # η sym(E)
+    else:
+        half_e = e * (0.5 * lr_)  # (η/2)E
         sb = lay.sym(b)  # S = sym(B)
         nb = _i_plus_d(lay, a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
-        inner = _mm_add(lay, _axpy(inner.sub_(c), sb, -(beta_ - 1.0)), nb, sb)  # −C − (β−1)S + η sym(E) + NBS
-        inner = _axpy(inner, lay.t(nb).add_(b), -alpha_)  # − α(BᵀN + B)
-        del nb
+        # η sym(E) − αBᵀN = (η/2)E + Rᵀ, R = (η/2)E − α·NB: one transposed read for both (on a CPU a
+        # transposed operand is read element by element)
+        inner = half_e + lay.t(_axpy(half_e, nb, -alpha_))
+        inner = _axpy(_axpy(inner.sub_(c), sb, -(beta_ - 1.0)), b, -alpha_)  # − C − (β−1)S − αB
+        inner = _mm_add(lay, inner, nb, sb)  # + NB·S
+        del nb, half_e
     m_phi = _i_plus_d(lay, a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
     pull_back = -alpha_ * a_minus_i  # F₀ = −α(A − I)
     feedback = pull_back  # F = −α(A − I)
