@@ -45,8 +45,9 @@ from helpers import backend_reason
 # prologue kernel for the trust scale and the elementwise terms, five launches of independent
 # products with their elementwise terms fused in, the guard's kernels writing M_θ and the update's
 # scaled hyper-parameters; one buffer kept per class, the Gram slabs kept too; ‖g‖ taken as it
-# is; the checks read as one table) to 8 + 13
-CEILING = {"torch": 174, "triton": 8}
+# is; the checks read as one table) to 8 + 13; the torch backend's to 172 with one transposed read
+# for the bracket's E and NB terms and one for the step distance's two syms
+CEILING = {"torch": 172, "triton": 8}
 # split, Gram pass, the blocks' gather, update pass (one launch class: every layer here is W2ᵀ),
 # the fused middle's prologue and five product launches, and the guard's: distances per tile, the
 # rule per layer, the blended matrices
