@@ -185,3 +185,16 @@ def test_communication_model_counts_what_the_row_all_reduce_sends():
         v = volume(shapes, 64)  # never worse than summing every row shard
         assert v["fgd_fast auto"] <= v["rows, triangles"]
     assert len(llama_7b_blocks()) == 224
+
+
+def test_middle_share_times_the_middle_inside_the_step():
+    """benchmarks/studies/middle_share.py: the middle's timer sees a part of the FGD step (not
+    zero, not all of it) and is taken off again."""
+    from benchmarks.studies.middle_share import step_and_middle, transposed_add
+    from benchmarks.workloads import workloads
+    from fgd_fast.backends import algebra, torch_batched
+
+    t = step_and_middle(workloads("tiny")[0], rounds=1)
+    assert 0 < t["middle"] < t["fgd"] and t["cayley"] > 0
+    assert torch_batched.middle is algebra.middle
+    assert all(x > 0 for x in transposed_add(reps=2))
