@@ -41,10 +41,10 @@ from .layout import Layout
 __all__ = ["FusedMiddle", "applies", "buffers", "run"]
 
 
-def applies(*, dtype: torch.dtype, variant: str, max_distance, products) -> bool:
-    """Whether a middle runs fused: float32 blocks with the middle's product kernels, the
-    official update, a prediction (a limit; the guard on or off)."""
-    return dtype == torch.float32 and products is not None and variant == "official" and max_distance is not None
+def applies(*, dtype: torch.dtype, variant: str, max_distance) -> bool:
+    """Whether a middle runs fused: float32 blocks (the product kernels' dtype; Triton 3.6 cannot
+    compile a float64 dot), the official update, a prediction (a limit; the guard on or off)."""
+    return dtype == torch.float32 and variant == "official" and max_distance is not None
 
 
 @dataclass

@@ -371,7 +371,7 @@ class _Class(_Checked):
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.GRAM_SLOTS] * len(np_list))
         # float32 blocks: the fused middle or the middle's product kernels; float64 blocks keep
         # torch's products (Triton 3.6 cannot compile a float64 dot)
-        fused = fused_middle.applies(dtype=self.acc, variant=variant, max_distance=max_distance, products=True)
+        fused = fused_middle.applies(dtype=self.acc, variant=variant, max_distance=max_distance)
         guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
         if fused:  # the middle and the guard in nine launches (fused_middle.py); F where Φ is read
             self.fused(gather, runs, guard, precision, ("middle", device, owners, has_phi), feedback=has_phi)
@@ -629,7 +629,7 @@ class _TensorCoreClass(_Checked):
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
 
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
-        fused = fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance, products=True)
+        fused = fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance)
         guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
         if fused:
             # the middle and the guard in nine launches (fused_middle.py)
