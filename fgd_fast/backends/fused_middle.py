@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import mid_products
 from .layout import Layout
 
 __all__ = ["FusedMiddle", "applies", "buffers", "run"]
@@ -61,10 +62,11 @@ class Buffers:
 
 def buffers(lay: Layout, hyper_dtype: torch.dtype) -> Buffers:
     """New fused-middle memory for ``lay`` (the caller keeps it per launch class)."""
-    from ..kernels import guard, meta
+    from ..kernels import meta
+    from .guard_blend import tiles
 
     count, device = lay.count, lay.device
-    items = lay.tiles(guard.TILE, ("guard",), lambda k, at, p, first, n: [at, p, first, n])[0].shape[0]
+    items = tiles(lay)[0].shape[0]  # the guard's partial sums: a row per work item
     return Buffers(
         torch.empty(meta.MP_SLOTS * lay.numel, dtype=torch.float32, device=device),
         torch.empty(count, dtype=torch.float64, device=device),
@@ -122,7 +124,7 @@ def _tables(lay: Layout, has_phi: bool, bm: int):
     def build():
         launches = _jobs(meta, has_phi)
         job_rows, works = [], []
-        tiles, layers = lay.tiles(bm, ("products",), lambda k, at, p, first, items: [at, p])
+        tiles, layers = mid_products.tiles(lay, bm)
         for jobs in launches:
             parts = []
             for job in jobs:
@@ -168,8 +170,6 @@ def run(
     and ``g_norm`` ``(L,)`` float64 ‖g‖_F: see the module docstring. ``radius=None``: the guard off
     (s = t = 1 for every layer, the full step's distance predicted; ``guarded`` is None).
     ``feedback``: ``F = M_θ − M_Φ`` where M_θ would be (the CUDA-core θ pass reads Φ₊ and F)."""
-    import triton.language as tl  # noqa: F401  (the kernels' import)
-
     from ..kernels import meta, middle, products
     from . import guard_blend
     from . import triton as backend
@@ -177,7 +177,7 @@ def run(
     numel, device, blocks = lay.numel, lay.device, bufs.blocks
     if blocks.dtype != torch.float32:
         raise TypeError(f"the fused middle takes float32 blocks, got {blocks.dtype}")
-    work, layers = lay.tiles(middle.TILE, ("products",), lambda k, at, p, first, items: [at, p])
+    work, layers = mid_products.tiles(lay, middle.TILE)
     items = work.shape[0]
     backend._launch(
         middle.mid_prep_kernel,

@@ -15,7 +15,7 @@ import torch
 
 from .layout import Layout
 
-__all__ = ["blend", "launches"]
+__all__ = ["blend", "launches", "tiles"]
 
 
 def _kernels():
@@ -24,6 +24,13 @@ def _kernels():
     from ..kernels import guard, meta
 
     return guard, meta, tl
+
+
+def tiles(lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The guard kernels' work table ``(layer, i, j)`` and per-layer table ``[offset, p, first
+    item, items]`` (``kernels/meta.py``'s ``GB_L_*`` fields) of a layout (built once)."""
+    guard, _, _ = _kernels()
+    return lay.tiles(guard.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
 
 
 def _weights(lay: Layout) -> torch.Tensor:
@@ -64,7 +71,7 @@ def blend(
     I``, ``d2 = D²``, ``d3 = D³``, ``z = K₀Y``, ``v = Δᵀ(Y + T)``, and ``w = s²UᵀU`` or its parts
     (``gg = s²G``, with Φ ``c = s²C`` and ``h = s²H``). ``alpha``, ``target``, ``lr``, ``beta``:
     floats or per-layer values; ``movable``: ``(L,)`` bool."""
-    guard, meta, tl = _kernels()
+    _, meta, _ = _kernels()
     # the Gram blocks are read where they are when contiguous (views of one slot: a copy otherwise)
     w, gg, c, h = (x.contiguous() if x is not None else None for x in (w, gg, c, h))
     if not all(x.is_contiguous() for x in (d, d2, d3, z, v, m_phi, m_theta, delta, feedback)):
@@ -119,7 +126,7 @@ def launches(
     kernels, meta, tl = _kernels()
     count, device, d = lay.count, lay.device, blocks["d"]
     # per layer: the block's offset, p, its first work item and how many
-    work, layers = lay.tiles(kernels.TILE, ("guard",), lambda k, at, p, first, items: [at, p, first, items])
+    work, layers = tiles(lay)
     weights = _weights(lay)
     acc = {torch.float32: tl.float32, torch.float64: tl.float64}[d.dtype]  # the blocks' (compute) dtype
     items = work.shape[0]

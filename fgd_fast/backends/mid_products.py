@@ -13,7 +13,14 @@ import torch
 
 from .layout import Layout
 
-__all__ = ["engine"]
+__all__ = ["engine", "tiles"]
+
+
+def tiles(lay: Layout, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The work table ``(layer, i, j)`` of a kernel over every layer's block in ``tile × tile``
+    items, and the per-layer table ``[offset, p]`` (``kernels/meta.py``'s ``MM_*`` fields) that
+    the middle's product kernels and the fused middle's prologue read."""
+    return lay.tiles(tile, ("products",), lambda k, at, p, first, items: [at, p])
 
 
 def engine(precision: str):
@@ -30,7 +37,7 @@ def engine(precision: str):
         from . import triton as backend
 
         config = kernels.CONFIG[max(p for _, p in lay.groups) >= kernels.BIG_P]
-        work, layers = lay.tiles(config["BM"], ("products",), lambda k, at, p, first, items: [at, p])
+        work, layers = tiles(lay, config["BM"])
         x, y = x.contiguous(), y.contiguous()
         z = z.contiguous() if z is not None else None
         out = lay.empty(x.dtype)
