@@ -30,7 +30,10 @@ class GuardReport(NamedTuple):
 
     guarded: list[torch.Tensor | None]  # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None
     read: list[int] | None  # the same, read at the checks' host synchronisation (None: no check ran)
-    distance: list[torch.Tensor | None] | None = None  # per parameter: ‖θ₊ᵀθ₊ − I‖_F the step computed (0-d)
+    # per parameter: ‖θ₊ᵀθ₊ − I‖_F the step computed (0-d), exact to rounding; None where not predicted
+    # or where the backend may have only bounded it within the target (prepare.bounds_next: the torch
+    # backend, for parameters that are not DTensors)
+    distance: list[torch.Tensor | None] | None = None
 
 
 _resolved: dict[tuple[str, str, str], tuple[str, Backend]] = {}
@@ -175,11 +178,14 @@ def fgd(
         max_distance=max_distance if predict else None,
         variant=variant,
     )
-    plans, index = [], []
+    plans, index, bounded = [], [], []  # bounded: plans whose dist_next may be a bound
     for device, idx in by_device.items():
         _, prepare = _cached_backend(backend, device.type, precision)
         pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
         carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
+        if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
+            carrying["exact_next"] = False
+            bounded.append(len(plans))
         layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
         plans.append(
             prepare(
@@ -254,11 +260,11 @@ def fgd(
             momentum_buffers[i] = bufs[i]
     per_param: list[torch.Tensor | None] = [None] * count
     distance: list[torch.Tensor | None] = [None] * count
-    for pl, idx in zip(plans, index):
+    for k, (pl, idx) in enumerate(zip(plans, index)):
         if pl.guarded is not None:
             for i, t in zip(idx, pl.guarded.unbind(0)):
                 per_param[i] = t
-        if pl.dist_next is not None:
+        if pl.dist_next is not None and k not in bounded:
             for i, t in zip(idx, pl.dist_next.unbind(0)):
                 distance[i] = t
     return GuardReport(per_param, read, distance)

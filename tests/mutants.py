@@ -91,6 +91,10 @@ MUTANTS = {
         "the Triton fused middle's check table reporting every layer's inputs finite",
         ["tests/test_fused_middle.py::test_a_non_finite_layer_is_reset_as_by_the_torch_ops"],
     ),
+    "velocity_bound_dropped": (
+        "the torch backend's bounded prediction without its s²UᵀU bound (‖Y‖ alone decides)",
+        ["tests/test_lazy_velocity.py::test_a_step_off_the_tangent_space_is_scaled_as_the_exact_rule_says[phi]"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -160,6 +164,8 @@ def plant(name: str) -> Callable[[], None]:
         fgd_fast.FGD.step = step
     elif name == "drop_velocity_gram":
         _replace("velocity_gram", lambda c, h, gg, beta, lr, layout=None: torch.zeros_like(gg), undo)
+    elif name == "velocity_bound_dropped":
+        _replace("velocity_bound", lambda phi_sq, g_norm, beta, lr, scale=None: torch.zeros_like(g_norm), undo)
     elif name == "full_step_unchecked":
         _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":

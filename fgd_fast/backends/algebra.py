@@ -80,6 +80,7 @@ __all__ = [
     "choose_weight",
     "pull_back_distances",
     "velocity_gram",
+    "velocity_bound",
     "step_distance",
     "next_grams",
     "full_steps_fit",
@@ -327,6 +328,16 @@ def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar, layout: Layout | None = No
     return w
 
 
+def velocity_bound(phi_sq: torch.Tensor, g_norm: torch.Tensor, beta: Scalar, lr: Scalar, scale=None) -> torch.Tensor:
+    """``(s(β‖Φ‖_F + η‖g‖_F))²`` per layer (float64): an upper bound of ``‖s²UᵀU‖_F`` for ``U = βΦ − ηg``
+    (``‖UᵀU‖_F ≤ ‖U‖₂‖U‖_F ≤ ‖U‖²_F``, and the triangle inequality), from the norms the trust
+    scale reads: no Gram. In training it is ~r² ≲ 1e-2 (``benchmarks/studies/guard_headroom.py``),
+    far inside the guard's target."""
+    u = abs(_per_layer(beta)) * phi_sq.sqrt() + abs(_per_layer(lr)) * g_norm  # ‖U‖_F ≤ β‖Φ‖_F + η‖g‖_F
+    u = u * scale if scale is not None else u
+    return u * u
+
+
 def guard_codes(scale: torch.Tensor) -> torch.Tensor:
     """int8 what the guard did, from the update's total scale ``ts ∈ [0, 1]`` per layer (finite:
     :func:`trust_scale` makes it so): ``guards.KEPT`` where it is 1, ``SCALED`` where it is in
@@ -342,8 +353,8 @@ def full_steps_fit(dist_full: torch.Tensor, movable: torch.Tensor, target: float
 def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Tensor:
     """``θ₊ᵀθ₊ − I`` of ``θ₊ = θK + sU`` (``K = I + M``, ``M = M_θ``), exactly: ``KᵀAK + KᵀT + TᵀK
     − I + s²UᵀU = D + 2 sym(M + T + DM) + sym(Mᵀ(AM + 2T)) + s²UᵀU`` with ``AM = M + DM``, ``T =
-    θᵀ(sU)``, ``w = s²UᵀU``: two products, and no ``I`` cancelled against ``KᵀAK`` (whose rounding
-    would be ~u·p where the distance may be 1e-6)."""
+    θᵀ(sU)``, ``w = s²UᵀU`` (None: left out): two products, and no ``I`` cancelled against ``KᵀAK``
+    (whose rounding would be ~u·p where the distance may be 1e-6)."""
     lay = layout or Layout.of(a_minus_i)
     dm = _mm(lay, a_minus_i, m)  # DM
     x = dm.add(m).add_(t)
@@ -351,7 +362,8 @@ def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Ten
     # D + 2 sym(X) + sym(V) = D + Y + Yᵀ with Y = X + V/2: one transposed read, not two (on a CPU a
     # transposed operand is read element by element; not in place: Yᵀ may be a view)
     y = x.add_(v, alpha=0.5)
-    return (y + lay.t(y)).add_(a_minus_i).add_(w)
+    out = (y + lay.t(y)).add_(a_minus_i)
+    return out.add_(w) if w is not None else out
 
 
 def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, layout: Layout) -> tuple[torch.Tensor, ...]:
@@ -400,6 +412,7 @@ def middle(
     carry: int = 0,
     layout: Layout | None = None,
     blend_kernels=None,
+    uu_later=None,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -416,6 +429,11 @@ def middle(
     ``(L, p, p)`` batch); ``lr``, ``beta``, ``alpha``: floats or ``L`` per-layer values.
     ``blend_kernels``: where the guard blends, do it by this function's launches
     (:func:`.guard_blend.blend`, the Triton backend's) instead of torch ops: the same rule.
+    ``uu_later``: instead of ``uu``/``gg``, a callable that forms ``UᵀU`` (unscaled) when
+    called. Where a host read is free and nothing is carried, the full step's distance is then
+    first bounded without it (:func:`velocity_bound`), and ``UᵀU`` is formed only if some
+    layer's bound leaves the target: the same decisions, and ``dist_next`` is that bound where
+    it stayed within (an exact value otherwise).
     """
     lay = layout or Layout.of(a)
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
@@ -425,7 +443,7 @@ def middle(
     lr_, beta_, alpha_ = (lay.col(v) for v in (lr, beta, alpha))  # per-layer values broadcast to the blocks
     predict = radius is not None or limit is not None
     host = host_reads_free(a.device)  # (a CPU: skip what a host read shows is not needed)
-    scale = None
+    scale = scaled = None  # scaled: s² where the blocks were scaled
     if not predict:
         finite = all_finite(e, lay)  # E = θᵀg finite (without a prediction: the plain check)
     else:
@@ -441,6 +459,7 @@ def middle(
             # (in place: the callers' blocks are scratch of this step)
             s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
             s2 = s * s
+            scaled = s2
             e = e.mul_(s)  # E → sE (exact when s = 1)
             gg, uu = (m.mul_(s2) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
             if b is not None:
@@ -473,20 +492,32 @@ def middle(
     if not predict:
         return Middle(m_theta, m_phi, feedback, dist, finite)
 
+    # (per layer with several p: kept with the layout, keyed on the rule itself)
+    target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
+    d_full = None
+    if uu_later is not None and host and not carry:  # bound s²UᵀU first; form it only where that leaves the target
+        d_full = step_distance(a_minus_i, m_theta, t, None, lay)  # θ₊ᵀθ₊ − I − s²UᵀU
+        bound = lay.norm(d_full).to(torch.float64) + velocity_bound(phi_sq, g_norm, beta, lr, scale)
+        if full_steps_fit(bound, finite, target):  # the exact distances fit too: the same decisions
+            fits = storable(bound, p, stored)
+            if radius is None:
+                return Middle(m_theta, m_phi, feedback, dist, finite, None, bound, fits & all_finite(m_phi, lay))
+            return Middle(m_theta, m_phi, feedback, dist, finite, scale, bound, fits, guard_codes(scale))
+        uu = uu_later()
+        uu = uu.mul_(scaled) if scaled is not None else uu  # UᵀU → s²UᵀU
+        d_full = d_full.add_(uu)
     # s²UᵀU (the blocks are scaled); the blend kernels form it from its parts where no host check needs it first
     w = uu if uu is not None or (blend_kernels is not None and not host) else velocity_gram(c, h, gg, beta_, lr_, lay)
     if radius is None:  # only the prediction
         w = w if w is not None else velocity_gram(c, h, gg, beta_, lr_, lay)
-        d_full = step_distance(a_minus_i, m_theta, t, w, lay)
+        d_full = step_distance(a_minus_i, m_theta, t, w, lay) if d_full is None else d_full
         dist_next = lay.norm(d_full).to(torch.float64)
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi, lay)
         ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
-    # (per layer with several p: kept with the layout, keyed on the rule itself)
-    target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
     if host:
-        d_full = step_distance(a_minus_i, m_theta, t, w, lay)  # θ₊ᵀθ₊ − I of the full step
+        d_full = step_distance(a_minus_i, m_theta, t, w, lay) if d_full is None else d_full  # θ₊ᵀθ₊ − I, full step
         dist_full = lay.norm(d_full).to(torch.float64)
         # (a non-finite M_Φ makes the full step's distance non-finite: it does not fit, and the blend checks M_Φ)
         if full_steps_fit(dist_full, finite, target):  # t = 1 for every layer

@@ -209,13 +209,18 @@ class _Bucket:
         return (4 if self.reads_phi else 2) + (1 if self.predict else 0)
 
     def grams(
-        self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: list[torch.Tensor], carried: int = 0
+        self,
+        scratch: list[torch.Tensor],
+        gemm_chunks: list[_Chunk],
+        out: list[torch.Tensor],
+        carried: int = 0,
+        velocity: bool = True,
     ) -> None:
         """Into ``out``: ``[A, E]`` or ``[A, E, B, C]`` of a middle chunk (``(c, p, p)`` each), sums
-        over the (local) rows of θ; with a prediction also the guard's ``UᵀU`` (``U = βΦ − ηg``
-        formed in the g slot: one Gram instead of ``gᵀg`` and ``Φᵀg``; without Φ ``gᵀg``; ``‖g‖²``
-        is the group's, :func:`_grad_sq`). ``carried``: 1 where A, 3 where A, B and C
-        are already in ``out`` (carried from the last step: :mod:`.carry`), not formed again."""
+        over the (local) rows of θ; with a prediction and ``velocity`` also the guard's velocity
+        Gram (:meth:`_velocity`; ``‖g‖²`` is the group's, :func:`_grad_sq`). ``carried``: 1 where
+        A, 3 where A, B and C are already in ``out`` (carried from the last step: :mod:`.carry`),
+        not formed again."""
         s = gemm_chunks[0].s
         blocks = out[: self.block_count()]
         a, g_blk = blocks[:2]
@@ -230,17 +235,32 @@ class _Bucket:
                 self._ieee_gram(theta, a[r])
             else:
                 self._gram(theta, theta, a[r])  # A = θᵀθ
-            if self.predict and not self.reads_phi:
-                self._gram(grad, grad, blocks[2][r])  # G = gᵀg (U = −ηg)
-            if self.reads_phi:
-                phi = self._operand(scratch[1], self.bufs, ch)
-                if carried < 3:
-                    self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
-                    self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
-                if self.predict:  # U = βΦ − ηg into the g slot (g itself is read again by the update)
-                    u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
-                    torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
-                    self._gram(u, u, blocks[4][r])  # UᵀU
+            phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
+            if self.reads_phi and carried < 3:
+                self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
+                self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
+            if self.predict and velocity:
+                self._velocity(scratch, ch, grad, phi, blocks[-1][r])
+
+    def _velocity(self, scratch, ch: _Chunk, grad, phi, out: torch.Tensor) -> None:
+        """``out`` = the guard's ``UᵀU`` of a GEMM chunk (``U = βΦ − ηg`` formed in the g slot: one
+        Gram instead of ``gᵀg`` and ``Φᵀg``; g itself is read again by the update), or without Φ
+        ``G = gᵀg`` (U = −ηg)."""
+        if phi is None:
+            self._gram(grad, grad, out)  # G = gᵀg
+            return
+        u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
+        torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
+        self._gram(u, u, out)  # UᵀU
+
+    def velocity_grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: torch.Tensor) -> None:
+        """Into ``out`` (``(c, p, p)``): the velocity Grams of a middle chunk alone, in a pass of their
+        own (where the middle asks for them after all: :meth:`_Group.middle`)."""
+        s = gemm_chunks[0].s
+        for ch in gemm_chunks:
+            grad = self._operand(scratch[2], self.grads, ch)
+            phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
+            self._velocity(scratch, ch, grad, phi, out[ch.s - s : ch.e - s])
 
     def symmetric_slots(self) -> tuple[int, ...]:
         """Positions of the symmetric blocks (A, C, UᵀU or G) in what :meth:`grams` returns."""
@@ -394,7 +414,7 @@ class _Group:
     their p's: one ``(L, p, p)`` batch, or several p in one flat buffer) and one middle call
     serves them all (per-layer η, β, α where the buckets differ)."""
 
-    def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]], refresh: int = 1):
+    def __init__(self, members: list[tuple[_Bucket, list[_Chunk]]], refresh: int = 1, lazy: bool = False):
         self.members = members
         self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
         self.first = b = members[0][0]
@@ -413,6 +433,8 @@ class _Group:
         if refresh > 1 and b.predict and b.dtype == b.cdt:
             wide = all(m.n >= 2 * m.p for m, _ in members)
             self.carry = 3 if b.writes_phi and wide else 1
+        # the velocity Gram formed only where the middle's bound asks for it (see middle(uu_later=))
+        self.lazy = lazy and b.predict and not self.carry
         self.tensors = self._of("params") + (self._of("bufs") if b.writes_phi else [])
         self.key = ("carry", self.layout.groups, b.cdt) + tuple(id(t) for t in self.tensors)
 
@@ -437,8 +459,10 @@ class _Group:
             at += size
 
     def grams(self, scratch: dict[torch.dtype, list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` in the layout."""
+        """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` in the layout (the
+        velocity block left unfilled where :attr:`lazy`)."""
         b, lay = self.first, self.layout
+        self.scratch = scratch  # (for velocity_grams, if the middle asks)
         blocks = [lay.empty(b.cdt) for _ in range(b.block_count())]
         if b.predict:
             blocks.append(torch.empty((lay.count,), dtype=torch.float64, device=lay.device))
@@ -452,7 +476,7 @@ class _Group:
         self.age = entry.age + 1 if entry is not None else 0
         for member, gemm_chunks, s, e in self._spans():
             views = [lay.layers(blk, s, e) for blk in blocks[: b.block_count()]]
-            member.grams(scratch[member.cdt], gemm_chunks, views, carried)
+            member.grams(scratch[member.cdt], gemm_chunks, views, carried, velocity=not self.lazy)
         if b.predict:  # ‖g‖² per layer (float64: no overflow for a finite g), last
             _grad_sq(self._of("grads"), blocks[-1])
         return blocks
@@ -478,6 +502,9 @@ class _Group:
         # carried blocks are off the stored θ by one rounding per step carried: the guard's margin takes as many
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
+        if self.lazy:  # UᵀU only if the middle's bound leaves the target
+            velocity = grams[-1]
+            extra.update(gg=None, uu=None, uu_later=lambda: self._velocity_grams(velocity, hyper["lr"]))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
         # the update's coefficients [sβ, −sη] of every layer (s = 1 without a guard), in the compute dtype
@@ -492,8 +519,20 @@ class _Group:
             per_layer = (f[s:e] if f is not None else None for f in mid[3:])
             member.take(gemm_chunks, Middle(*blocks_of, *per_layer), coef[s:e], no_reset)
 
+    def _velocity_grams(self, out: torch.Tensor, lr) -> torch.Tensor:
+        """``out`` = every member's ``UᵀU`` (``U = βΦ − ηg``; without Φ ``η²gᵀg``) in the layout:
+        the velocity Grams of :meth:`grams`, in a pass of their own."""
+        lay = self.layout
+        for member, gemm_chunks, s, e in self._spans():
+            member.velocity_grams(self.scratch[member.cdt], gemm_chunks, lay.layers(out, s, e))
+        if not self.first.reads_phi:  # G = gᵀg: UᵀU = η²G
+            out.mul_(lay.col(lr) ** 2)
+        return out
 
-def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1, by_p: bool = False) -> list[_Group]:
+
+def _groups(
+    buckets: list[_Bucket], middle_numel: int, refresh: int = 1, by_p: bool = False, lazy: bool = False
+) -> list[_Group]:
     """The buckets' middle chunks, packed into groups of one block layout and at most
     ``middle_numel`` elements of live ``p × p`` blocks (as a bucket's middle chunks are), in a
     fixed order (the same on every rank). ``by_p``: one p per group (row shards: their Gram
@@ -506,7 +545,7 @@ def _groups(buckets: list[_Bucket], middle_numel: int, refresh: int = 1, by_p: b
     # a middle chunk's live elements (its layers' blocks)
     numel = lambda member: (member[1][-1].e - member[1][0].s) * _MIDDLE_BLOCKS * member[0].p ** 2  # noqa: E731
     return [
-        _Group(run, refresh)
+        _Group(run, refresh, lazy)
         for members in by_layout.values()
         for run in packed(sorted(members, key=lambda m: m[0].p), numel, max(1, middle_numel))
     ]
@@ -544,6 +583,7 @@ def prepare_torch(
     max_distance=None,
     variant="official",
     gram_refresh=1,
+    exact_next=True,
 ):
     check_precision(precision)
     device = device_of(params)
@@ -585,7 +625,9 @@ def prepare_torch(
         b.start(middle_numel, trust_radius, max_distance, variant)
     # Grams carried between steps (:mod:`.carry`): where host reads are free (a CPU), with a prediction, whole matrices
     carrying = gram_refresh > 1 and reduce is None and host_reads_free(device)
-    groups = _groups(buckets, middle_numel, gram_refresh if carrying else 1, by_p=reduce is not None)
+    # the guard's velocity Grams only where a bound leaves the target: where a host read decides it
+    lazy = not exact_next and reduce is None and host_reads_free(device)
+    groups = _groups(buckets, middle_numel, gram_refresh if carrying else 1, by_p=reduce is not None, lazy=lazy)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once
@@ -700,3 +742,4 @@ def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor
 
 prepare_torch.row_shards = True  # accepts reduce= and shapes= (row shards of larger matrices)
 prepare_torch.carries_grams = True  # accepts gram_refresh= (Gram blocks carried between steps on a CPU)
+prepare_torch.bounds_next = True  # accepts exact_next=False (dist_next may be a bound within the target)
