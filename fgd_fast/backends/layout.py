@@ -44,6 +44,7 @@ class _Index:
         self.memo: dict = {}
 
 
+_PIECES_KEPT = 8  # blocks whose per-group views a layout keeps (pieces)
 _indices: dict[tuple, _Index] = {}
 _INDEX_CAPACITY = 32  # unpinned entries kept, the oldest evicted first
 _pinned: set = set()  # entries used while a CUDA graph was captured: its replays read them, never evicted
@@ -65,6 +66,7 @@ class Layout:
         # how the middle's products run over this layout: None, torch (one batched product per
         # group); or a function of the backend's (the Triton backend's: one launch for every p)
         self.products = None
+        self._pieces: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (block, its views), newest first
         self.spans, at, first = [], 0, 0
         for n, p in self.groups:  # (flat start, first layer, layers, p) per group
             self.spans.append((at, first, n, p))
@@ -84,10 +86,16 @@ class Layout:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each group's ``(L_k, p_k, p_k)`` view of block ``x``."""
+        """Each group's ``(L_k, p_k, p_k)`` view of block ``x`` (the last few blocks' views are
+        kept: a block enters several products, and each view costs host time)."""
         if self.single:
             return [x]
-        return [x[at : at + n * p * p].view(n, p, p) for at, _, n, p in self.spans]
+        for held, views in self._pieces:
+            if held is x:
+                return views
+        views = [x[at : at + n * p * p].view(n, p, p) for at, _, n, p in self.spans]
+        self._pieces = [(x, views)] + self._pieces[: _PIECES_KEPT - 1]
+        return views
 
     def layers(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Layers ``first:end`` (within one group) of block ``x``, ``(end − first, p, p)``."""
