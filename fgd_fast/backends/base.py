@@ -148,7 +148,7 @@ def check_precision(precision: str) -> None:
 
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class TableCache(OrderedDict):

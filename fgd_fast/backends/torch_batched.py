@@ -72,8 +72,8 @@ __all__ = ["prepare_torch"]
 _MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of a layer (A, B, C, E, G, H, N, S, …, Δ, D₀, X₁, X₂)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 # symmetric Grams from this p on as block halves (¾ of the flops, one more call and a mirror copy);
-# measured on one CPU thread (Intel Xeon, MKL): 1.1× slower at p = 96–102, even at 128 × 1152,
-# 0.81–0.88× from p = 192 (an AMD EPYC broke even near p = 96)
+# one CPU thread (Intel Xeon, MKL; benchmarks/studies/cpu_host_ops.py): 1.1–1.7× slower up to
+# p = 128, even near p = 128–192, faster from p ≈ 256 (an AMD EPYC broke even near p = 96)
 _HALVES_FROM = 160
 # on a CPU (memory is plentiful, each call costs host time) a middle chunk may hold this many
 # elements and a stack slot this many, even for a model whose bytes would allow less (32 + 4 MB in fp32)
