@@ -146,7 +146,10 @@ class _Bucket:
 
     @staticmethod
     def _shaped(stack: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The layers of a stack, each viewed in its tensor's shape."""
+        """The layers of a stack, each viewed in its tensor's shape (two ops where they share one)."""
+        shape = tensors[0].shape
+        if all(t.shape == shape for t in tensors):
+            return list(stack.view(len(tensors), *shape).unbind(0))
         return [w.view(t.shape) for w, t in zip(stack.unbind(0), tensors)]
 
     def _stack(self, slot: torch.Tensor, tensors: list[torch.Tensor], ch: _Chunk) -> torch.Tensor:
@@ -368,8 +371,8 @@ class _Bucket:
             if self.reads_phi:
                 phi.mul_(beta_s)  # sβΦ
                 self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
-                if g_views is None:  # Φ₊ = sβΦ − sηg + θ M_Φ
-                    torch._foreach_addcmul_(self._shaped(phi, bufs), grads, list(eta_s.view(-1).unbind(0)))
+                if g_views is None:  # Φ₊ = sβΦ − sηg + θ M_Φ (g staged in the output slot, written after)
+                    phi.addcmul_(self._stack(scratch[2], self.grads, ch), eta_s)
                 else:
                     phi.addcmul_(g_views, eta_s)
                 _zero_where(phi, skip_u)  # reset: Φ₊ = 0
