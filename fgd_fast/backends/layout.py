@@ -44,7 +44,7 @@ class _Index:
         self.memo: dict = {}
 
 
-_PIECES_KEPT = 8  # blocks whose per-group views a layout keeps (pieces)
+_PIECES_KEPT = 16  # blocks whose per-group views a layout keeps (pieces)
 _indices: dict[tuple, _Index] = {}
 _INDEX_CAPACITY = 32  # unpinned entries kept, the oldest evicted first
 _pinned: set = set()  # entries used while a CUDA graph was captured: its replays read them, never evicted
@@ -100,10 +100,12 @@ class Layout:
 
     def layers(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Layers ``first:end`` (within one group) of block ``x``, ``(end − first, p, p)``."""
-        for at, start, n, p in self.spans:
+        if self.single:
+            return x if (first, end) == (0, self.count) else x[first:end]
+        for k, (_, start, n, _) in enumerate(self.spans):
             if start <= first and end <= start + n:
-                flat = x.reshape(-1)
-                return flat[at + (first - start) * p * p : at + (end - start) * p * p].view(-1, p, p)
+                piece = self.pieces(x)[k]  # (views kept: the group's blocks are handed out whole, mostly)
+                return piece if (first, end) == (start, start + n) else piece[first - start : end - start]
         raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
 
     def memo(self, key: tuple, p: torch.Tensor):

@@ -113,8 +113,8 @@ class _Bucket:
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
         self.c_o, self.m = (p, n) if rows else (n, p)  # W2 is c_o × m (a row shard may hold 0 rows)
         self.numel = n * p
-        self.viewable = [
-            all(_w2(t) is not None and t.dtype == self.cdt for t in ts)
+        self.viewable = [  # (a contiguous non-empty tensor is: no view made to find out)
+            all((t.numel() > 0 and t.is_contiguous() or _w2(t) is not None) and t.dtype == self.cdt for t in ts)
             for ts in zip(self.params, self.grads, *([self.bufs] if writes_phi else []))
         ]
 
@@ -175,7 +175,7 @@ class _Bucket:
         """``out = xᵀy`` for W2 operands (column views ``(c, n, p)``). For ``y is x`` and
         ``p >= _HALVES_FROM``, only the upper block triangle: ``[x₁ᵀx; x₂ᵀx₂]`` with x = [x₁ | x₂]
         (¾ of the flops), the lower-left block mirrored."""
-        xt = self._col(x).transpose(1, 2)
+        xt = x if self.rows else x.transpose(1, 2)  # θᵀ (rows: the W2 operand itself)
         if y is not x or self.p < _HALVES_FROM:
             torch.bmm(xt, self._col(y), out=out)
             return
@@ -527,7 +527,8 @@ class _Group:
         no_reset = host_reads_free(lay.device) and lrs_nonzero and (mid.scale is None or float(scale.min()) > 0)
         for member, gemm_chunks, s, e in self._spans():
             blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
-            per_layer = (f[s:e] if f is not None else None for f in mid[3:])
+            whole = (s, e) == (0, lay.count)
+            per_layer = (f if f is None or whole else f[s:e] for f in mid[3:])
             member.take(gemm_chunks, Middle(*blocks_of, *per_layer), coef[s:e], no_reset)
 
     def _velocity_grams(self, out: torch.Tensor, lr) -> torch.Tensor:
