@@ -94,7 +94,11 @@ class Layout:
         for held, views in self._pieces:
             if held is x:
                 return views
-        views = [x[at : at + n * p * p].view(n, p, p) for at, _, n, p in self.spans]
+        if x.is_contiguous():  # one op per group, not a slice and a view
+            base = x.storage_offset()
+            views = [x.as_strided((n, p, p), (p * p, p, 1), base + at) for at, _, n, p in self.spans]
+        else:
+            views = [x[at : at + n * p * p].view(n, p, p) for at, _, n, p in self.spans]
         self._pieces = [(x, views)] + self._pieces[: _PIECES_KEPT - 1]
         return views
 
