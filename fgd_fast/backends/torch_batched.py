@@ -325,8 +325,12 @@ class _Bucket:
         self.coef = (self.coefs[0] if len(self.coefs) == 1 else torch.cat(self.coefs)).view(count, 2, 1, 1)
         # a zero coefficient reads nothing (apply allocates nothing, so the masks are made here):
         # a reset (s = 0) over a non-finite g or Φ writes the pull-back, not 0·Inf
+        self.scalars = None
         if self.no_reset:
             self.zero_g = self.zero_u = None  # no layer resets (−sη ≠ 0 everywhere): no masks to apply
+            # (known where a host read is free) one [sβ, −sη] for every layer: sβΦ inside the product
+            rows = self.coef.view(count, 2).tolist()
+            self.scalars = tuple(rows[0]) if all(r == rows[0] for r in rows) else None
             return
         self.zero_g = self.coef[:, 1] == 0  # (count, 1, 1): −sη = 0
         self.zero_u = self.zero_g & (self.coef[:, 0] == 0)  # and sβ = 0: U = 0, and M_Φ = 0, so Φ₊ = 0
@@ -369,8 +373,11 @@ class _Bucket:
             else:  # Φ = 0 is not read: the slot starts as g
                 phi = self._stack(scratch[1], self.grads, ch)
             if self.reads_phi:
-                phi.mul_(beta_s)  # sβΦ
-                self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
+                if self.scalars is not None:  # sβΦ + θ M_Φ in one product (no pass of its own over Φ)
+                    self._add_theta_times(phi, theta, self.m_phi[i], beta=self.scalars[0])
+                else:
+                    phi.mul_(beta_s)  # sβΦ
+                    self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
                 if g_views is None:  # Φ₊ = sβΦ − sηg + θ M_Φ (g staged in the output slot, written after)
                     phi.addcmul_(self._stack(scratch[2], self.grads, ch), eta_s)
                 else:
