@@ -2,8 +2,10 @@
 at ≤ 0.75× the low-rank Cayley SGD on every CPU workload).
 
 Every round steps each contender once, in turn, on the main job's gradient stream (so load
-drifts hit all alike); the median over rounds is printed per workload with each contender's
-ratio to ``--base`` (default: the low-rank Cayley SGD). On a CPU it uses one torch thread by default, like the main job.
+drifts hit all alike; the order alternates from round to round); per workload it prints each
+contender's median step time with two ratios to ``--base`` (default: the low-rank Cayley SGD):
+the ratio of the medians, and the median of the rounds' ratios. On a CPU it uses one torch
+thread by default, like the main job.
 
     python -m benchmarks.studies.step_ratio [--scale cpu] [--rounds 30] [--threads 1]
         [--contenders fgd-torch cayley-sgd-lowrank ...] [--base cayley-sgd-lowrank]
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     where = env.get("gpu") or env.get("cpu")
     print(
         f"{where} | {torch.get_num_threads()} threads | load {env['load_average']} | torch {torch.__version__} | "
-        f"commit {env['commit']['id'][:7]} | {args.rounds} interleaved rounds, median (ratio to {args.base})"
+        f"commit {env['commit']['id'][:7]} | {args.rounds} interleaved rounds, median "
+        f"(ratio to {args.base}: of the medians, median per round)"
     )
     sync = synchronizer(device)
     names = [n for n in args.contenders if unavailable(contender(n), device) is None]
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         cases = {n: contender(n).make(w.model(device), w.rule, LR) for n in names}
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds + 3):
-            for n, case in cases.items():
+            order = list(cases.items())
+            for n, case in order if r % 2 else order[::-1]:  # (alternating order: no contender always first)
                 case.set_grads(pool[r % len(pool)])
                 sync()
                 t0 = time.perf_counter()
@@ -59,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
                     times[n].append(time.perf_counter() - t0)
         medians = {n: statistics.median(t) for n, t in times.items()}
         base = medians.get(args.base, float("nan"))
-        cells = ", ".join(f"{n} {m * 1e3:.2f} ms ({m / base:.2f}×)" for n, m in medians.items())
+        # also the median of each round's ratio: a round's steps run back to back, so a drift of the
+        # machine's speed (shared hosts: ±40% within minutes) hits both sides of a ratio alike
+        per_round = {n: statistics.median(a / b for a, b in zip(t, times[args.base])) for n, t in times.items()}
+        cells = ", ".join(f"{n} {m * 1e3:.2f} ms ({m / base:.2f}×, {per_round[n]:.2f}×)" for n, m in medians.items())
         print(f"{w.description}: {cells}")
 
 

@@ -78,7 +78,10 @@ _HALVES_FROM = 160
 # on a CPU (memory is plentiful, each call costs host time) a middle chunk may hold this many
 # elements and a stack slot this many, even for a model whose bytes would allow less (32 + 4 MB in fp32)
 _CPU_MIDDLE_FLOOR, _CPU_STACK_FLOOR = 1 << 23, 1 << 20
-_CPU_STACK_BELOW = 1 << 16  # on a CPU only layers of fewer elements are stacked (per-call overhead)
+# on a CPU only layers of fewer elements are stacked (per-call overhead against the copies): 2¹⁴
+# measured 1–4% faster per step than 2¹⁶ on every CPU workload, 2¹⁷ 7–23% slower
+# (benchmarks/studies/torch_knobs.py)
+_CPU_STACK_BELOW = 1 << 14
 
 
 def _w2(t: torch.Tensor) -> torch.Tensor | None:
