@@ -165,7 +165,7 @@ def plant(name: str) -> Callable[[], None]:
     elif name == "drop_velocity_gram":
         _replace("velocity_gram", lambda c, h, gg, beta, lr, layout=None: torch.zeros_like(gg), undo)
     elif name == "velocity_bound_dropped":
-        _replace("velocity_bound", lambda phi_sq, g_norm, beta, lr, scale=None: torch.zeros_like(g_norm), undo)
+        _replace("velocity_bound", lambda phi_norm, g_norm, beta, lr, scale=None: torch.zeros_like(g_norm), undo)
     elif name == "full_step_unchecked":
         _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":

@@ -46,8 +46,15 @@ from helpers import backend_reason
 # products with their elementwise terms fused in, the guard's kernels writing M_θ and the update's
 # scaled hyper-parameters; one buffer kept per class, the Gram slabs kept too; ‖g‖ taken as it
 # is; the checks read as one table) to 8 + 13; the torch backend's to 172 with one transposed read
-# for the bracket's E and NB terms and one for the step distance's two syms
-CEILING = {"torch": 172, "triton": 8}
+# for the bracket's E and NB terms and one for the step distance's two syms, to 158 with the
+# guard's velocity Gram formed only where its bound leaves the target (a CPU) and the update's
+# coefficients from the host where no layer is scaled, and back to 199 (the issue's goal: 200)
+# with the CPU's layers of 2¹⁴ elements and more read in place, not staged (here the 7 widest:
+# eight ops each instead of fifteen per stack, measured 3–8% faster per step on every CPU workload,
+# benchmarks/studies/torch_knobs.py)
+CEILING = {"torch": 199, "triton": 8}
+#: the issue's goal for the torch backend on this set (non-view aten ops per step)
+TORCH_TARGET = 200
 # split, Gram pass, the blocks' gather, update pass (one launch class: every layer here is W2ᵀ),
 # the fused middle's prologue and five product launches, and the guard's: distances per tile, the
 # rule per layer, the blended matrices
@@ -99,6 +106,8 @@ def test_ops_per_step_stay_under_the_ceiling(backend, monkeypatch):
         pytest.skip(reason or "counted on the CPU (a GPU run adds no information here)")
     ops, launches = _count_step(backend, monkeypatch)
     assert ops <= CEILING[backend], f"{backend}: {ops} aten ops per step (ceiling {CEILING[backend]})"
+    if backend == "torch":
+        assert ops <= TORCH_TARGET, ops
     if backend == "triton":
         assert launches <= TRITON_LAUNCHES, launches
         assert ops + launches <= TRITON_TARGET, (ops, launches)

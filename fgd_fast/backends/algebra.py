@@ -328,12 +328,12 @@ def velocity_gram(c, h, gg, beta: Scalar, lr: Scalar, layout: Layout | None = No
     return w
 
 
-def velocity_bound(phi_sq: torch.Tensor, g_norm: torch.Tensor, beta: Scalar, lr: Scalar, scale=None) -> torch.Tensor:
+def velocity_bound(phi_norm: torch.Tensor, g_norm: torch.Tensor, beta: Scalar, lr: Scalar, scale=None) -> torch.Tensor:
     """``(s(β‖Φ‖_F + η‖g‖_F))²`` per layer (float64): an upper bound of ``‖s²UᵀU‖_F`` for ``U = βΦ − ηg``
     (``‖UᵀU‖_F ≤ ‖U‖₂‖U‖_F ≤ ‖U‖²_F``, and the triangle inequality), from the norms the trust
     scale reads: no Gram. In training it is ~r² ≲ 1e-2 (``benchmarks/studies/guard_headroom.py``),
     far inside the guard's target."""
-    u = abs(_per_layer(beta)) * phi_sq.sqrt() + abs(_per_layer(lr)) * g_norm  # ‖U‖_F ≤ β‖Φ‖_F + η‖g‖_F
+    u = abs(_per_layer(beta)) * phi_norm + abs(_per_layer(lr)) * g_norm  # ‖U‖_F ≤ β‖Φ‖_F + η‖g‖_F
     u = u * scale if scale is not None else u
     return u * u
 
@@ -449,12 +449,14 @@ def middle(
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
-        if host and bool(finite_of(g_norm).all()):  # every ‖g‖ finite: E's own check is not needed
-            finite = finite_of(g_norm) & finite_of(phi_sq)
+        g_finite = finite_of(g_norm)
+        if host and bool(g_finite.all()):  # every ‖g‖ finite: E's own check is not needed
+            finite = g_finite & finite_of(phi_sq)
         else:
             finite = inputs_finite(g_norm, phi_sq, e, lay)
+        phi_norm = phi_sq.sqrt()  # ‖Φ‖_F
         if radius is not None:
-            scale, _ = trust_scale(phi_sq.sqrt(), g_norm, lr, radius)
+            scale, _ = trust_scale(phi_norm, g_norm, lr, radius)
         if scale is not None and not (host and float(scale.min()) == 1.0):  # s = 1 everywhere: nothing to scale
             # (in place: the callers' blocks are scratch of this step)
             s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
@@ -497,7 +499,7 @@ def middle(
     d_full = None
     if uu_later is not None and host and not carry:  # bound s²UᵀU first; form it only where that leaves the target
         d_full = step_distance(a_minus_i, m_theta, t, None, lay)  # θ₊ᵀθ₊ − I − s²UᵀU
-        bound = lay.norm(d_full).to(torch.float64) + velocity_bound(phi_sq, g_norm, beta, lr, scale)
+        bound = lay.norm(d_full).to(torch.float64) + velocity_bound(phi_norm, g_norm, beta, lr, scale)
         if full_steps_fit(bound, finite, target):  # the exact distances fit too: the same decisions
             fits = storable(bound, p, stored)
             if radius is None:

@@ -484,7 +484,9 @@ class _Group:
         velocity block left unfilled where :attr:`lazy`)."""
         b, lay = self.first, self.layout
         self.scratch = scratch  # (for velocity_grams, if the middle asks)
-        blocks = [lay.empty(b.cdt) for _ in range(b.block_count())]
+        blocks = [lay.empty(b.cdt) for _ in range(b.block_count() - (1 if self.lazy else 0))]
+        if self.lazy:
+            blocks.append(None)  # the velocity block: made if the middle asks (_velocity_grams)
         if b.predict:
             blocks.append(torch.empty((lay.count,), dtype=torch.float64, device=lay.device))
         entry = carry.take(self.key, self.tensors, self.refresh) if self.carry else None
@@ -496,7 +498,7 @@ class _Group:
                 blocks[2], blocks[3] = entry.blocks[1:]  # B, C
         self.age = entry.age + 1 if entry is not None else 0
         for member, gemm_chunks, s, e in self._spans():
-            views = [lay.layers(blk, s, e) for blk in blocks[: b.block_count()]]
+            views = [lay.layers(blk, s, e) if blk is not None else None for blk in blocks[: b.block_count()]]
             member.grams(scratch[member.cdt], gemm_chunks, views, carried, velocity=not self.lazy)
         if b.predict:  # ‖g‖² per layer (float64: no overflow for a finite g), last
             _grad_sq(self._of("grads"), blocks[-1])
@@ -524,17 +526,22 @@ class _Group:
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
         if self.lazy:  # UᵀU only if the middle's bound leaves the target
-            velocity = grams[-1]
-            extra.update(gg=None, uu=None, uu_later=lambda: self._velocity_grams(velocity, hyper["lr"]))
+            extra.update(gg=None, uu=None, uu_later=lambda: self._velocity_grams(lay.empty(b.cdt), hyper["lr"]))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
         # the update's coefficients [sβ, −sη] of every layer (s = 1 without a guard), in the compute dtype
         scale = mid.scale if mid.scale is not None else torch.ones(lay.count, dtype=torch.float64, device=lay.device)
         beta, lr = (self._hyper(name, torch.float64) for name in ("beta", "lr"))
-        coef = torch.stack([scale * beta, scale * -lr], 1).to(b.cdt)
+        host = host_reads_free(lay.device)
+        smallest = float(scale.min()) if host and mid.scale is not None else None
+        if host and smallest in (None, 1.0) and not isinstance(beta, torch.Tensor) and not isinstance(lr, torch.Tensor):
+            # s = 1 everywhere and one β, η: the [β, −η] rows from the host
+            coef = torch.tensor([[beta, -lr]] * lay.count, dtype=b.cdt, device=lay.device)
+        else:
+            coef = torch.stack([scale * beta, scale * -lr], 1).to(b.cdt)
         # no zero coefficient (so no masks for the update), where a host read is free to say so
         lrs_nonzero = all(m.lr != 0 for m, _ in self.members)
-        no_reset = host_reads_free(lay.device) and lrs_nonzero and (mid.scale is None or float(scale.min()) > 0)
+        no_reset = host and lrs_nonzero and (smallest is None or smallest > 0)
         for member, gemm_chunks, s, e in self._spans():
             blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
             whole = (s, e) == (0, lay.count)
