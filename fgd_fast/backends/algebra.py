@@ -19,7 +19,10 @@ target ``limit − margin``.
 * Exact distance. ``θ₊ = θK + sU`` with ``K = I + M_θ``, so ``θ₊ᵀθ₊ − I =
   KᵀAK + KᵀT + TᵀK − I + s²UᵀU`` with ``T = θᵀ(sU)`` and ``UᵀU = β²C − βη(H + Hᵀ) + η²G``
   from the Gram blocks ``H = Φᵀg``, ``G = gᵀg``: every term is a ``p × p`` block the step
-  has, so the prediction is the distance itself, not a bound.
+  has, so the prediction is the distance itself, not a bound. (Where a host read is free the
+  torch backend may first bound ``‖s²UᵀU‖_F`` by :func:`velocity_bound` and form ``UᵀU`` only
+  when a layer's bounded distance leaves the target: ``middle(uu_later=)``; the decisions are
+  those of the exact distances.)
 * Blend. The pull-back ``θ₊ = θK₀``, ``K₀ = I − αD`` (D = A − I), ``Φ₊ = 0`` is the step of
   weight 0; weight t writes ``θ₊ = θK₀ + t(θΔ + sU)`` with ``Δ = K − K₀`` and ``Φ₊ = t·Φ₊``,
   so ``θ₊ᵀθ₊ − I = D₀ + tX₁ + t²X₂``: ``D₀ = (1 − 2α)D + (α² − 2α)D² + α²D³`` (exact: K₀ is

@@ -27,6 +27,11 @@ Carried Grams (optional; a backend that supports them sets ``prepare.carries_gra
 ``gram_refresh`` — at most how many steps the backend may carry its Gram blocks from step to
 step (:mod:`.carry`; 1: never).
 
+Bounded predictions (optional; ``prepare.bounds_next = True``): ``exact_next=False`` lets
+``dist_next`` be an upper bound of the distance after the step where that bound is within the
+guard's target (the decisions are those of the exact distance, which the backend computes
+wherever a bound leaves the target); the default ``True`` always gives the distance.
+
 Row shards (optional; a backend that supports them sets ``prepare.row_shards = True``, the
 others only ever see whole matrices):
 

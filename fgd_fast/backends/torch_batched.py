@@ -14,7 +14,10 @@ buckets that share p and the block layout are grouped, so one middle serves them
    ``‖A − I‖_F``; with the step
    guard also its per-layer scale ``s`` (inputs from ``‖g‖²`` per layer in
    float64, taken in the Gram pass, reduced with the Grams under row shards) and its
-   prediction of the step's outcome.
+   prediction of the step's outcome. The prediction's velocity Gram ``UᵀU`` (``U = βΦ − ηg``)
+   comes from the Gram pass, or, where a host read is free and ``exact_next=False`` (what
+   :func:`fgd_fast.functional.fgd` passes for parameters that are not DTensors), from a pass of
+   its own only if the middle's bound of it leaves the target (:func:`.algebra.velocity_bound`).
 
 and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
 writes in place, layer by layer (or chunk by chunk):
