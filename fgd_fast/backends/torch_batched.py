@@ -360,11 +360,14 @@ class _Bucket:
                 self._update(scratch, ch)
 
     def _update(self, scratch, ch: _Chunk) -> None:
-        c, i = ch.e - ch.s, slice(ch.s, ch.e)
+        i = slice(ch.s, ch.e)
         theta = self._operand(scratch[0], self.params, ch)
-        out = scratch[2][: c * self.numel].view(c, self.c_o, self.m)
+        out = self._slot(scratch[2], ch)
         grads, params = self.grads[i], self.params[i]
-        beta_s, eta_s = self.coef[i, 0], self.coef[i, 1]  # (c, 1, 1): sβ and −sη
+        if self.scalars is not None:  # one [sβ, −sη] for every layer, as numbers
+            beta_s, eta_s = self.scalars
+        else:
+            beta_s, eta_s = self.coef[i, 0], self.coef[i, 1]  # (c, 1, 1): sβ and −sη
         skip_g, skip_u = (m[i] if m is not None else None for m in (self.zero_g, self.zero_u))  # (see finish)
         if ch.staged:
             g_views = None  # g is added layer by layer, in its own shape
@@ -384,10 +387,12 @@ class _Bucket:
                 else:
                     phi.mul_(beta_s)  # sβΦ
                     self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
-                if g_views is None:  # Φ₊ = sβΦ − sηg + θ M_Φ (g staged in the output slot, written after)
-                    phi.addcmul_(self._stack(scratch[2], self.grads, ch), eta_s)
+                # Φ₊ = sβΦ − sηg + θ M_Φ (a staged g goes through the output slot, written after)
+                g_term = self._stack(scratch[2], self.grads, ch) if g_views is None else g_views
+                if self.scalars is not None:
+                    phi.add_(g_term, alpha=eta_s)
                 else:
-                    phi.addcmul_(g_views, eta_s)
+                    phi.addcmul_(g_term, eta_s)
                 _zero_where(phi, skip_u)  # reset: Φ₊ = 0
             elif g_views is None:
                 _zero_where(phi.mul_(eta_s), skip_g)  # the slot holds g: −sηg
