@@ -105,11 +105,11 @@ class Layout:
     def layers(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Layers ``first:end`` (within one group) of block ``x``, ``(end − first, p, p)``."""
         if self.single:
-            return x if (first, end) == (0, self.count) else x[first:end]
+            return x if (first, end) == (0, self.count) else x.narrow(0, first, end - first)
         for k, (_, start, n, _) in enumerate(self.spans):
             if start <= first and end <= start + n:
                 piece = self.pieces(x)[k]  # (views kept: the group's blocks are handed out whole, mostly)
-                return piece if (first, end) == (start, start + n) else piece[first - start : end - start]
+                return piece if (first, end) == (start, start + n) else piece.narrow(0, first - start, end - first)
         raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
 
     def memo(self, key: tuple, p: torch.Tensor):

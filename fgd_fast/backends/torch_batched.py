@@ -95,6 +95,12 @@ def _w2(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """``x[first:end]`` along dim 0, as ``x`` itself where that is all of it (else one narrow: a
+    tensor's ``[a:b]`` costs several times the host time)."""
+    return x if first == 0 and end == x.shape[0] else x.narrow(0, first, end - first)
+
+
 class _Chunk:
     """Consecutive layers of a bucket, positions ``[s, e)``; ``staged``: their operands go
     through the scratch stacks (else each layer's products read its tensors in place)."""
@@ -242,22 +248,22 @@ class _Bucket:
         blocks = out[: self.block_count()]
         a, g_blk = blocks[:2]
         for ch in gemm_chunks:
-            r = slice(ch.s - s, ch.e - s)
+            f, e = ch.s - s, ch.e - s
             theta = self._operand(scratch[0], self.params, ch)
             grad = self._operand(scratch[2], self.grads, ch)
-            self._gram(theta, grad, g_blk[r])  # E = θᵀg
+            self._gram(theta, grad, _rows(g_blk, f, e))  # E = θᵀg
             if carried:
                 pass  # A carried
             elif self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
-                self._ieee_gram(theta, a[r])
+                self._ieee_gram(theta, _rows(a, f, e))
             else:
-                self._gram(theta, theta, a[r])  # A = θᵀθ
+                self._gram(theta, theta, _rows(a, f, e))  # A = θᵀθ
             phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
             if self.reads_phi and carried < 3:
-                self._gram(theta, phi, blocks[2][r])  # B = θᵀΦ
-                self._gram(phi, phi, blocks[3][r])  # C = ΦᵀΦ
+                self._gram(theta, phi, _rows(blocks[2], f, e))  # B = θᵀΦ
+                self._gram(phi, phi, _rows(blocks[3], f, e))  # C = ΦᵀΦ
             if self.predict and velocity:
-                self._velocity(scratch, ch, grad, phi, blocks[-1][r])
+                self._velocity(scratch, ch, grad, phi, _rows(blocks[-1], f, e))
 
     def _velocity(self, scratch, ch: _Chunk, grad, phi, out: torch.Tensor) -> None:
         """``out`` = the guard's ``UᵀU`` of a GEMM chunk (``U = βΦ − ηg`` formed in the g slot: one
@@ -383,10 +389,10 @@ class _Bucket:
                 phi = self._stack(scratch[1], self.grads, ch)
             if self.reads_phi:
                 if self.scalars is not None:  # sβΦ + θ M_Φ in one product (no pass of its own over Φ)
-                    self._add_theta_times(phi, theta, self.m_phi[i], beta=self.scalars[0])
+                    self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e), beta=self.scalars[0])
                 else:
                     phi.mul_(beta_s)  # sβΦ
-                    self._add_theta_times(phi, theta, self.m_phi[i])  # sβΦ + θ M_Φ
+                    self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # sβΦ + θ M_Φ
                 # Φ₊ = sβΦ − sηg + θ M_Φ (a staged g goes through the output slot, written after)
                 g_term = self._stack(scratch[2], self.grads, ch) if g_views is None else g_views
                 if self.scalars is not None:
@@ -396,20 +402,20 @@ class _Bucket:
                 _zero_where(phi, skip_u)  # reset: Φ₊ = 0
             elif g_views is None:
                 _zero_where(phi.mul_(eta_s), skip_g)  # the slot holds g: −sηg
-                self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
+                self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # Φ₊ = −sηg + θ M_Φ
             else:
                 _zero_where(torch.mul(g_views, eta_s, out=phi), skip_g)  # −sηg
-                self._add_theta_times(phi, theta, self.m_phi[i])  # Φ₊ = −sηg + θ M_Φ
-            self._add_theta_times(phi, theta, self.m_second[i], out=out)  # O = Φ₊ + θF
+                self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # Φ₊ = −sηg + θ M_Φ
+            self._add_theta_times(phi, theta, _rows(self.m_second, ch.s, ch.e), out=out)  # O = Φ₊ + θF
             if ch.staged:
                 torch._foreach_copy_(bufs, self._shaped(phi, bufs))  # Φ ← Φ₊
         elif g_views is None:
             torch._foreach_copy_(self._shaped(out, grads), grads)
             _zero_where(out.mul_(eta_s), skip_g)  # −sηg
-            self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
+            self._add_theta_times(out, theta, _rows(self.m_second, ch.s, ch.e))  # O = −sηg + θ M_θ
         else:
             _zero_where(torch.mul(g_views, eta_s, out=out), skip_g)  # −sηg
-            self._add_theta_times(out, theta, self.m_second[i])  # O = −sηg + θ M_θ
+            self._add_theta_times(out, theta, _rows(self.m_second, ch.s, ch.e))  # O = −sηg + θ M_θ
         if ch.staged:
             torch._foreach_add_(params, self._shaped(out, params))  # θ₊ = θ + O
         else:
@@ -552,9 +558,8 @@ class _Group:
         no_reset = host and lrs_nonzero and (smallest is None or smallest > 0)
         for member, gemm_chunks, s, e in self._spans():
             blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
-            whole = (s, e) == (0, lay.count)
-            per_layer = (f if f is None or whole else f[s:e] for f in mid[3:])
-            member.take(gemm_chunks, Middle(*blocks_of, *per_layer), coef[s:e], no_reset)
+            per_layer = (_rows(f, s, e) if f is not None else None for f in mid[3:])
+            member.take(gemm_chunks, Middle(*blocks_of, *per_layer), _rows(coef, s, e), no_reset)
 
     def _velocity_grams(self, out: torch.Tensor, lr) -> torch.Tensor:
         """``out`` = every member's ``UᵀU`` (``U = βΦ − ηg``; without Φ ``η²gᵀg``) in the layout:
