@@ -148,6 +148,18 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, a) -> torch.Tensor:
     return torch.add(x, y, alpha=a) if isinstance(a, (int, float)) else x + a * y
 
 
+def _axpy_(x: torch.Tensor, y: torch.Tensor, a) -> torch.Tensor:
+    """``x ← x + a·y`` in place (``x`` a temporary of the middle; each block it does not allocate
+    is one cold buffer fewer: the middle's ops are memory-bound on a CPU)."""
+    return x.add_(y, alpha=a) if isinstance(a, (int, float)) else x.add_(a * y)
+
+
+def _plus_t(lay: Layout, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + yᵀ`` per layer (a new tensor); with several p the gathered ``yᵀ`` is new already and
+    takes ``x`` in place."""
+    return x + lay.t(y) if lay.single else lay.t(y).add_(x)
+
+
 # -- the middle's products over a layout (per group; see :mod:`.layout`) ----------------------
 def _mm(lay: Layout, x, y, tx: bool = False) -> torch.Tensor:
     """``XY`` (``XᵀY`` with ``tx``) per layer."""
@@ -365,7 +377,7 @@ def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Ten
     # D + 2 sym(X) + sym(V) = D + Y + Yᵀ with Y = X + V/2: one transposed read, not two (on a CPU a
     # transposed operand is read element by element; not in place: Yᵀ may be a view)
     y = x.add_(v, alpha=0.5)
-    out = (y + lay.t(y)).add_(a_minus_i)
+    out = _plus_t(lay, y, y).add_(a_minus_i)
     return out.add_(w) if w is not None else out
 
 
@@ -478,8 +490,8 @@ def middle(
         nb = _i_plus_d(lay, a_minus_i, b, -1.0)  # NB = B − DB (and BᵀN = (NB)ᵀ: N is symmetric)
         # η sym(E) − αBᵀN = (η/2)E + Rᵀ, R = (η/2)E − α·NB: one transposed read for both (on a CPU a
         # transposed operand is read element by element)
-        inner = half_e + lay.t(_axpy(half_e, nb, -alpha_))
-        inner = _axpy(_axpy(inner.sub_(c), sb, -(beta_ - 1.0)), b, -alpha_)  # − C − (β−1)S − αB
+        inner = _plus_t(lay, half_e, _axpy(half_e, nb, -alpha_))
+        inner = _axpy_(_axpy_(inner.sub_(c), sb, -(beta_ - 1.0)), b, -alpha_)  # − C − (β−1)S − αB
         inner = _mm_add(lay, inner, nb, sb)  # + NB·S
         del nb, half_e
     m_phi = _i_plus_d(lay, a_minus_i, inner, -1.0)  # M_Φ = N[…] = […] − D[…]
@@ -489,7 +501,7 @@ def middle(
     if variant == "paper" or predict:
         t = e * (-lr_)  # T = θᵀ(sU) = β sB − η sE
         if b is not None:
-            t = _axpy(t, b, beta_)
+            t = _axpy_(t, b, beta_)
     if variant == "paper":  # the θ step's velocity projected on the tangent space
         z = lay.sym(_i_plus_d(lay, a_minus_i, m_phi, 1.0, t))  # sym(T + A M_Φ), A M_Φ = M_Φ + D M_Φ
         feedback = pull_back - _i_plus_d(lay, a_minus_i, z, -1.0)  # F = −α(A − I) − N sym(T + A M_Φ)

@@ -184,7 +184,7 @@ class Layout:
 
     def sym(self, x: torch.Tensor) -> torch.Tensor:
         """``sym(X) = (X + Xᵀ)/2`` per layer."""
-        return 0.5 * (x + self.t(x))
+        return (x + self.t(x)).mul_(0.5)
 
     def col(self, v):
         """A per-layer value (float, or ``L`` values in any shape) broadcast to the blocks' entries."""
