@@ -82,7 +82,7 @@ _HALVES_FROM = 160
 # elements and a stack slot this many, even for a model whose bytes would allow less (32 + 4 MB in fp32)
 _CPU_MIDDLE_FLOOR, _CPU_STACK_FLOOR = 1 << 23, 1 << 20
 # on a CPU only layers of fewer elements are stacked (per-call overhead against the copies): 2¹⁴
-# measured 1–4% faster per step than 2¹⁶ on every CPU workload, 2¹⁷ 7–23% slower
+# measured 2–8% faster per step than 2¹⁶ on every CPU workload, 2¹⁷ 4–28% slower than 2¹⁶
 # (benchmarks/studies/torch_knobs.py)
 _CPU_STACK_BELOW = 1 << 14
 

@@ -1,0 +1,70 @@
+"""The aten ops one optimizer step issues on each ``cpu``-scale workload: all of them (views
+included: on a CPU each costs host time), the non-view ones (:mod:`benchmarks.opcount`), and
+the flops of its matrix products.
+
+    python -m benchmarks.studies.torch_calls [--contenders fgd-torch cayley-sgd-lowrank]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.contenders import contender
+from benchmarks.machine import environment
+from benchmarks.measure import LR, gradient_pool
+from benchmarks.opcount import VIEWS
+from benchmarks.workloads import weight_shapes, workloads
+
+
+class _AllOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[str(func.overloadpacket)] += 1
+        if name in ("bmm", "mm", "baddbmm", "baddbmm_", "addmm", "addmm_"):
+            x, y = (args[0], args[1]) if name in ("bmm", "mm") else (args[1], args[2])
+            batch = x.shape[0] if x.dim() == 3 else 1
+            self.flops += 2 * batch * x.shape[-2] * x.shape[-1] * y.shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+def counts(name: str, w) -> tuple[int, int, int]:
+    """(all aten ops, non-view aten ops, product flops) of the fourth step of ``name`` on ``w``."""
+    device = torch.device("cpu")
+    pool = gradient_pool(weight_shapes(w), device)
+    case = contender(name).make(w.model(device), w.rule, LR)
+    for r in range(3):
+        case.set_grads(pool[r % len(pool)])
+        case.step()
+    case.set_grads(pool[3 % len(pool)])
+    with _AllOps() as seen:
+        case.step()
+    views = sum(v for k, v in seen.ops.items() if any(s in k for s in VIEWS))
+    total = sum(seen.ops.values())
+    return total, total - views, seen.flops
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank"])
+    args = ap.parse_args(argv)
+    env = environment(torch.device("cpu"))
+    print(f"torch {env['torch']} | commit {env['commit']['id'][:7]} | per step: aten ops (not views), product Gflop")
+    print("| workload | " + " | ".join(args.contenders) + " |")
+    print("|---|" + "---:|" * len(args.contenders))
+    for w in workloads("cpu"):
+        cells = [counts(name, w) for name in args.contenders]
+        print(f"| {w.description} | " + " | ".join(f"{a} ({b}), {f / 1e9:.3f}" for a, b, f in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
