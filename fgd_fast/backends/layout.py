@@ -94,7 +94,7 @@ class Layout:
         for held, views in self._pieces:
             if held is x:
                 return views
-        if x.is_contiguous():  # one op per group, not a slice and a view
+        if x.is_contiguous() and not torch.compiler.is_compiling():  # one op per group, not a slice and a view
             base = x.storage_offset()
             views = [x.as_strided((n, p, p), (p * p, p, 1), base + at) for at, _, n, p in self.spans]
         else:

@@ -153,8 +153,8 @@ class _Bucket:
     # -- operands -------------------------------------------------------------------------
     def _slot(self, slot: torch.Tensor, ch: _Chunk) -> torch.Tensor:
         """The first ``c`` layers' worth of ``slot`` as a (c, c_o, m) stack (W2 layout)."""
-        c = ch.e - ch.s  # (one op: the slot is a flat scratch tensor)
-        return slot.as_strided((c, self.c_o, self.m), (self.numel, self.m, 1), slot.storage_offset())
+        c = ch.e - ch.s  # (one op: the slot is a flat scratch tensor, from its own storage offset)
+        return slot.as_strided((c, self.c_o, self.m), (self.numel, self.m, 1))
 
     @staticmethod
     def _shaped(stack: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
