@@ -30,11 +30,12 @@ writes in place, layer by layer (or chunk by chunk):
 So a step that fails in ``prepare`` — a check, or lack of memory — has written nothing, and
 the step's extra memory is the p × p matrices plus a bounded scratch, not copies of θ, Φ and g.
 
-Operands. On a CPU every product reads the parameters, buffers and gradients where they are
-(``W.view(c_o, −1)``; no copies); a layer whose tensors cannot be viewed that way (e.g.
-``channels_last``) is staged through the scratch. On a GPU, equal-shape layers are staged into
-stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that small layers share one
-``bmm`` launch. Layout: when ``θ = W2ᵀ`` (``c_o ≤ m``, the usual case) the memory holds the rows
+Operands. On a CPU a layer of at least ``_CPU_STACK_BELOW`` (2¹⁴) elements is read where it is
+(``W.view(c_o, −1)``; no copies), and smaller equal-shape layers are staged into stacks (one
+``torch.stack`` each way) so that they share one ``bmm`` call; a layer whose tensors cannot be
+viewed that way (e.g. ``channels_last``) is staged through the scratch. On a GPU, equal-shape
+layers are staged into stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that
+small layers share one ``bmm`` launch. Layout: when ``θ = W2ᵀ`` (``c_o ≤ m``, the usual case) the memory holds the rows
 ``R = θᵀ``, and every product is taken in that layout (``(θM)ᵀ = MᵀR``).
 
 Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ, F`` of every layer,
