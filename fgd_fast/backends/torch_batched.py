@@ -35,8 +35,9 @@ Operands. On a CPU a layer of at least ``_CPU_STACK_BELOW`` (2¹⁴) elements is
 ``torch.stack`` each way) so that they share one ``bmm`` call; a layer whose tensors cannot be
 viewed that way (e.g. ``channels_last``) is staged through the scratch. On a GPU, equal-shape
 layers are staged into stacks of at most ``_STACK_FRACTION`` of the constrained bytes, so that
-small layers share one ``bmm`` launch. Layout: when ``θ = W2ᵀ`` (``c_o ≤ m``, the usual case) the memory holds the rows
-``R = θᵀ``, and every product is taken in that layout (``(θM)ᵀ = MᵀR``).
+small layers share one ``bmm`` launch. Layout: when ``θ = W2ᵀ`` (``c_o ≤ m``, the usual case)
+the memory holds the rows ``R = θᵀ``, and every product is taken in that layout
+(``(θM)ᵀ = MᵀR``).
 
 Memory (extra bytes of a step, ``s`` the item size): ``2·Σp²·s`` for ``M_Φ, F`` of every layer,
 plus the scratch (one output slot of the largest layer on a CPU; three stack slots of at most
@@ -76,7 +77,7 @@ __all__ = ["prepare_torch"]
 _MIDDLE_BLOCKS = 32  # (p, p) blocks alive at once in the middle of a layer (A, B, C, E, G, H, N, S, …, Δ, D₀, X₁, X₂)
 _STACK_FRACTION = 1 / 6  # a stack slot holds at most this share of the constrained bytes
 # symmetric Grams from this p on as block halves (¾ of the flops, one more call and a mirror copy);
-# one CPU thread (Intel Xeon, MKL; benchmarks/studies/cpu_host_ops.py): 1.1–1.7× slower up to
+# one CPU thread (Intel Xeon, MKL; benchmarks/studies/cpu_host_ops.py): 1.1–2× slower up to
 # p = 128, even near p = 128–192, faster from p ≈ 256 (an AMD EPYC broke even near p = 96)
 _HALVES_FROM = 160
 # on a CPU (memory is plentiful, each call costs host time) a middle chunk may hold this many
