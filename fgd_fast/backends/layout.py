@@ -167,7 +167,7 @@ class Layout:
         return index.p
 
     def _index(self) -> _Index:
-        key = (self.groups, self.device)
+        key = (self.groups, str(self.device))  # (a string: torch.compile guards on the dict by its keys)
         if key not in _indices:
             unpinned = [k for k in _indices if k not in _pinned]
             if len(unpinned) >= _INDEX_CAPACITY:
