@@ -236,12 +236,10 @@ def test_compiled_step_has_no_graph_break_with_checks_off():
     torch.testing.assert_close(w, ew, rtol=0, atol=1e-6)
 
 
-def test_compiled_step_with_named_groups_has_no_graph_break():
-    """Issue 19: with groups from stiefel_param_groups, fullgraph=True failed on the names'
-    WeakIdKeyDictionary."""
+def _compiled_step_matches_eager(net: nn.Module) -> None:
+    """A second step of ``net``'s FGD (torch backend, checks off), compiled with fullgraph=True,
+    equals the eager one."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 3))
     opt = fgd_fast.FGD(
         fgd_fast.stiefel_param_groups(net), lr=0.01, backend="torch", check_finite=False, check_manifold=False
     )
@@ -255,28 +253,21 @@ def test_compiled_step_with_named_groups_has_no_graph_break():
     torch.compile(opt.step, fullgraph=True, backend="eager")()
     for p, q in zip(net.parameters(), eager_net.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_compiled_step_with_named_groups_has_no_graph_break():
+    """Issue 19: with groups from stiefel_param_groups, fullgraph=True failed on the names'
+    WeakIdKeyDictionary."""
+    torch.manual_seed(0)
+    _compiled_step_matches_eager(nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 3)))
 
 
 def test_compiled_step_over_several_widths_has_no_graph_break():
     """Layers of several p share one middle (a multi-group layout): fullgraph=True failed inside
     Dynamo on the layout's index cache, keyed by a torch.device (found while reviewing the CPU
-    host path; the tests above have one p)."""
-    torch._dynamo.reset()
+    host path; the test above has one p)."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6))
-    opt = fgd_fast.FGD(
-        fgd_fast.stiefel_param_groups(net), lr=0.01, backend="torch", check_finite=False, check_manifold=False
-    )
-    for p in net.parameters():
-        p.grad = torch.randn_like(p) * 0.01
-    opt.step()
-    eager_net, eager_opt = copy.deepcopy((net, opt))
-    for p, q in zip(net.parameters(), eager_net.parameters()):
-        q.grad = p.grad.clone()
-    eager_opt.step()
-    torch.compile(opt.step, fullgraph=True, backend="eager")()
-    for p, q in zip(net.parameters(), eager_net.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    _compiled_step_matches_eager(nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6)))
 
 
 def test_compiled_step_breaks_only_at_the_check_sync():
