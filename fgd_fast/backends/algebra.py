@@ -444,11 +444,11 @@ def middle(
     ``(L, p, p)`` batch); ``lr``, ``beta``, ``alpha``: floats or ``L`` per-layer values.
     ``blend_kernels``: where the guard blends, do it by this function's launches
     (:func:`.guard_blend.blend`, the Triton backend's) instead of torch ops: the same rule.
-    ``uu_later``: instead of ``uu``/``gg``, a callable that forms ``UᵀU`` (unscaled) when
-    called. Where a host read is free and nothing is carried, the full step's distance is then
-    first bounded without it (:func:`velocity_bound`), and ``UᵀU`` is formed only if some
-    layer's bound leaves the target: the same decisions, and ``dist_next`` is that bound where
-    it stayed within (an exact value otherwise).
+    ``uu_later``: instead of ``uu``/``gg``, a callable that forms the velocity block (``UᵀU``, or
+    ``G = gᵀg`` without Φ; unscaled) when called. Where a host read is free and nothing is
+    carried, the full step's distance is then first bounded without it (:func:`velocity_bound`),
+    and the block is formed only if some layer's bound leaves the target: the same decisions, and
+    ``dist_next`` is that bound where it stayed within (an exact value otherwise).
     """
     lay = layout or Layout.of(a)
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
@@ -520,11 +520,12 @@ def middle(
             if radius is None:
                 return Middle(m_theta, m_phi, feedback, dist, finite, None, bound, fits & all_finite(m_phi, lay))
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, bound, fits, guard_codes(scale))
-        uu = uu_later()
-        uu = uu.mul_(scaled) if scaled is not None else uu  # UᵀU → s²UᵀU
-        d_full = d_full.add_(uu)
+        formed = uu_later()  # the Gram pass's velocity block after all: UᵀU, or G = gᵀg without Φ
+        formed = formed.mul_(scaled) if scaled is not None else formed  # → s²UᵀU or s²G, as the blocks
+        uu, gg = (formed, gg) if b is not None else (None, formed)
     # s²UᵀU (the blocks are scaled); the blend kernels form it from its parts where no host check needs it first
     w = uu if uu is not None or (blend_kernels is not None and not host) else velocity_gram(c, h, gg, beta_, lr_, lay)
+    d_full = d_full.add_(w) if d_full is not None else None  # (bounded above: now exact)
     if radius is None:  # only the prediction
         w = w if w is not None else velocity_gram(c, h, gg, beta_, lr_, lay)
         d_full = step_distance(a_minus_i, m_theta, t, w, lay) if d_full is None else d_full

@@ -499,10 +499,9 @@ class _Group:
         """Every member's Gram blocks, ``[A, E(, B, C)(, UᵀU or G)(, ‖g‖²)]`` in the layout (the
         velocity block left unfilled where :attr:`lazy`)."""
         b, lay = self.first, self.layout
-        self.scratch = scratch  # (for velocity_grams, if the middle asks)
         blocks = [lay.empty(b.cdt) for _ in range(b.block_count() - (1 if self.lazy else 0))]
         if self.lazy:
-            blocks.append(None)  # the velocity block: made if the middle asks (_velocity_grams)
+            blocks.append(None)  # the velocity block: made if the middle asks (velocity_grams)
         if b.predict:
             blocks.append(torch.empty((lay.count,), dtype=torch.float64, device=lay.device))
         entry = carry.take(self.key, self.tensors, self.refresh) if self.carry else None
@@ -529,8 +528,9 @@ class _Group:
         per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
         return torch.tensor(per_layer, dtype=dtype or self.first.cdt, device=self.layout.device)
 
-    def middle(self, blocks: list[torch.Tensor]) -> None:
-        """One middle over every member's layers (:func:`.algebra.middle`), handed back per member."""
+    def middle(self, blocks: list[torch.Tensor], scratch: dict[torch.dtype, list[torch.Tensor]]) -> None:
+        """One middle over every member's layers (:func:`.algebra.middle`), handed back per member
+        (``scratch``: for the velocity Grams, where :attr:`lazy` and the middle asks for them)."""
         b, lay = self.first, self.layout
         g_sq = blocks[-1] if b.predict else None
         grams = blocks[:-1] if b.predict else blocks
@@ -542,7 +542,7 @@ class _Group:
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
         if self.lazy:  # UᵀU only if the middle's bound leaves the target
-            extra.update(gg=None, uu=None, uu_later=lambda: self._velocity_grams(lay.empty(b.cdt), hyper["lr"]))
+            extra.update(gg=None, uu=None, uu_later=lambda: self.velocity_grams(lay.empty(b.cdt), scratch))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
         # the update's coefficients [sβ, −sη] of every layer (s = 1 without a guard), in the compute dtype
@@ -563,14 +563,11 @@ class _Group:
             per_layer = (_rows(f, s, e) if f is not None else None for f in mid[3:])
             member.take(gemm_chunks, Middle(*blocks_of, *per_layer), _rows(coef, s, e), no_reset)
 
-    def _velocity_grams(self, out: torch.Tensor, lr) -> torch.Tensor:
-        """``out`` = every member's ``UᵀU`` (``U = βΦ − ηg``; without Φ ``η²gᵀg``) in the layout:
-        the velocity Grams of :meth:`grams`, in a pass of their own."""
-        lay = self.layout
+    def velocity_grams(self, out: torch.Tensor, scratch: dict[torch.dtype, list[torch.Tensor]]) -> torch.Tensor:
+        """``out`` = every member's velocity block of :meth:`grams` (``UᵀU``, ``U = βΦ − ηg``;
+        without Φ ``gᵀg``) in the layout, in a pass of its own."""
         for member, gemm_chunks, s, e in self._spans():
-            member.velocity_grams(self.scratch[member.cdt], gemm_chunks, lay.layers(out, s, e))
-        if not self.first.reads_phi:  # G = gᵀg: UᵀU = η²G
-            out.mul_(lay.col(lr) ** 2)
+            member.velocity_grams(scratch[member.cdt], gemm_chunks, self.layout.layers(out, s, e))
         return out
 
 
@@ -675,7 +672,7 @@ def prepare_torch(
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once
-                g.middle(g.grams(scratch))
+                g.middle(g.grams(scratch), scratch)
             # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
             for b in buckets:
                 b.finish(check_finite, b.finite_flags() if check_finite and not b.predict else None)
@@ -690,7 +687,7 @@ def prepare_torch(
             bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
             sums.finish(bad)
             for g, blocks in zip(groups, held):
-                g.middle(blocks)
+                g.middle(blocks, scratch)
             for i, b in enumerate(buckets):
                 b.finish(check_finite, bad[i] == 0 if counted else None)
     step = _Step(buckets, scratch, precision, [g for g in groups if g.carry])
