@@ -9,11 +9,19 @@ from collections.abc import Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "count_ops", "VIEWS"]
+__all__ = ["OpCounter", "count_ops", "VIEWS", "is_view"]
 
-#: aten ops that only make views (no kernel): not counted
-VIEWS = ("view", "as_strided", "transpose", "aten.t", "expand", "unsqueeze", "squeeze", "select", "slice")
-VIEWS += ("permute", "detach", "alias", "reshape", "unbind", "split", "diagonal")
+#: aten ops that only make views (no kernel): not counted (matched by the whole name: ``index_select``
+#: or ``slice_scatter`` are kernels)
+VIEWS = ("view", "_unsafe_view", "as_strided", "transpose", "t", "expand", "unsqueeze", "squeeze", "select")
+VIEWS += ("slice", "narrow", "permute", "detach", "alias", "reshape", "_reshape_alias", "unbind", "split")
+VIEWS += ("split_with_sizes", "diagonal", "unfold", "view_as", "expand_as", "_nested_view_from_buffer")
+
+
+def is_view(name: str) -> bool:
+    """Whether the aten op ``name`` (e.g. ``"aten.view"``, ``"aten.unbind.int"``) only makes views."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1] in VIEWS
 
 
 class OpCounter(TorchDispatchMode):
@@ -25,7 +33,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if not any(v in name for v in VIEWS):
+        if not is_view(name):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 

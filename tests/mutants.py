@@ -95,6 +95,10 @@ MUTANTS = {
         "the torch backend's bounded prediction without its s²UᵀU bound (‖Y‖ alone decides)",
         ["tests/test_lazy_velocity.py::test_a_step_off_the_tangent_space_is_scaled_as_the_exact_rule_says[phi]"],
     ),
+    "step_bound_first_order_dropped": (
+        "the torch backend's product-free bound of the full step without its first-order term 2‖M + T‖",
+        ["tests/test_lazy_velocity.py::test_step_bound_is_an_upper_bound_and_attained"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -166,6 +170,13 @@ def plant(name: str) -> Callable[[], None]:
         _replace("velocity_gram", lambda c, h, gg, beta, lr, layout=None: torch.zeros_like(gg), undo)
     elif name == "velocity_bound_dropped":
         _replace("velocity_bound", lambda phi_norm, g_norm, beta, lr, scale=None: torch.zeros_like(g_norm), undo)
+    elif name == "step_bound_first_order_dropped":
+        norm = lambda m, lay: (lay or Layout.of(m)).norm(m).to(torch.float64)  # noqa: E731
+        _replace(
+            "step_bound",
+            lambda dist, m, t, layout=None: dist.double() * (1 + 2 * norm(m, layout)) + norm(m, layout) ** 2,
+            undo,
+        )
     elif name == "full_step_unchecked":
         _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":

@@ -1,8 +1,10 @@
 """The guard's velocity Gram on demand (the torch backend where a host read is free): the full
 step's distance is first bounded with ``‖s²UᵀU‖_F ≤ (s(β‖Φ‖ + η‖g‖))²``
-(:func:`fgd_fast.backends.algebra.velocity_bound`) and ``UᵀU`` is formed only where that bound
-leaves the target. The bound is an upper bound (equality included), the decisions and the
-step are those of the exact rule, and the Gram is skipped where the bound fits."""
+(:func:`fgd_fast.backends.algebra.velocity_bound`), the rest from norms alone
+(:func:`fgd_fast.backends.algebra.step_bound`) or, where that leaves the target, exactly; ``UᵀU`` is
+formed only where the bound still leaves the target. The bounds are upper bounds (equality
+included), the decisions and the step are those of the exact rule, and the Gram is skipped
+where the bound fits."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 import fgd_fast
 from fgd_fast.backends import algebra, torch_batched
+from fgd_fast.backends.layout import Layout
 from fgd_fast.backends.torch_batched import prepare_torch
 from fgd_fast.guards import MAX_DISTANCE, TRUST_RADIUS
 
@@ -41,6 +44,42 @@ def test_velocity_bound_is_an_upper_bound_and_attained():
             assert exact <= bound[k] * (1 + 1e-12)
             if torch.linalg.matrix_rank(g) == 1:
                 assert exact == pytest.approx(float(bound[k]), rel=1e-12)
+
+
+def _stiefel_step(theta, m, u):
+    """The exact ``θ₊ᵀθ₊ − I − UᵀU`` of ``θ₊ = θ(I + M) + U`` (float64), and ``T = θᵀU``."""
+    plus = theta @ (torch.eye(m.shape[0], dtype=m.dtype) + m) + u
+    return plus.T @ plus - torch.eye(m.shape[0], dtype=m.dtype) - u.T @ u, theta.T @ u
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-2, 0.3, 3.0])
+def test_step_bound_is_an_upper_bound_and_attained(scale):
+    """``step_bound`` against the exact distance without s²UᵀU, on θ off the manifold by ~scale/10,
+    random M and U of norm ~scale (one layer per shape, in one multi-p layout), and its equality
+    case: θ orthonormal, M = 0 and a symmetric T (then the distance is 2‖T‖_F, all first order)."""
+    gen = torch.Generator().manual_seed(int(scale * 1e6) % 1000)
+    shapes = [(30, 5), (7, 7), (40, 12)]
+    exact, m_blocks, t_blocks, dists = [], [], [], []
+    for n, p in shapes:
+        q = torch.linalg.qr(torch.randn(n, p, generator=gen, dtype=torch.float64))[0]
+        theta = q + 0.1 * scale * torch.randn(n, p, generator=gen, dtype=torch.float64) / n
+        m = scale * torch.randn(p, p, generator=gen, dtype=torch.float64) / p
+        u = scale * torch.randn(n, p, generator=gen, dtype=torch.float64) / n**0.5
+        d, t = _stiefel_step(theta, m, u)
+        exact.append(d.norm())
+        m_blocks.append(m.reshape(-1))
+        t_blocks.append(t.reshape(-1))
+        dists.append((theta.T @ theta - torch.eye(p, dtype=torch.float64)).norm())
+    lay = Layout([(1, p) for _, p in shapes])
+    bound = algebra.step_bound(torch.stack(dists), torch.cat(m_blocks), torch.cat(t_blocks), lay)
+    assert (torch.stack(exact) <= bound * (1 + 1e-12)).all()
+    q = torch.linalg.qr(torch.randn(20, 6, generator=gen, dtype=torch.float64))[0]
+    sym_t = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    sym_t = scale * (sym_t + sym_t.T)
+    d, t = _stiefel_step(q, torch.zeros(6, 6, dtype=torch.float64), q @ sym_t)
+    dist = (q.T @ q - torch.eye(6, dtype=torch.float64)).norm().reshape(1)
+    bound = algebra.step_bound(dist, torch.zeros(1, 6, 6, dtype=torch.float64), t.unsqueeze(0))
+    assert float(bound[0]) == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12)
 
 
 def _problem(seed: int, spike: float):

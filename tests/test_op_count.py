@@ -51,8 +51,10 @@ from helpers import backend_reason
 # coefficients from the host where no layer is scaled, and back to 199 (the issue's goal: 200)
 # with the CPU's layers of 2¹⁴ elements and more read in place, not staged (here the 7 widest:
 # eight ops each instead of fifteen per stack, measured 3–8% faster per step on every CPU workload,
-# benchmarks/studies/torch_knobs.py)
-CEILING = {"torch": 199, "triton": 8}
+# benchmarks/studies/torch_knobs.py), to 195 with the full step's distance first bounded from
+# norms (algebra.step_bound; its two products only where that bound leaves the target), and 198
+# once the counter matched view names whole (it had taken index_select, a gather, for a view)
+CEILING = {"torch": 198, "triton": 8}
 #: the issue's goal for the torch backend on this set (non-view aten ops per step)
 TORCH_TARGET = 200
 # split, Gram pass, the blocks' gather, update pass (one launch class: every layer here is W2ᵀ),
@@ -111,3 +113,15 @@ def test_ops_per_step_stay_under_the_ceiling(backend, monkeypatch):
     if backend == "triton":
         assert launches <= TRITON_LAUNCHES, launches
         assert ops + launches <= TRITON_TARGET, (ops, launches)
+
+
+def test_the_counter_tells_views_from_kernels():
+    """Views are not counted, gathers and scatters are (the names are matched whole)."""
+    x = torch.randn(4, 4)
+    with OpCounter() as count:
+        x.view(16).narrow(0, 1, 4)
+        x.transpose(0, 1).unbind(0)
+        x.index_select(0, torch.tensor([0, 2]))
+        torch.slice_scatter(x, torch.zeros(1, 4), 0, 0, 1)
+    assert count.ops.get("aten.index_select") == 1 and count.ops.get("aten.slice_scatter") == 1
+    assert not any(name.startswith(("aten.view", "aten.narrow", "aten.transpose", "aten.unbind")) for name in count.ops)

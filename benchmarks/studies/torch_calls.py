@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.contenders import contender
 from benchmarks.machine import environment
 from benchmarks.measure import LR, gradient_pool
-from benchmarks.opcount import VIEWS
+from benchmarks.opcount import is_view
 from benchmarks.workloads import weight_shapes, workloads
 
 
@@ -48,7 +48,7 @@ def counts(name: str, w) -> tuple[int, int, int]:
     case.set_grads(pool[3 % len(pool)])
     with _AllOps() as seen:
         case.step()
-    views = sum(v for k, v in seen.ops.items() if any(s in k for s in VIEWS))
+    views = sum(v for k, v in seen.ops.items() if is_view(k))
     total = sum(seen.ops.values())
     return total, total - views, seen.flops
 

@@ -20,9 +20,10 @@ target ``limit − margin``.
   KᵀAK + KᵀT + TᵀK − I + s²UᵀU`` with ``T = θᵀ(sU)`` and ``UᵀU = β²C − βη(H + Hᵀ) + η²G``
   from the Gram blocks ``H = Φᵀg``, ``G = gᵀg``: every term is a ``p × p`` block the step
   has, so the prediction is the distance itself, not a bound. (Where a host read is free the
-  torch backend may first bound ``‖s²UᵀU‖_F`` by :func:`velocity_bound` and form ``UᵀU`` only
-  when a layer's bounded distance leaves the target: ``middle(uu_later=)``; the decisions are
-  those of the exact distances.)
+  torch backend may first bound ``‖s²UᵀU‖_F`` by :func:`velocity_bound`, and the rest by
+  :func:`step_bound` from norms, and form the rest's two products and then ``UᵀU`` only when a
+  layer's bounded distance leaves the target: ``middle(uu_later=)``; the decisions are those of
+  the exact distances.)
 * Blend. The pull-back ``θ₊ = θK₀``, ``K₀ = I − αD`` (D = A − I), ``Φ₊ = 0`` is the step of
   weight 0; weight t writes ``θ₊ = θK₀ + t(θΔ + sU)`` with ``Δ = K − K₀`` and ``Φ₊ = t·Φ₊``,
   so ``θ₊ᵀθ₊ − I = D₀ + tX₁ + t²X₂``: ``D₀ = (1 − 2α)D + (α² − 2α)D² + α²D³`` (exact: K₀ is
@@ -381,6 +382,23 @@ def step_distance(a_minus_i, m, t, w, layout: Layout | None = None) -> torch.Ten
     return out.add_(w) if w is not None else out
 
 
+def step_bound(dist, m, t, layout: Layout | None = None) -> torch.Tensor:
+    """``(L,)`` float64 upper bound of ‖θ₊ᵀθ₊ − I − s²UᵀU‖_F from norms alone (no product): with
+    ``dist = ‖D‖_F``, :func:`step_distance`'s terms ``D + 2 sym(M + T) + 2 sym(DM) + MᵀAM +
+    2 sym(MᵀT)`` are bounded by ‖sym X‖ ≤ ‖X‖, ‖XY‖_F ≤ ‖X‖_F‖Y‖_F and ‖A‖₂ ≤ 1 + ‖D‖_F:
+
+    ``‖D‖ + 2‖M + T‖ + 2‖D‖‖M‖ + (1 + ‖D‖)‖M‖² + 2‖M‖‖T‖``.
+
+    Equal to the exact distance where M = 0 and T is symmetric; in ordinary training
+    (‖M‖, ‖T‖ ≲ 0.1) well inside the guard's target, so the middle's two products of
+    :func:`step_distance` run only where this leaves it."""
+    lay = layout or Layout.of(m)
+    d = dist.to(torch.float64)
+    nm, nt, nmt = lay.norms([m, t, m + t]).to(torch.float64).unbind(0)
+    # ‖D‖ + 2‖M + T‖ + ‖M‖(2‖D‖ + (1 + ‖D‖)‖M‖ + 2‖T‖)
+    return torch.addcmul(d + 2.0 * nmt, nm, torch.addcmul(2.0 * (d + nt), nm, 1.0 + d))
+
+
 def next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, layout: Layout) -> tuple[torch.Tensor, ...]:
     """``(A₊, B₊, C₊)``, the Gram blocks of the next step, from this step's ``p × p`` blocks
     (four products instead of three passes over θ and Φ): with ``θ₊ = θK + sU``, ``K = I + M``
@@ -447,8 +465,10 @@ def middle(
     ``uu_later``: instead of ``uu``/``gg``, a callable that forms the velocity block (``UᵀU``, or
     ``G = gᵀg`` without Φ; unscaled) when called. Where a host read is free and nothing is
     carried, the full step's distance is then first bounded without it (:func:`velocity_bound`),
-    and the block is formed only if some layer's bound leaves the target: the same decisions, and
-    ``dist_next`` is that bound where it stayed within (an exact value otherwise).
+    from norms alone (:func:`step_bound`) and, where that leaves the target, with the exact rest
+    (:func:`step_distance`); the block is formed only if some layer's bound still leaves the
+    target: the same decisions, and ``dist_next`` is the bound where it stayed within (an exact
+    value otherwise).
     """
     lay = layout or Layout.of(a)
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
@@ -513,8 +533,11 @@ def middle(
     target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
     d_full = None
     if uu_later is not None and host and not carry:  # bound s²UᵀU first; form it only where that leaves the target
-        d_full = step_distance(a_minus_i, m_theta, t, None, lay)  # θ₊ᵀθ₊ − I − s²UᵀU
-        bound = lay.norm(d_full).to(torch.float64) + velocity_bound(phi_norm, g_norm, beta, lr, scale)
+        velocity = velocity_bound(phi_norm, g_norm, beta, lr, scale)
+        bound = step_bound(dist, m_theta, t, lay) + velocity  # from norms: no product
+        if not full_steps_fit(bound, finite, target):  # the two products of the distance without s²UᵀU
+            d_full = step_distance(a_minus_i, m_theta, t, None, lay)  # θ₊ᵀθ₊ − I − s²UᵀU
+            bound = lay.norm(d_full).to(torch.float64) + velocity
         if full_steps_fit(bound, finite, target):  # the exact distances fit too: the same decisions
             fits = storable(bound, p, stored)
             if radius is None:

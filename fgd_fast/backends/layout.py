@@ -210,6 +210,12 @@ class Layout:
             return torch.cat([torch.linalg.matrix_norm(piece) for piece in self.pieces(x)])
         return self.sums(x * x).sqrt()
 
+    def norms(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """``(k, L)`` each layer's Frobenius norm in each of ``k`` blocks, by one multi-tensor op
+        over every layer's view (two ops in all, whatever the number of groups and blocks)."""
+        layers = [layer for x in blocks for piece in self.pieces(x) for layer in piece.unbind(0)]
+        return torch.stack(torch._foreach_norm(layers)).view(len(blocks), self.count)
+
     def trace(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` each layer's trace."""
         if self.single:
