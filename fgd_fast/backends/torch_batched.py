@@ -97,6 +97,12 @@ def _w2(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _parts(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """``x`` cut along dim 0 into consecutive parts of ``sizes`` rows (one op for all of them:
+    each ``narrow`` costs host time), or ``[x]`` where one part is all of it."""
+    return [x] if len(sizes) == 1 and sizes[0] == x.shape[0] else x.split(sizes)
+
+
 def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
     """``x[first:end]`` along dim 0, as ``x`` itself where that is all of it (else one narrow: a
     tensor's ``[a:b]`` costs several times the host time)."""
@@ -246,26 +252,26 @@ class _Bucket:
         Gram (:meth:`_velocity`; ``‖g‖²`` is the group's, :func:`_grad_sq`). ``carried``: 1 where
         A, 3 where A, B and C are already in ``out`` (carried from the last step: :mod:`.carry`),
         not formed again."""
-        s = gemm_chunks[0].s
-        blocks = out[: self.block_count()]
-        a, g_blk = blocks[:2]
-        for ch in gemm_chunks:
-            f, e = ch.s - s, ch.e - s
+        sizes = [ch.e - ch.s for ch in gemm_chunks]
+        # each block's rows per GEMM chunk ([A, E(, B, C)(, UᵀU or G)]; an unfilled block None)
+        blocks = [_parts(b, sizes) if b is not None else None for b in out[: self.block_count()]]
+        velocity = velocity and self.predict
+        for k, ch in enumerate(gemm_chunks):
             theta = self._operand(scratch[0], self.params, ch)
             grad = self._operand(scratch[2], self.grads, ch)
-            self._gram(theta, grad, _rows(g_blk, f, e))  # E = θᵀg
+            self._gram(theta, grad, blocks[1][k])  # E = θᵀg
             if carried:
                 pass  # A carried
             elif self.ieee_a:  # (cuBLAS's TF32 accumulation is biased: see _ieee_gram)
-                self._ieee_gram(theta, _rows(a, f, e))
+                self._ieee_gram(theta, blocks[0][k])
             else:
-                self._gram(theta, theta, _rows(a, f, e))  # A = θᵀθ
+                self._gram(theta, theta, blocks[0][k])  # A = θᵀθ
             phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
             if self.reads_phi and carried < 3:
-                self._gram(theta, phi, _rows(blocks[2], f, e))  # B = θᵀΦ
-                self._gram(phi, phi, _rows(blocks[3], f, e))  # C = ΦᵀΦ
-            if self.predict and velocity:
-                self._velocity(scratch, ch, grad, phi, _rows(blocks[-1], f, e))
+                self._gram(theta, phi, blocks[2][k])  # B = θᵀΦ
+                self._gram(phi, phi, blocks[3][k])  # C = ΦᵀΦ
+            if velocity:
+                self._velocity(scratch, ch, grad, phi, blocks[-1][k])
 
     def _velocity(self, scratch, ch: _Chunk, grad, phi, out: torch.Tensor) -> None:
         """``out`` = the guard's ``UᵀU`` of a GEMM chunk (``U = βΦ − ηg`` formed in the g slot: one
@@ -281,11 +287,10 @@ class _Bucket:
     def velocity_grams(self, scratch: list[torch.Tensor], gemm_chunks: list[_Chunk], out: torch.Tensor) -> None:
         """Into ``out`` (``(c, p, p)``): the velocity Grams of a middle chunk alone, in a pass of their
         own (where the middle asks for them after all: :meth:`_Group.middle`)."""
-        s = gemm_chunks[0].s
-        for ch in gemm_chunks:
+        for ch, part in zip(gemm_chunks, _parts(out, [ch.e - ch.s for ch in gemm_chunks])):
             grad = self._operand(scratch[2], self.grads, ch)
             phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
-            self._velocity(scratch, ch, grad, phi, out[ch.s - s : ch.e - s])
+            self._velocity(scratch, ch, grad, phi, part)
 
     def symmetric_slots(self) -> tuple[int, ...]:
         """Positions of the symmetric blocks (A, C, UᵀU or G) in what :meth:`grams` returns."""
@@ -363,11 +368,15 @@ class _Bucket:
 
     # -- apply: every write of the step ---------------------------------------------------
     def apply(self, scratch: list[torch.Tensor]) -> None:
-        for gemm_chunks in self.plan:
-            for ch in gemm_chunks:
-                self._update(scratch, ch)
+        chunks = [ch for gemm_chunks in self.plan for ch in gemm_chunks]
+        sizes = [ch.e - ch.s for ch in chunks]
+        # M_Φ and F (or M_θ) per GEMM chunk (M_Φ None without Φ)
+        m_phi = _parts(self.m_phi, sizes) if self.writes_phi else [None] * len(chunks)
+        for ch, mp, ms in zip(chunks, m_phi, _parts(self.m_second, sizes)):
+            self._update(scratch, ch, mp, ms)
 
-    def _update(self, scratch, ch: _Chunk) -> None:
+    def _update(self, scratch, ch: _Chunk, m_phi: torch.Tensor | None, m_second: torch.Tensor) -> None:
+        """The chunk's writes, with its rows ``m_phi`` of M_Φ and ``m_second`` of F (or M_θ)."""
         i = slice(ch.s, ch.e)
         theta = self._operand(scratch[0], self.params, ch)
         out = self._slot(scratch[2], ch)
@@ -391,10 +400,10 @@ class _Bucket:
                 phi = self._stack(scratch[1], self.grads, ch)
             if self.reads_phi:
                 if self.scalars is not None:  # sβΦ + θ M_Φ in one product (no pass of its own over Φ)
-                    self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e), beta=self.scalars[0])
+                    self._add_theta_times(phi, theta, m_phi, beta=self.scalars[0])
                 else:
                     phi.mul_(beta_s)  # sβΦ
-                    self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # sβΦ + θ M_Φ
+                    self._add_theta_times(phi, theta, m_phi)  # sβΦ + θ M_Φ
                 # Φ₊ = sβΦ − sηg + θ M_Φ (a staged g goes through the output slot, written after)
                 g_term = self._stack(scratch[2], self.grads, ch) if g_views is None else g_views
                 if self.scalars is not None:
@@ -404,20 +413,20 @@ class _Bucket:
                 _zero_where(phi, skip_u)  # reset: Φ₊ = 0
             elif g_views is None:
                 _zero_where(phi.mul_(eta_s), skip_g)  # the slot holds g: −sηg
-                self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # Φ₊ = −sηg + θ M_Φ
+                self._add_theta_times(phi, theta, m_phi)  # Φ₊ = −sηg + θ M_Φ
             else:
                 _zero_where(torch.mul(g_views, eta_s, out=phi), skip_g)  # −sηg
-                self._add_theta_times(phi, theta, _rows(self.m_phi, ch.s, ch.e))  # Φ₊ = −sηg + θ M_Φ
-            self._add_theta_times(phi, theta, _rows(self.m_second, ch.s, ch.e), out=out)  # O = Φ₊ + θF
+                self._add_theta_times(phi, theta, m_phi)  # Φ₊ = −sηg + θ M_Φ
+            self._add_theta_times(phi, theta, m_second, out=out)  # O = Φ₊ + θF
             if ch.staged:
                 torch._foreach_copy_(bufs, self._shaped(phi, bufs))  # Φ ← Φ₊
         elif g_views is None:
             torch._foreach_copy_(self._shaped(out, grads), grads)
             _zero_where(out.mul_(eta_s), skip_g)  # −sηg
-            self._add_theta_times(out, theta, _rows(self.m_second, ch.s, ch.e))  # O = −sηg + θ M_θ
+            self._add_theta_times(out, theta, m_second)  # O = −sηg + θ M_θ
         else:
             _zero_where(torch.mul(g_views, eta_s, out=out), skip_g)  # −sηg
-            self._add_theta_times(out, theta, _rows(self.m_second, ch.s, ch.e))  # O = −sηg + θ M_θ
+            self._add_theta_times(out, theta, m_second)  # O = −sηg + θ M_θ
         if ch.staged:
             torch._foreach_add_(params, self._shaped(out, params))  # θ₊ = θ + O
         else:
