@@ -5,9 +5,11 @@ Every round steps each contender once, in turn, on the main job's gradient strea
 drifts hit all alike; the order alternates from round to round); per workload it prints each
 contender's median step time with two ratios to ``--base`` (default: the low-rank Cayley SGD):
 the ratio of the medians, and the median of the rounds' ratios. On a CPU it uses one torch
-thread by default, like the main job.
+thread by default, like the main job. ``--faults`` adds each contender's median count of minor
+page faults per step (memory the allocator returned to the system and touches again: how much
+of it a step pays depends on what the process allocated before, e.g. the previous workload).
 
-    python -m benchmarks.studies.step_ratio [--scale cpu] [--rounds 30] [--threads 1]
+    python -m benchmarks.studies.step_ratio [--scale cpu] [--rounds 30] [--threads 1] [--faults]
         [--contenders fgd-torch cayley-sgd-lowrank ...] [--base cayley-sgd-lowrank]
 """
 
@@ -16,6 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+try:
+    import resource
+except ImportError:  # (not on Windows)
+    resource = None
 
 import torch
 
@@ -32,9 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (the main job uses 1)")
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank", "sgd"])
     ap.add_argument("--base", default="cayley-sgd-lowrank", help="the contender the ratios are taken to")
+    ap.add_argument("--faults", action="store_true", help="also the minor page faults per step (Unix)")
     args = ap.parse_args(argv)
     if args.base not in args.contenders:
         ap.error(f"--base {args.base} is not among --contenders")
+    if args.faults and resource is None:
+        ap.error("--faults needs the resource module (Unix)")
+    minor = (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt) if args.faults else (lambda: 0)  # noqa: E731
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -51,22 +62,28 @@ def main(argv: list[str] | None = None) -> None:
         pool = gradient_pool(weight_shapes(w), device)
         cases = {n: contender(n).make(w.model(device), w.rule, LR) for n in names}
         times: dict[str, list[float]] = {n: [] for n in names}
+        faults: dict[str, list[int]] = {n: [] for n in names}
         for r in range(args.rounds + 3):
             order = list(cases.items())
             for n, case in order if r % 2 else order[::-1]:  # (alternating order: no contender always first)
                 case.set_grads(pool[r % len(pool)])
                 sync()
-                t0 = time.perf_counter()
+                f0, t0 = minor(), time.perf_counter()
                 case.step()
                 sync()
                 if r >= 3:  # warm-up: momentum exists, tables built
                     times[n].append(time.perf_counter() - t0)
+                    faults[n].append(minor() - f0)
         medians = {n: statistics.median(t) for n, t in times.items()}
         base = medians.get(args.base, float("nan"))
         # also the median of each round's ratio: a round's steps run back to back, so a drift of the
         # machine's speed (shared hosts: ±40% within minutes) hits both sides of a ratio alike
         per_round = {n: statistics.median(a / b for a, b in zip(t, times[args.base])) for n, t in times.items()}
-        cells = ", ".join(f"{n} {m * 1e3:.2f} ms ({m / base:.2f}×, {per_round[n]:.2f}×)" for n, m in medians.items())
+        cells = ", ".join(
+            f"{n} {m * 1e3:.2f} ms ({m / base:.2f}×, {per_round[n]:.2f}×"
+            + (f"; {statistics.median(faults[n]):.0f} faults)" if args.faults else ")")
+            for n, m in medians.items()
+        )
         print(f"{w.description}: {cells}")
 
 
