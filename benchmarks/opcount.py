@@ -5,6 +5,7 @@ time). Used by the benchmark report and by ``tests/test_op_count.py``."""
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,7 +44,17 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_ops(fn: Callable[[], object]) -> int:
-    """The non-view aten ops one call of ``fn`` issues."""
-    with OpCounter() as counter:
-        fn()
+    """The non-view aten ops one call of ``fn`` issues (the torch backend's CPU step counted
+    outside ``torch.inference_mode``, which it enters: inside it the dispatcher shows composite
+    ops such as ``to`` or ``stack`` undecomposed, so the same kernels would count differently)."""
+    torch_batched = sys.modules.get("fgd_fast.backends.torch_batched")
+    kept = getattr(torch_batched, "_CPU_INFERENCE_MODE", None)
+    if kept is not None:
+        torch_batched._CPU_INFERENCE_MODE = 0
+    try:
+        with OpCounter() as counter:
+            fn()
+    finally:
+        if kept is not None:
+            torch_batched._CPU_INFERENCE_MODE = kept
     return counter.total

@@ -173,3 +173,45 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
     torch_batched._grad_sq(grads, want)
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
+
+
+def test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe():
+    """The CPU step runs in ``torch.inference_mode`` (its temporaries skip autograd's tracking),
+    yet what outlives it is normal: θ and Φ (written in place, versions bumped, so a graph that
+    saved θ refuses to backpropagate), the guard's counters, the layout's cached indices; Φ can
+    be changed in place afterwards (e.g. a checkpoint loaded into it), and the step matches the
+    same step outside inference mode bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(12, 5, 3, 3), (12, 5, 3, 3), (6, 20), (9, 9), (9, 9)]  # three p: a multi-group layout
+    runs = {}
+    for mode in (1, 0):
+        torch_batched._CPU_INFERENCE_MODE = mode
+        try:
+            gen.manual_seed(11)
+            params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+            opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="torch")
+            grads = torch.Generator().manual_seed(12)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=grads) * 0.1
+                opt.step()
+            runs[mode] = [p.detach().clone() for p in params]
+        finally:
+            torch_batched._CPU_INFERENCE_MODE = 1
+    for a, b in zip(runs[1], runs[0]):
+        assert torch.equal(a, b)
+    saved = (params[0] * params[0]).sum()  # saves θ for backward
+    version = params[0]._version
+    opt.step()
+    assert params[0]._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    for p in params:
+        state = opt.state[p]
+        tensors = [state["momentum_buffer"], p] + [t for t in state.values() if isinstance(t, torch.Tensor)]
+        assert not any(t.is_inference() for t in tensors)
+        state["momentum_buffer"].mul_(0.5)  # in place outside inference mode: allowed
+    from fgd_fast.backends import layout
+
+    for index in layout._indices.values():
+        assert not any(t.is_inference() for t in (index.layer, index.perm, index.diag, *index.eyes.values()))

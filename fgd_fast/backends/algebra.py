@@ -291,10 +291,15 @@ def _powers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     weights, and per weight the 9 coefficients ``[1, t, t²]ᵢ[1, t, t²]ⱼ`` that turn the inner
     products ``⟨Dᵢ, Dⱼ⟩`` into ``‖D₀ + tX₁ + t²X₂‖²`` (one product for every weight)."""
     if device not in _powers_on:
-        t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64)
-        v = torch.stack((torch.ones_like(t), t, t * t), 1)  # (k, 3)
-        _powers_on[device] = (t.to(device), (v[:, :, None] * v[:, None, :]).reshape(-1, 9).to(device))
+        with torch.inference_mode(False):  # (kept across steps: see torch_batched)
+            _powers_on[device] = _weight_powers(device)
     return _powers_on[device]
+
+
+def _weight_powers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.tensor(WEIGHTS[:-1], dtype=torch.float64)
+    v = torch.stack((torch.ones_like(t), t, t * t), 1)  # (k, 3)
+    return t.to(device), (v[:, :, None] * v[:, None, :]).reshape(-1, 9).to(device)
 
 
 class Blend(NamedTuple):

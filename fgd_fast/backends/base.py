@@ -175,7 +175,8 @@ class TableCache(OrderedDict):
             self.move_to_end(key)
             value = self[key]
         else:
-            value = self[key] = make()
+            with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
+                value = self[key] = make()
         if _capturing():
             self.pinned.add(key)
         unpinned = [k for k in self if k not in self.pinned]  # oldest first

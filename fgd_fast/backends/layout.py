@@ -117,7 +117,8 @@ class Layout:
         once per layout and key."""
         index = self._index()
         if key not in index.memo:
-            index.memo[key] = key[0](key[1], p, *key[2:])
+            with torch.inference_mode(False):
+                index.memo[key] = key[0](key[1], p, *key[2:])
         return index.memo[key]
 
     def cached(self, key: tuple, build):
@@ -125,7 +126,8 @@ class Layout:
         with the layout's indices (and, like them, pinned while a CUDA graph is captured)."""
         index = self._index()
         if key not in index.memo:
-            index.memo[key] = build()
+            with torch.inference_mode(False):
+                index.memo[key] = build()
         return index.memo[key]
 
     def tiles(self, tile: int, key: tuple, row) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +164,9 @@ class Layout:
         """``(L,)`` float64: each layer's p."""
         index = self._index()
         if index.p is None:
-            index.p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
-            index.p = index.p.to(self.device)
+            with torch.inference_mode(False):
+                p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
+                index.p = p.to(self.device)
         return index.p
 
     def _index(self) -> _Index:
@@ -172,7 +175,8 @@ class Layout:
             unpinned = [k for k in _indices if k not in _pinned]
             if len(unpinned) >= _INDEX_CAPACITY:
                 del _indices[unpinned[0]]
-            _indices[key] = _Index(self.groups, self.device)
+            with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
+                _indices[key] = _Index(self.groups, self.device)
         if _capturing():
             _pinned.add(key)
         return _indices[key]
@@ -229,8 +233,9 @@ class Layout:
             return torch.eye(self.groups[0][1], dtype=dtype, device=self.device)
         index = self._index()
         if dtype not in index.eyes:
-            eye = torch.zeros(self.numel, dtype=dtype, device=self.device)
-            eye[index.diag] = 1.0
+            with torch.inference_mode(False):
+                eye = torch.zeros(self.numel, dtype=dtype, device=self.device)
+                eye[index.diag] = 1.0
             index.eyes[dtype] = eye
         return index.eyes[dtype]
 

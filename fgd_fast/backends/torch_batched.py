@@ -60,6 +60,7 @@ sizes, so that every rank packs the same list.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -69,7 +70,16 @@ from .._matrix import stiefel_shape
 from ..collectives import packed
 from . import carry
 from .algebra import Middle, host_reads_free, join_checks, middle, store_unit
-from .base import check_precision, compute_dtype, device_of, fp32_matmuls, full_precision, layer_classes, plan_of
+from .base import (
+    StepPlan,
+    check_precision,
+    compute_dtype,
+    device_of,
+    fp32_matmuls,
+    full_precision,
+    layer_classes,
+    plan_of,
+)
 from .layout import Layout
 
 __all__ = ["prepare_torch"]
@@ -87,6 +97,10 @@ _CPU_MIDDLE_FLOOR, _CPU_STACK_FLOOR = 1 << 23, 1 << 20
 # measured 2–8% faster per step than 2¹⁶ on every CPU workload, 2¹⁷ 4–28% slower than 2¹⁶
 # (benchmarks/studies/torch_knobs.py)
 _CPU_STACK_BELOW = 1 << 14
+# on a CPU (eager, without row shards) the step runs in torch.inference_mode: its temporaries and
+# their views skip autograd's version and view tracking, measured 3–7% faster per step
+# (benchmarks/studies/torch_knobs.py); see _scratch_mode
+_CPU_INFERENCE_MODE = 1
 
 
 def _w2(t: torch.Tensor) -> torch.Tensor | None:
@@ -601,14 +615,30 @@ def _groups(
     ]
 
 
+def _scratch_mode(device: torch.device, reduce) -> contextlib.AbstractContextManager:
+    """``torch.inference_mode()`` for a step on a CPU (eager, without row shards; a null context
+    elsewhere). Inside it the step's temporaries (scratch, Gram blocks, the middle's matrices)
+    are inference tensors, which skip autograd's version and view tracking; the parameters and
+    momentum buffers it writes in place stay normal tensors (their version counters bumped, so a
+    graph that saved θ still refuses to backpropagate through the step). What outlives the step is
+    built outside it (layout indices and tables: ``torch.inference_mode(False)`` where they are
+    made), but for the plan's per-layer checks (read only) and the Gram blocks carried to the next
+    step (:mod:`.carry`, made and read only on this path)."""
+    if _CPU_INFERENCE_MODE and device.type == "cpu" and reduce is None and not torch.compiler.is_compiling():
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
 class _Step:
     """The buckets of one device, the scratch they share, and the precision of their products."""
 
-    def __init__(self, buckets, scratch, precision, groups=()):
+    def __init__(self, buckets, scratch, precision, groups=(), mode=contextlib.nullcontext):
         self.units, self.scratch, self.precision, self.groups = buckets, scratch, precision, groups
+        self.mode = mode  # makes the context apply runs in (see _scratch_mode)
 
     def apply(self) -> None:
-        with torch.no_grad(), fp32_matmuls(self.precision):  # (a context, not a decorator: torch.compile traces it)
+        # (contexts, not decorators: torch.compile traces them)
+        with torch.no_grad(), fp32_matmuls(self.precision), self.mode():
             for b in self.units:
                 b.apply(self.scratch[b.cdt])
         for g in self.groups:  # stamped with the versions the writes left
@@ -660,6 +690,15 @@ def prepare_torch(
             bucket += (tuple(shapes[i]), tuple(param.shape))
         return bucket
 
+    mode = lambda: _scratch_mode(device, reduce)  # noqa: E731
+    options = dict(check_finite=check_finite, reduce=reduce, gram_refresh=gram_refresh, exact_next=exact_next)
+    options.update(trust_radius=trust_radius, max_distance=max_distance, variant=variant)
+    with mode():
+        return _prepared(params, grads, bufs, key, device, precision, shapes, mode, **options)
+
+
+def _prepared(params, grads, bufs, key, device, precision, shapes, mode, **options) -> StepPlan:
+    """:func:`prepare_torch` after its arguments are checked: the buckets, then :func:`_planned`."""
     groups = layer_classes(len(params), key)
     buckets = [_Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
@@ -668,8 +707,27 @@ def prepare_torch(
         stacks = len(b.layers) > 1 and (device.type == "cuda" or b.numel < _CPU_STACK_BELOW)
         b.stack_numel = max(int(total * _STACK_FRACTION), floor) if stacks else 0
     # middle chunks from the full sizes with row shards: the same chunks (so reduced list) on every rank
-    middle_numel = total if shapes is None else sum(math.prod(s) for s in shapes)
+    middle_numel = total if shapes is None else sum(math.prod(shape) for shape in shapes)
     middle_numel = max(middle_numel, _CPU_MIDDLE_FLOOR if device.type == "cpu" else 0)
+    return _planned(buckets, device, middle_numel, precision, mode, **options)
+
+
+def _planned(
+    buckets,
+    device,
+    middle_numel,
+    precision,
+    mode,
+    *,
+    check_finite,
+    reduce,
+    gram_refresh,
+    exact_next,
+    trust_radius,
+    max_distance,
+    variant,
+):
+    """:func:`prepare_torch`'s step over its ``buckets``: scratch, Gram pass, middle, checks."""
     scratch = _scratch(buckets, middle_numel, device)
     for b in buckets:
         b.start(middle_numel, trust_radius, max_distance, variant)
@@ -699,7 +757,7 @@ def prepare_torch(
                 g.middle(blocks, scratch)
             for i, b in enumerate(buckets):
                 b.finish(check_finite, bad[i] == 0 if counted else None)
-    step = _Step(buckets, scratch, precision, [g for g in groups if g.carry])
+    step = _Step(buckets, scratch, precision, [g for g in groups if g.carry], mode)
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply
     return plan
@@ -770,7 +828,8 @@ _upper = {}
 def _upper_indices(p: int, device: torch.device) -> torch.Tensor:
     key = (p, device)
     if key not in _upper:
-        _upper[key] = torch.triu_indices(p, p, device=device)
+        with torch.inference_mode(False):  # (kept across steps)
+            _upper[key] = torch.triu_indices(p, p, device=device)
     return _upper[key]
 
 
