@@ -29,6 +29,8 @@ writes in place, layer by layer (or chunk by chunk):
 
 So a step that fails in ``prepare`` — a check, or lack of memory — has written nothing, and
 the step's extra memory is the p × p matrices plus a bounded scratch, not copies of θ, Φ and g.
+On a CPU (eager, without row shards) both run in ``torch.inference_mode`` (:func:`_scratch_mode`):
+the temporaries skip autograd's tracking, θ and Φ stay normal tensors.
 
 Operands. On a CPU a layer of at least ``_CPU_STACK_BELOW`` (2¹⁴) elements is read where it is
 (``W.view(c_o, −1)``; no copies), and smaller equal-shape layers are staged into stacks (one
@@ -98,8 +100,8 @@ _CPU_MIDDLE_FLOOR, _CPU_STACK_FLOOR = 1 << 23, 1 << 20
 # (benchmarks/studies/torch_knobs.py)
 _CPU_STACK_BELOW = 1 << 14
 # on a CPU (eager, without row shards) the step runs in torch.inference_mode: its temporaries and
-# their views skip autograd's version and view tracking, measured 3–7% faster per step
-# (benchmarks/studies/torch_knobs.py); see _scratch_mode
+# their views skip autograd's version and view tracking, measured 3–6% faster per step on three CPU
+# workloads, no gain on VGG-16 ×0.2 (benchmarks/studies/torch_knobs.py); see _scratch_mode
 _CPU_INFERENCE_MODE = 1
 
 
