@@ -99,6 +99,10 @@ MUTANTS = {
         "the torch backend's product-free bound of the full step without its first-order term 2‖M + T‖",
         ["tests/test_lazy_velocity.py::test_step_bound_is_an_upper_bound_and_attained"],
     ),
+    "layout_indices_inference": (
+        "the layout's cached indices built inside the CPU step's torch.inference_mode (they outlive it)",
+        ["tests/test_torch_backend.py::test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe"],
+    ),
     "no_newton_reset": (
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
@@ -177,6 +181,19 @@ def plant(name: str) -> Callable[[], None]:
             lambda dist, m, t, layout=None: dist.double() * (1 + 2 * norm(m, layout)) + norm(m, layout) ** 2,
             undo,
         )
+    elif name == "layout_indices_inference":
+        from fgd_fast.backends import layout
+
+        original = layout._Index.__init__
+
+        def init(self, *args, **kwargs):
+            with torch.inference_mode():
+                original(self, *args, **kwargs)
+
+        undo.append((layout, "_indices", {}))  # (the mutant's inference tensors not kept after it)
+        undo.append((layout._Index, "__init__", original))
+        layout._indices.clear()
+        layout._Index.__init__ = init
     elif name == "full_step_unchecked":
         _replace("full_steps_fit", lambda dist_full, movable, target: True, undo)
     elif name == "no_rounding_margin":
