@@ -28,7 +28,9 @@ __all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
 class GuardReport(NamedTuple):
     """What the guard did in one :func:`fgd` step."""
 
-    guarded: list[torch.Tensor | None]  # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None
+    # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None; read-only (on a CPU the
+    # torch backend makes it in torch.inference_mode: usable anywhere, not writable in place outside it)
+    guarded: list[torch.Tensor | None]
     read: list[int] | None  # the same, read at the checks' host synchronisation (None: no check ran)
     # per parameter: ‖θ₊ᵀθ₊ − I‖_F the step computed (0-d), exact to rounding; None where not predicted
     # or where the backend may have only bounded it within the target (prepare.bounds_next: the torch
