@@ -399,9 +399,10 @@ def step_bound(dist, m, t, layout: Layout | None = None) -> torch.Tensor:
 
     ``‖D‖ + 2‖M + T‖ + 2‖D‖‖M‖ + (1 + ‖D‖)‖M‖² + 2‖M‖‖T‖``.
 
-    Equal to the exact distance where M = 0 and T is symmetric; in ordinary training
-    (‖M‖, ‖T‖ ≲ 0.1) well inside the guard's target, so the middle's two products of
-    :func:`step_distance` run only where this leaves it."""
+    Equal to the exact distance where D = 0, M = 0 and T is symmetric. Its terms are of the
+    step's size and its square (in training ``r = ‖Φ‖ + η‖g‖ ≲ 0.1``,
+    ``benchmarks/studies/guard_headroom.py``), well inside the guard's target, so the middle's
+    two products of :func:`step_distance` run only where this leaves it."""
     lay = layout or Layout.of(m)
     d = dist.to(torch.float64)
     nm, nt, nmt = lay.norms([m, t, m + t]).to(torch.float64).unbind(0)
