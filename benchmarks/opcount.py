@@ -5,12 +5,13 @@ time). Used by the benchmark report and by ``tests/test_op_count.py``."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "count_ops", "VIEWS", "is_view"]
+__all__ = ["OpCounter", "counted", "count_ops", "VIEWS", "is_view"]
 
 #: aten ops that only make views (no kernel): not counted (matched by the whole name: ``index_select``
 #: or ``slice_scatter`` are kernels)
@@ -43,18 +44,25 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def count_ops(fn: Callable[[], object]) -> int:
-    """The non-view aten ops one call of ``fn`` issues (the torch backend's CPU step counted
-    outside ``torch.inference_mode``, which it enters: inside it the dispatcher shows composite
-    ops such as ``to`` or ``stack`` undecomposed, so the same kernels would count differently)."""
+@contextlib.contextmanager
+def counted() -> Iterator[OpCounter]:
+    """An :class:`OpCounter` over the block, with the torch backend's CPU step kept outside
+    ``torch.inference_mode``, which it enters otherwise: inside it the dispatcher shows composite
+    ops such as ``to`` or ``stack`` undecomposed, so the same kernels would count differently."""
     torch_batched = sys.modules.get("fgd_fast.backends.torch_batched")
     kept = getattr(torch_batched, "_CPU_INFERENCE_MODE", None)
     if kept is not None:
         torch_batched._CPU_INFERENCE_MODE = 0
     try:
         with OpCounter() as counter:
-            fn()
+            yield counter
     finally:
         if kept is not None:
             torch_batched._CPU_INFERENCE_MODE = kept
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    """The non-view aten ops one call of ``fn`` issues (counted as :func:`counted` does)."""
+    with counted() as counter:
+        fn()
     return counter.total

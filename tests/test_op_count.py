@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import fgd_fast
-from benchmarks.opcount import OpCounter
-from fgd_fast.backends import algebra, torch_batched
+from benchmarks.opcount import OpCounter, counted
+from fgd_fast.backends import algebra
 from helpers import backend_reason
 
 #: ceilings of non-view aten ops per step (measured on this set when they were set)
@@ -68,10 +68,6 @@ TRITON_TARGET = 24
 def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
     """(aten ops, Triton launches) of the third step (the first two create Φ and the tables)."""
     launches = [0]
-    # outside torch.inference_mode, which the torch backend's CPU step enters (inside it the
-    # dispatcher shows composite ops such as `to`, `item` or `stack` undecomposed, so the same
-    # kernels count differently; a GPU step never enters it)
-    monkeypatch.setattr(torch_batched, "_CPU_INFERENCE_MODE", 0)
     if backend == "triton":  # as on a GPU: the guard blends every layer (no full-step-first host read)
         monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
         from fgd_fast.backends import triton as tb
@@ -96,7 +92,7 @@ def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
             p.grad = torch.randn(p.shape, generator=gen) * 0.01
         if step == 2:
             launches[0] = 0
-            with OpCounter() as count:
+            with counted() as count:  # (the CPU step outside its inference mode: see counted)
                 opt.step()
         else:
             opt.step()

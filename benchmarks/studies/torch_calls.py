@@ -24,7 +24,6 @@ class _AllOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
-
         self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "rows"]
+
+
+def rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """``x[first:end]`` along dim 0, as ``x`` itself where that is all of it (else one narrow: a
+    tensor's ``[a:b]`` costs several times the host time)."""
+    return x if first == 0 and end == x.shape[0] else x.narrow(0, first, end - first)
 
 
 class _Index:
@@ -105,21 +111,17 @@ class Layout:
     def layers(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Layers ``first:end`` (within one group) of block ``x``, ``(end − first, p, p)``."""
         if self.single:
-            return x if (first, end) == (0, self.count) else x.narrow(0, first, end - first)
+            return rows(x, first, end)
         for k, (_, start, n, _) in enumerate(self.spans):
             if start <= first and end <= start + n:
                 piece = self.pieces(x)[k]  # (views kept: the group's blocks are handed out whole, mostly)
-                return piece if (first, end) == (start, start + n) else piece.narrow(0, first - start, end - first)
+                return rows(piece, first - start, end - start)
         raise ValueError(f"layers {first}:{end} span groups of {self.groups}")
 
     def memo(self, key: tuple, p: torch.Tensor):
         """``key[0](key[1], p, *key[2:])`` with p per layer (e.g. the guard's target), computed
         once per layout and key."""
-        index = self._index()
-        if key not in index.memo:
-            with torch.inference_mode(False):
-                index.memo[key] = key[0](key[1], p, *key[2:])
-        return index.memo[key]
+        return self.cached(key, lambda: key[0](key[1], p, *key[2:]))
 
     def cached(self, key: tuple, build):
         """``build()``, made once per layout, device and key (e.g. a kernel's work table): kept

@@ -83,6 +83,7 @@ from .base import (
     plan_of,
 )
 from .layout import Layout
+from .layout import rows as _rows
 
 __all__ = ["prepare_torch"]
 
@@ -117,12 +118,6 @@ def _parts(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | tuple[torc
     """``x`` cut along dim 0 into consecutive parts of ``sizes`` rows (one op for all of them:
     each ``narrow`` costs host time), or ``[x]`` where one part is all of it."""
     return [x] if len(sizes) == 1 and sizes[0] == x.shape[0] else x.split(sizes)
-
-
-def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
-    """``x[first:end]`` along dim 0, as ``x`` itself where that is all of it (else one narrow: a
-    tensor's ``[a:b]`` costs several times the host time)."""
-    return x if first == 0 and end == x.shape[0] else x.narrow(0, first, end - first)
 
 
 class _Chunk:
