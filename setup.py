@@ -8,7 +8,8 @@ installed wheel can still build the extension just in time; the sdist carries th
 (MANIFEST.in).
 
 The CUDA extension ``fgd_fast._C`` (``csrc/``, used by ``backend="cuda"``) is built only when
-a CUDA build of torch and a CUDA toolkit are present, or when ``FGD_FAST_BUILD_CUDA=1``
+a CUDA build of torch, a CUDA toolkit and a GPU (or ``TORCH_CUDA_ARCH_LIST`` naming the
+GPUs to build for) are present, or when ``FGD_FAST_BUILD_CUDA=1``
 (then a failure is an error); ``FGD_FAST_BUILD_CUDA=0`` skips it. Otherwise the build prints
 one line saying why it skipped, and ``backend="cuda"`` tries a just-in-time build on first use.
 """
@@ -44,6 +45,9 @@ def _cuda_extension() -> dict:
             reason = f"torch {torch.__version__} is a CPU-only build"
         elif CUDA_HOME is None:
             reason = "no CUDA toolkit found (set CUDA_HOME)"
+        elif not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            # (torch picks the architectures from the visible GPUs; with none its build raises)
+            reason = "no GPU visible to build for (set TORCH_CUDA_ARCH_LIST, e.g. '8.0;9.0', to name the GPUs)"
     if reason:
         if mode == "1":
             raise SystemExit(f"fgd_fast: FGD_FAST_BUILD_CUDA=1 but fgd_fast._C cannot be built: {reason}")

@@ -120,6 +120,39 @@ def test_setup_py_with_cpu_torch_skips_with_one_line_or_fails_when_forced():
     assert forced.returncode != 0 and "cannot be built" in (forced.stdout + forced.stderr)
 
 
+# setup.py run as pip runs it, with torch made to look like a CUDA build beside a toolkit on a
+# machine without a GPU (a build node, a container build): torch's own build would raise while
+# choosing the architectures, and an optional extension does not catch that
+_FAKE_CUDA_TORCH = """
+import runpy, sys
+import torch, torch.utils.cpp_extension as ce
+torch.version.cuda, ce.CUDA_HOME = "13.0", "/nonexistent/cuda"
+torch.cuda.is_available = lambda: False
+sys.argv = ["setup.py", "--version"]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("arch_list", [None, "9.0"])
+@pytest.mark.parametrize("mode", [None, "1"])
+def test_setup_py_without_a_gpu_needs_an_arch_list(arch_list, mode):
+    env = {k: v for k, v in os.environ.items() if k not in ("FGD_FAST_BUILD_CUDA", "TORCH_CUDA_ARCH_LIST")}
+    env.update({"FGD_FAST_BUILD_CUDA": mode} if mode else {})
+    env.update({"TORCH_CUDA_ARCH_LIST": arch_list} if arch_list else {})
+    run = subprocess.run(
+        [sys.executable, "-c", _FAKE_CUDA_TORCH], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    said = run.stdout + run.stderr
+    if arch_list:  # the GPUs are named: the extension is set up to build (--version builds nothing)
+        assert run.returncode == 0 and "skipping" not in said and "cannot be built" not in said, said
+    elif mode == "1":  # asked for: an error that says why
+        assert run.returncode != 0 and "cannot be built: no GPU visible" in said and "TORCH_CUDA_ARCH_LIST" in said
+    else:  # automatic: one line saying why, and the pure-Python install goes on
+        assert run.returncode == 0, said
+        skipped = [ln for ln in run.stdout.splitlines() if "skipping the CUDA extension" in ln]
+        assert len(skipped) == 1 and "no GPU visible" in skipped[0] and "TORCH_CUDA_ARCH_LIST" in skipped[0]
+
+
 # ---------------------------------------------------------------- on a GPU with the extension
 
 _REASON = backend_reason("cuda", "cuda") if torch.cuda.is_available() else "needs a CUDA device"
