@@ -254,10 +254,12 @@ class FGD(StiefelOptimizer):
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)
         orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
-        eucl: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        eucl: list[tuple[dict[str, Any], list[torch.Tensor]]] = []  # (a group's parameters come together)
         for group, p, text in self._params_with_grads():  # the one collection pass (checks the gradients)
             if not group["orthogonal"]:
-                eucl.setdefault(id(group), (group, []))[1].append(p)
+                if not eucl or eucl[-1][0] is not group:  # (no id(): torch 2.11's Dynamo cannot trace it on a dict)
+                    eucl.append((group, []))
+                eucl[-1][1].append(p)
                 continue
             beta, alpha = float(group["momentum"]), float(group["feedback"])
             self._warn_feedback_once(alpha)
@@ -306,7 +308,7 @@ class FGD(StiefelOptimizer):
                         last[p] = d  # (a device tensor: no synchronisation here)
                     else:
                         last.pop(p, None)
-        for group, ps in eucl.values():
+        for group, ps in eucl:
             self._sgd(
                 ps,
                 group,
@@ -432,8 +434,10 @@ class FGD(StiefelOptimizer):
 
     def _warn_feedback_once(self, alpha: float) -> None:
         lo, hi = FEEDBACK_RANGE
+        if lo <= alpha <= hi:  # (first: a compiled step traces no dict method; torch 2.11's Dynamo cannot)
+            return
         warned = self.__dict__.setdefault("_warned_feedback", set())
-        if not lo <= alpha <= hi and alpha not in warned:
+        if alpha not in warned:
             warned.add(alpha)
             warnings.warn(
                 f"feedback={alpha}: the drift off the manifold contracts by |1 − 2α| = {abs(1 - 2 * alpha):.3g} "

@@ -270,6 +270,48 @@ def test_compiled_step_over_several_widths_has_no_graph_break():
     _compiled_step_matches_eager(nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6)))
 
 
+def _reachable(root) -> list:
+    """Objects reachable from ``root`` through containers, closures and fgd_fast's own objects."""
+    import gc
+    import types
+
+    seen, todo, out = set(), [root], []
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        out.append(obj)
+        ours = type(obj).__module__.startswith("fgd_fast")
+        if ours or isinstance(obj, (list, tuple, dict, set, types.FunctionType, types.MethodType, types.CellType)):
+            todo.extend(gc.get_referents(obj))
+    return out
+
+
+def test_a_prepared_step_holds_no_named_tuple_of_ours():
+    """What the torch backend's plan keeps until ``apply`` (live across a compiled step's graph
+    break at the checks' host read) holds no NamedTuple made by the step: torch 2.11's Dynamo
+    cannot rebuild one there (an internal assertion, so ``torch.compile(opt.step)`` with the
+    checks on raised; seen with torch 2.11.0, fixed in later releases)."""
+    from fgd_fast.backends.torch_batched import prepare_torch
+
+    torch.manual_seed(0)
+    shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (6, 20), (16, 5)]
+    params = [fgd_fast.orthogonalize_(torch.randn(s)) for s in shapes]
+    grads = [0.01 * torch.randn(s) for s in shapes]
+    bufs = [0.001 * torch.randn(s) for s in shapes]
+    count = len(shapes)
+    plan = prepare_torch(
+        params, grads, bufs, [False] * count, lr=[0.01] * count, momentum=[0.9] * count, feedback=[0.4] * count,
+        check_finite=True, trust_radius=4.0, max_distance=0.5,
+    )  # fmt: skip
+    held = _reachable(plan)
+    assert any(type(o).__name__ == "_Bucket" for o in held)  # (the walk reaches the plan's buckets)
+    ours = [o for o in held if type(o).__module__.startswith("fgd_fast")]
+    assert not [type(o).__name__ for o in ours if isinstance(o, tuple)]  # (a NamedTuple is a tuple)
+    plan.apply()
+
+
 def test_compiled_step_breaks_only_at_the_check_sync():
     torch._dynamo.reset()
     w, opt = _compiled_setup(checks=True)

@@ -112,6 +112,12 @@ class Middle(NamedTuple):
     guarded: torch.Tensor | None = None  # (L,) int8: guards.KEPT / SCALED / RESET
     carried: tuple | None = None  # (A₊, B₊, C₊) or (A₊,) of the full step (see next_grams), where asked for
 
+    def checks(self) -> tuple:
+        """The per-layer fields ``dist … guarded``, in :class:`Checks`' order, as a plain tuple
+        (what outlives the middle: a compiled step may hold it across its graph break, where
+        torch 2.11's Dynamo cannot rebuild a NamedTuple made in the traced code)."""
+        return tuple(self[3:9])
+
 
 def mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ y``: a ``p × p`` product of the middle (into ``out`` if given)."""
@@ -641,16 +647,16 @@ class Checks(NamedTuple):
     guarded: torch.Tensor | None
 
 
-def join_checks(mids: list[Middle]) -> Checks:
-    def cat(name: str) -> torch.Tensor | None:
-        parts = [getattr(m, name) for m in mids]
-        if not parts or any(t is None for t in parts):
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+def join_checks(parts: list[tuple]) -> Checks:
+    """The per-layer checks of several middle batches (each :meth:`Middle.checks`), concatenated."""
 
-    return Checks(
-        cat("dist").to(torch.float64), cat("finite"), cat("scale"), cat("dist_next"), cat("finite_next"), cat("guarded")
-    )
+    def cat(k: int) -> torch.Tensor | None:
+        fields = [part[k] for part in parts]
+        if not fields or any(t is None for t in fields):
+            return None
+        return fields[0] if len(fields) == 1 else torch.cat(fields)
+
+    return Checks(cat(0).to(torch.float64), *(cat(k) for k in range(1, 6)))
 
 
 def velocity_blocks(

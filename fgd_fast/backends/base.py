@@ -488,7 +488,7 @@ def middle_of_runs(
                     m_t, m_p = (lay.layers(m, r.first - first, r.end - first) for m in (m_theta, mid.m_phi))
                     out[:, M_THETA].copy_(m_t.mT if transposed else m_t)  # M_θ = M_Φ − α(A − I) (or F)
                     out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
-            mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
+            mids.append(mid.checks())  # keep only the per-layer checks
     return join_checks(mids)
 
 

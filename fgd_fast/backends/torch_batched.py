@@ -321,7 +321,7 @@ class _Bucket:
                 self.m_phi = torch.empty((len(self.layers), self.p, self.p), dtype=self.cdt, device=self.device)
                 self.m_second = torch.empty_like(self.m_phi)
             self.m_phi[s:e], self.m_second[s:e] = mid.m_phi, second
-        self.mids.append(mid._replace(m_theta=None, m_phi=None, feedback=None))  # keep only the per-layer checks
+        self.mids.append(mid.checks())  # keep only the per-layer checks
         self.coefs.append(coef)
         self.no_reset = self.no_reset and no_reset
 
