@@ -3,10 +3,11 @@
 # (the versions of the lent GPU machine; CI pins torch 2.13.0 and Triton 3.8.0). Run it before a
 # GPU session, so that a version difference fails here and not in the few device minutes.
 #
-#   bash benchmarks/gpu/gpu_versions_on_cpu.sh [VENV] [pytest arguments ...]
+#   [PYTHON=python3.12] bash benchmarks/gpu/gpu_versions_on_cpu.sh [VENV] [pytest arguments ...]
 #
-# VENV (default /tmp/fgd-gpu-versions) is created once: about 4.7 GB, the CUDA build of torch
-# 2.11.0 from PyPI (the CPU build is not on PyPI; a CUDA build runs on a CPU). numpy stays below
+# VENV (default /tmp/fgd-gpu-versions) is created once, with $PYTHON (default python3; the GPU
+# machine has Python 3.12): about 4.7 GB, the CUDA build of torch 2.11.0 from PyPI (the CPU
+# build is not on PyPI; a CUDA build runs on a CPU). numpy stays below
 # 2.4: Triton 3.6's interpreter converts one-element arrays with int(), which numpy 2.4 refuses
 # ("only 0-dimensional arrays can be converted to Python scalars"); on a GPU the kernels are
 # compiled and any numpy works. The tests run from a fresh clone of HEAD in a temporary folder
@@ -17,7 +18,7 @@ venv="${1:-/tmp/fgd-gpu-versions}"
 shift || true
 want="torch==2.11.0 triton==3.6.0 numpy<2.4 pytest pytest-xdist pytest-benchmark hypothesis setuptools wheel geoopt scikit-learn matplotlib tqdm"
 if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
+  "${PYTHON:-python3}" -m venv "$venv"
 fi
 if ! "$venv/bin/python" -c "import torch, triton, numpy; assert torch.__version__.startswith('2.11.0') and triton.__version__ == '3.6.0' and numpy.__version__ < '2.4'" 2>/dev/null; then
   "$venv/bin/pip" install -q --disable-pip-version-check $want
