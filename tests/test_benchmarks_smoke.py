@@ -198,3 +198,19 @@ def test_middle_share_times_the_middle_inside_the_step():
     assert 0 < t["middle"] < t["fgd"] and t["cayley"] > 0
     assert torch_batched.middle is algebra.middle
     assert all(x > 0 for x in transposed_add(reps=2))
+
+
+@pytest.mark.parametrize("name", ["fgd-torch", "cayley-sgd-lowrank"])
+def test_op_time_sees_every_product_of_the_step(name):
+    """benchmarks/studies/op_time.py: its timed products add up to the flops that torch_calls
+    counts for the same step, and every class of op gets some time."""
+    from benchmarks.studies.op_time import profile
+    from benchmarks.studies.torch_calls import counts
+    from benchmarks.workloads import workloads
+
+    w = workloads("tiny")[1]
+    plain, timed = profile(name, w, steps=2)
+    assert plain > 0
+    assert sum(timed.flops.values()) / 2 == counts(name, w)[2]  # (the same steady step, twice)
+    assert all(timed.seconds[k] > 0 for k in ("small ops", "views"))
+    assert all(timed.seconds[k] > 0 for k in timed.flops)
