@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "counted", "count_ops", "VIEWS", "is_view"]
+__all__ = ["OpCounter", "counted", "count_ops", "VIEWS", "is_view", "PRODUCTS", "product"]
 
 #: aten ops that only make views (no kernel): not counted (matched by the whole name: ``index_select``
 #: or ``slice_scatter`` are kernels)
@@ -24,6 +24,20 @@ def is_view(name: str) -> bool:
     """Whether the aten op ``name`` (e.g. ``"aten.view"``, ``"aten.unbind.int"``) only makes views."""
     parts = name.split(".")
     return len(parts) >= 2 and parts[0] == "aten" and parts[1] in VIEWS
+
+
+#: the matrix products among aten ops (operands: the first two tensors, after the input added to for the others)
+PRODUCTS = ("bmm", "mm", "baddbmm", "baddbmm_", "addmm", "addmm_")
+
+
+def product(name: str, args) -> tuple | None:
+    """``(x, y, flops)`` of the aten op ``name`` (its packet name, e.g. ``"bmm"``) called with
+    ``args`` if it is a matrix product ``x @ y`` (2 flops per multiply-add), else None."""
+    if name not in PRODUCTS:
+        return None
+    x, y = (args[0], args[1]) if name in ("bmm", "mm") else (args[1], args[2])
+    batch = x.shape[0] if x.dim() == 3 else 1
+    return x, y, 2 * batch * x.shape[-2] * x.shape[-1] * y.shape[-1]
 
 
 class OpCounter(TorchDispatchMode):

@@ -23,10 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.contenders import contender
 from benchmarks.machine import environment
 from benchmarks.measure import LR, gradient_pool
-from benchmarks.opcount import is_view
+from benchmarks.opcount import is_view, product
 from benchmarks.workloads import weight_shapes, workloads
 
-_PRODUCTS = ("bmm", "mm", "baddbmm", "baddbmm_", "addmm", "addmm_")
 _LARGE = 1 << 14  # an op touching a tensor of at least this many elements is "large"
 
 
@@ -42,16 +41,16 @@ class _Timed(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         dt = time.perf_counter() - t0
         name = func.overloadpacket.__name__
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if name in _PRODUCTS:
-            x, y = tensors[:2] if name in ("bmm", "mm") else tensors[1:3]
+        found = product(name, args)
+        if found is not None:
+            x, y, flops = found
             key = f"{name} {tuple(x.shape)}·{tuple(y.shape)}"
-            batch = x.shape[0] if x.dim() == 3 else 1
-            self.flops[key] += 2 * batch * x.shape[-2] * x.shape[-1] * y.shape[-1]
+            self.flops[key] += flops
         elif is_view(str(func.overloadpacket)):
             key = "views"
         else:
-            key = "large elementwise" if any(t.numel() >= _LARGE for t in tensors) else "small ops"
+            large = any(isinstance(a, torch.Tensor) and a.numel() >= _LARGE for a in args)
+            key = "large elementwise" if large else "small ops"
         self.seconds[key] += dt
         self.calls[key] += 1
         return out

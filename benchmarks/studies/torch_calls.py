@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.contenders import contender
 from benchmarks.machine import environment
 from benchmarks.measure import LR, gradient_pool
-from benchmarks.opcount import is_view
+from benchmarks.opcount import is_view, product
 from benchmarks.workloads import weight_shapes, workloads
 
 
@@ -27,12 +27,10 @@ class _AllOps(TorchDispatchMode):
         self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
         self.ops[str(func.overloadpacket)] += 1
-        if name in ("bmm", "mm", "baddbmm", "baddbmm_", "addmm", "addmm_"):
-            x, y = (args[0], args[1]) if name in ("bmm", "mm") else (args[1], args[2])
-            batch = x.shape[0] if x.dim() == 3 else 1
-            self.flops += 2 * batch * x.shape[-2] * x.shape[-1] * y.shape[-1]
+        found = product(func.overloadpacket.__name__, args)
+        if found is not None:
+            self.flops += found[2]
         return func(*args, **(kwargs or {}))
 
 
