@@ -233,16 +233,16 @@ def fsdp_steps(
     events: list = []  # with bucket_bytes: the order of the last step's Gram groups and all-reduces
     if bucket_bytes is not None:
         import fgd_fast.collectives as fc
-        from fgd_fast.backends import torch_batched as tb
+        from fgd_fast.backends import torch_groups
 
         fc.BUCKET_BYTES = bucket_bytes
-        real = tb._Group.grams
+        real = torch_groups.Group.grams
 
         def grams(self, scratch):
             events.append(("gram", None))
             return real(self, scratch)
 
-        tb._Group.grams = grams
+        torch_groups.Group.grams = grams
     model = _sharded(world, placement, hsdp=hsdp)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), backend=backend, sharding=sharding, **HYPER)
     placements = {n: getattr(p.placements[-1], "dim", None) for n, p in model.named_parameters()}  # Shard(dim)

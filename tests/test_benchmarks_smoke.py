@@ -192,11 +192,11 @@ def test_middle_share_times_the_middle_inside_the_step():
     zero, not all of it) and is taken off again."""
     from benchmarks.studies.middle_share import step_and_middle, transposed_add
     from benchmarks.workloads import workloads
-    from fgd_fast.backends import algebra, torch_batched
+    from fgd_fast.backends import algebra, torch_groups
 
     t = step_and_middle(workloads("tiny")[0], rounds=1)
     assert 0 < t["middle"] < t["fgd"] and t["cayley"] > 0
-    assert torch_batched.middle is algebra.middle
+    assert torch_groups.middle is algebra.middle
     assert all(x > 0 for x in transposed_add(reps=2))
 
 

@@ -306,7 +306,7 @@ def test_a_prepared_step_holds_no_named_tuple_of_ours():
         check_finite=True, trust_radius=4.0, max_distance=0.5,
     )  # fmt: skip
     held = _reachable(plan)
-    assert any(type(o).__name__ == "_Bucket" for o in held)  # (the walk reaches the plan's buckets)
+    assert any(type(o).__name__ == "Bucket" for o in held)  # (the walk reaches the plan's buckets)
     ours = [o for o in held if type(o).__module__.startswith("fgd_fast")]
     assert not [type(o).__name__ for o in ours if isinstance(o, tuple)]  # (a NamedTuple is a tuple)
     plan.apply()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import algebra, torch_batched
+from fgd_fast.backends import algebra, torch_bucket
 from fgd_fast.backends.layout import Layout
 from fgd_fast.backends.torch_batched import prepare_torch
 from fgd_fast.guards import MAX_DISTANCE, TRUST_RADIUS
@@ -111,13 +111,13 @@ def _prepare(params, grads, bufs, *, exact_next: bool, guard: bool):
 def formed(monkeypatch):
     """Counts the passes that form the velocity Grams on demand."""
     calls = []
-    real = torch_batched._Bucket.velocity_grams
+    real = torch_bucket.Bucket.velocity_grams
 
     def counting(self, *args, **kwargs):
         calls.append(len(self.layers))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch_batched._Bucket, "velocity_grams", counting)
+    monkeypatch.setattr(torch_bucket.Bucket, "velocity_grams", counting)
     return calls
 
 

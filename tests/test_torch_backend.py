@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import algebra, torch_batched
+from fgd_fast.backends import algebra, torch_batched, torch_bucket, torch_groups
 from fgd_fast.backends.torch_batched import prepare_torch
 from helpers import device_for_tests, fgd_steps, stiefel_problem
 from test_fgd_oracle import _rel_err, _run
@@ -33,7 +33,7 @@ def mode(request, monkeypatch):
     if device_for_tests().type != "cpu" and request.param != "default":
         pytest.skip("the staging knobs are the CPU's; a GPU always stages")
     for name, value in MODES[request.param].items():
-        monkeypatch.setattr(torch_batched, name, value)
+        monkeypatch.setattr(torch_bucket if name == "_HALVES_FROM" else torch_batched, name, value)
     if request.param == "staged":  # as on a GPU: no host reads (every layer blended, every mask applied)
         monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
     return request.param
@@ -101,7 +101,7 @@ def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
     params, grads = stiefel_problem([(8, 4, 3, 3), (12, 5)])
     opt = fgd_steps(params, grads, "torch", steps=1)
     before = [p.detach().clone() for p in params], [opt.state[p]["momentum_buffer"].clone() for p in params]
-    real, calls = torch_batched._Bucket.take, []
+    real, calls = torch_bucket.Bucket.take, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -109,7 +109,7 @@ def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
             raise torch.OutOfMemoryError("simulated: out of memory")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_batched._Bucket, "take", failing)
+    monkeypatch.setattr(torch_bucket.Bucket, "take", failing)
     for p, g in zip(params, grads):
         p.grad = g.clone()
     with pytest.raises(torch.OutOfMemoryError):
@@ -169,9 +169,9 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     grads = list(torch.randn(3, 24, 216, generator=gen) * scale)
     grads[2][0, 0] = float("inf")
     got, want = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
-    torch_batched._grad_sq(grads, got)
+    torch_groups.grad_sq(grads, got)
     monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
-    torch_batched._grad_sq(grads, want)
+    torch_groups.grad_sq(grads, want)
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
 
 

@@ -23,13 +23,13 @@ from benchmarks.contenders import contender
 from benchmarks.machine import environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.workloads import weight_shapes, workloads
-from fgd_fast.backends import algebra, torch_batched
+from fgd_fast.backends import algebra, torch_groups
 
 
 def _timed_middle():
     """Wrap the torch backend's ``middle`` with a timer; returns (seconds list, undo)."""
     spent: list[float] = []
-    real = torch_batched.middle
+    real = torch_groups.middle
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -38,8 +38,8 @@ def _timed_middle():
         finally:
             spent.append(time.perf_counter() - t0)
 
-    torch_batched.middle = timed
-    return spent, lambda: setattr(torch_batched, "middle", real)
+    torch_groups.middle = timed
+    return spent, lambda: setattr(torch_groups, "middle", real)
 
 
 def step_and_middle(w, rounds: int) -> dict[str, float]:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    assert torch_batched.middle is algebra.middle, "the torch backend calls algebra.middle"
+    assert torch_groups.middle is algebra.middle, "the torch backend calls algebra.middle"
     env = environment(torch.device("cpu"))
     print(
         f"{env.get('cpu')} | 1 thread | load {env['load_average']} | torch {torch.__version__} | "

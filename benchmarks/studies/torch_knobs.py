@@ -5,7 +5,7 @@ both on the same gradients, each with ``fgd_fast.backends.<module>.<NAME>`` set 
 (``NAME`` for ``torch_batched``, ``module:NAME`` for another module of ``fgd_fast.backends``; the
 order alternates from round to round); per workload the median step times and the median of the
 rounds' ratios (second ÷ first) are printed. This is how the CPU thresholds ``_CPU_STACK_BELOW``
-and ``_HALVES_FROM`` were chosen, and how ``algebra._NORM_BOUND_FIRST`` was measured.
+and ``torch_bucket:_HALVES_FROM`` were chosen, and how ``algebra._NORM_BOUND_FIRST`` was measured.
 
     python -m benchmarks.studies.torch_knobs _CPU_STACK_BELOW 65536 16384 [--rounds 40]
     python -m benchmarks.studies.torch_knobs algebra:_NORM_BOUND_FIRST 0 1
