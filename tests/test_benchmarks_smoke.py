@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,18 @@ def test_op_time_sees_every_product_of_the_step(name):
     assert sum(timed.flops.values()) / 2 == counts(name, w)[2]  # (the same steady step, twice)
     assert all(timed.seconds[k] > 0 for k in ("small ops", "views"))
     assert all(timed.seconds[k] > 0 for k in timed.flops)
+
+
+def test_step_ratio_runs_the_workloads_asked_for(capsys):
+    """benchmarks/studies/step_ratio.py: ``--workloads`` runs only the workloads named, in that
+    order, one line each with both contenders' ratios; an index out of range is refused."""
+    from benchmarks.studies.step_ratio import main
+    from benchmarks.workloads import workloads
+
+    tiny = workloads("tiny")
+    main(["--scale", "tiny", "--rounds", "1", "--contenders", "fgd-torch", "sgd", "--base", "sgd", "--workloads", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == [tiny[1].description]
+    assert re.search(r"fgd-torch [\d.]+ \S+ \([\d.]+×, [\d.]+×\), sgd [\d.]+ \S+ \(1\.00×, 1\.00×\)$", lines[0])
+    with pytest.raises(SystemExit):
+        main(["--scale", "tiny", "--workloads", str(len(tiny))])

@@ -10,7 +10,13 @@ page faults per step (memory the allocator returned to the system and touches ag
 of it a step pays depends on what the process allocated before, e.g. the previous workload).
 
     python -m benchmarks.studies.step_ratio [--scale cpu] [--rounds 30] [--threads 1] [--faults]
-        [--contenders fgd-torch cayley-sgd-lowrank ...] [--base cayley-sgd-lowrank]
+        [--contenders fgd-torch cayley-sgd-lowrank ...] [--base cayley-sgd-lowrank] [--workloads 1]
+
+``--workloads`` picks workloads by index (default: all, in order). A workload's times depend on
+what the process ran before it: a contender that allocates temporaries every step (Cayley SGD)
+pays page faults in a fresh process until the allocator keeps larger blocks, which a workload run
+after a larger one finds already done; ``--faults`` shows it, and ``--workloads 1`` runs ResNet-50
+×0.2 first.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank", "sgd"])
     ap.add_argument("--base", default="cayley-sgd-lowrank", help="the contender the ratios are taken to")
     ap.add_argument("--faults", action="store_true", help="also the minor page faults per step (Unix)")
+    ap.add_argument("--workloads", type=int, nargs="+", help="indices of the workloads to run (default: all)")
     args = ap.parse_args(argv)
     if args.base not in args.contenders:
         ap.error(f"--base {args.base} is not among --contenders")
@@ -58,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     sync = synchronizer(device)
     names = [n for n in args.contenders if unavailable(contender(n), device) is None]
-    for w in workloads(args.scale):
+    every = workloads(args.scale)
+    if args.workloads and not all(0 <= i < len(every) for i in args.workloads):
+        ap.error(f"--workloads: indices 0–{len(every) - 1} ({', '.join(w.description for w in every)})")
+    for w in [every[i] for i in args.workloads] if args.workloads else every:
         pool = gradient_pool(weight_shapes(w), device)
         cases = {n: contender(n).make(w.model(device), w.rule, LR) for n in names}
         times: dict[str, list[float]] = {n: [] for n in names}
