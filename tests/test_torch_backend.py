@@ -33,7 +33,8 @@ def mode(request, monkeypatch):
     if device_for_tests().type != "cpu" and request.param != "default":
         pytest.skip("the staging knobs are the CPU's; a GPU always stages")
     for name, value in MODES[request.param].items():
-        monkeypatch.setattr(torch_bucket if name == "_HALVES_FROM" else torch_batched, name, value)
+        owner = torch_bucket if hasattr(torch_bucket, name) else torch_batched  # (setattr raises on a name it lacks)
+        monkeypatch.setattr(owner, name, value)
     if request.param == "staged":  # as on a GPU: no host reads (every layer blended, every mask applied)
         monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
     return request.param
