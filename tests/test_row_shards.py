@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fgd_fast._matrix import as_stiefel, from_stiefel, stiefel_shape
-from fgd_fast.backends import resolve_backend
+from fgd_fast.backends import resolve_backend, torch_bucket
 from fgd_fast.manifold import orthogonalize_
 from helpers import device_for_tests
 
@@ -102,12 +102,15 @@ def _problem(shapes, dtype, seed, with_phi, device):
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
-def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi):
+@pytest.mark.parametrize("halves", [False, True], ids=["one-product", "halves"])
+def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, halves, monkeypatch):
     device = device_for_tests()
     _, prepare = resolve_backend(backend, device)
     assert getattr(prepare, "row_shards", False)
-    # θ = W2ᵀ conv (p = 70 ≥ 64: block halves), two equal layers in one bucket, θ = W2 with
-    # 2 rows (empty shards on 3 ranks), and a Linear
+    if halves:  # the torch backend's symmetric Grams as block halves from p = 64 on (the default: from 160)
+        monkeypatch.setattr(torch_bucket, "_HALVES_FROM", 64)
+    # θ = W2ᵀ conv (p = 70: block halves where asked for), two equal layers in one bucket, θ = W2
+    # with 2 rows (empty shards on 3 ranks), and a Linear
     shapes = [(70, 9, 3, 3), (70, 9, 3, 3), (2, 1), (5, 7), (19, 4, 1, 1)]
     params, grads, bufs = _problem(shapes, dtype, seed=ranks, with_phi=with_phi, device=device)
     grads[3][0, 0] = float("nan")  # reported as not finite by every rank

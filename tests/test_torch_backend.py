@@ -49,6 +49,35 @@ def test_every_product_path_matches_the_float64_oracle(mode, problem):
             assert _rel_err(fgd_fast.as_stiefel(opt.state[p]["momentum_buffer"]), phi) < 1e-11
 
 
+class _ProductShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the output shape of every ``bmm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.bmm:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["default", "halves", "staged-halves"], indirect=True)
+def test_halves_modes_form_the_symmetric_grams_in_halves(mode):
+    """The modes that ask for block halves take them (so the oracle test above covers that path):
+    the symmetric Grams come as an upper block row ``(c, h, p)`` and a ``(c, p − h, p − h)`` corner
+    (h = ⌊p/2⌋); the default (halves from p = 160) forms these p = 5 and 6 blocks whole."""
+    params, grads = stiefel_problem([(12, 5), (6, 2, 3, 1)])
+    opt = fgd_steps(params, grads, "torch", steps=1)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    with _ProductShapes() as seen:
+        opt.step()
+    halves = {shape[1:] for shape in seen.shapes} & {(2, 5), (3, 3), (3, 6)}
+    assert halves == (set() if mode == "default" else {(2, 5), (3, 3), (3, 6)}), seen.shapes
+
+
 class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
     """Records every aten op that returns a tensor on storage none of its inputs had."""
 
