@@ -6,7 +6,9 @@ One thread, float32, the shapes of the ``cpu``-scale benchmark workloads:
 * equal-shape layers staged into a stack by ``torch.stack(out=)`` or by ``_foreach_copy_``
   into per-layer views;
 * a multi-``p`` layout's per-layer sums and norms by ``segment_reduce`` or per group
-  (``Layout.sums``, ``Layout.norm``), and ``a + bᵀ`` by ``index_select`` or per group.
+  (``Layout.sums``, ``Layout.norm``), and ``a + bᵀ`` by ``index_select`` or per group;
+* the norms of three blocks per layer (``Layout.norms``, the guard's bound) per group over the
+  stacked blocks or by one multi-tensor norm over every layer's view.
 
     python -m benchmarks.studies.cpu_host_ops [--reps 300]
 
@@ -86,10 +88,17 @@ def _layout(name: str, groups: list[tuple[int, int]], reps: int) -> list[tuple[s
         best_us(lambda: segment(x * x).sqrt(), reps),
     )
     plus_t = best_us(lambda: x + x.index_select(0, index.perm), reps), best_us(per_group_plus_t, reps)
+    blocks = [torch.randn(lay.numel) for _ in range(3)]
+    every_layer = lambda: [layer for b in blocks for q in lay.pieces(b) for layer in q.unbind(0)]  # noqa: E731
+    three = (
+        best_us(lambda: lay.norms(blocks), reps),  # (on a CPU: per group)
+        best_us(lambda: torch.stack(torch._foreach_norm(every_layer())).view(3, lay.count), reps),
+    )
     return [
         (f"{name} sums: per group \\| segment_reduce", *sums),
         (f"{name} norms: per group \\| segment_reduce", *norms),
         (f"{name} x + xᵀ: index_select \\| per group", *plus_t),
+        (f"{name} norms of 3 blocks: per group \\| _foreach_norm", *three),
     ]
 
 
