@@ -217,19 +217,13 @@ class Layout:
         return self.sums(x * x).sqrt()
 
     def norms(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """``(k, L)`` each layer's Frobenius norm in each of ``k`` blocks: on a CPU one matrix norm
-        per group over the ``k`` blocks stacked (about half the time of the multi-tensor norm,
-        ``studies/cpu_host_ops``), elsewhere one multi-tensor op over every layer's view (two
-        launches in all, whatever the number of groups and blocks)."""
-        k = len(blocks)
-        if self.device.type == "cpu":
-            stacked = torch.stack(blocks).view(k, -1)  # (k, F): flat or (L, p, p) blocks alike
-            per_group = [
-                torch.linalg.matrix_norm(stacked[:, at : at + n * p * p].view(k, n, p, p)) for at, _, n, p in self.spans
-            ]
-            return per_group[0] if len(per_group) == 1 else torch.cat(per_group, 1)
+        """``(k, L)`` each layer's Frobenius norm in each of ``k`` blocks, by one multi-tensor op
+        over every layer's view (two ops in all, whatever the number of groups and blocks). (On a
+        CPU a matrix norm per group over the stacked blocks takes about half the time, ~0.1 ms a
+        step, but ``groups + 2`` ops: it would take the torch backend past its op ceiling,
+        ``tests/test_op_count.py``; ``studies/cpu_host_ops`` measures both.)"""
         layers = [layer for x in blocks for piece in self.pieces(x) for layer in piece.unbind(0)]
-        return torch.stack(torch._foreach_norm(layers)).view(k, self.count)
+        return torch.stack(torch._foreach_norm(layers)).view(len(blocks), self.count)
 
     def trace(self, x: torch.Tensor) -> torch.Tensor:
         """``(L,)`` each layer's trace."""
