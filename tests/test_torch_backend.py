@@ -199,9 +199,9 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     grads = list(torch.randn(3, 24, 216, generator=gen) * scale)
     grads[2][0, 0] = float("inf")
     got, want = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
-    torch_groups.grad_sq(grads, got)
+    torch_groups.grad_sq_into(grads, got)
     monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
-    torch_groups.grad_sq(grads, want)
+    torch_groups.grad_sq_into(grads, want)
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
 
 

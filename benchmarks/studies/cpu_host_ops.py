@@ -90,7 +90,6 @@ def _layout(name: str, groups: list[tuple[int, int]], reps: int) -> list[tuple[s
     )
     plus_t = best_us(lambda: x + x.index_select(0, index.perm), reps), best_us(per_group_plus_t, reps)
     blocks = [torch.randn(lay.numel) for _ in range(3)]
-    every_layer = lambda: [layer for b in blocks for q in lay.pieces(b) for layer in q.unbind(0)]  # noqa: E731
 
     def per_group():
         s = torch.stack(blocks).view(3, -1)
@@ -99,7 +98,7 @@ def _layout(name: str, groups: list[tuple[int, int]], reps: int) -> list[tuple[s
 
     three = (
         best_us(per_group, reps),
-        best_us(lambda: torch.stack(torch._foreach_norm(every_layer())).view(3, lay.count), reps),  # Layout.norms
+        best_us(lambda: lay.norms(blocks), reps),  # one multi-tensor norm over every layer's view
     )
     return [
         (f"{name} sums: per group \\| segment_reduce", *sums),

@@ -181,7 +181,7 @@ class Bucket:
     ) -> None:
         """Into ``out``: ``[A, E]`` or ``[A, E, B, C]`` of a middle chunk (``(c, p, p)`` each), sums
         over the (local) rows of θ; with a prediction and ``velocity`` also the guard's velocity
-        Gram (:meth:`_velocity`; ``‖g‖²`` is the group's, :func:`.torch_groups.grad_sq`). ``carried``: 1 where
+        Gram (:meth:`_velocity`; ``‖g‖²`` is the group's, :func:`.torch_groups.grad_sq_into`). ``carried``: 1 where
         A, 3 where A, B and C are already in ``out`` (carried from the last step: :mod:`.carry`),
         not formed again."""
         sizes = [ch.e - ch.s for ch in gemm_chunks]

@@ -17,23 +17,24 @@ import torch
 
 from ..collectives import packed
 from . import carry
-from .algebra import Middle, host_reads_free, middle
+from .algebra import Middle, grad_norm, host_reads_free, middle
 from .layout import Layout
 from .layout import rows as _rows
 from .torch_bucket import MIDDLE_BLOCKS, Bucket, Chunk
 
 
-def grad_sq(grads: list[torch.Tensor], out: torch.Tensor) -> None:
+def grad_sq_into(grads: list[torch.Tensor], out: torch.Tensor) -> None:
     """``out = ‖g‖²`` per layer, in float64 (one multi-tensor norm for every layer of a middle).
     Where a host read is free (a CPU) and g is float32, the norms are taken in float32 (a fifth
     of the float64 pass's time) and redone in float64 only if one overflowed or g is not
-    finite: the same value to float32 rounding, which is all the guard's safety radius needs."""
+    finite: the same value to float32 rounding, which is all the guard's safety radius needs
+    (else :func:`.algebra.grad_norm` squared)."""
     if all(g.dtype == torch.float32 for g in grads) and host_reads_free(out.device):
         norms = torch.stack(torch._foreach_norm(grads))
         if math.isfinite(float(norms.sum())):  # (an Inf or NaN norm makes the sum one)
             torch.square(norms.to(torch.float64), out=out)
             return
-    torch.square(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)), out=out)
+    torch.square(grad_norm(grads), out=out)
 
 
 class Group:
@@ -107,7 +108,7 @@ class Group:
             views = [lay.layers(blk, s, e) if blk is not None else None for blk in blocks[: b.block_count()]]
             member.grams(scratch[member.cdt], gemm_chunks, views, carried, velocity=not self.lazy)
         if b.predict:  # ‖g‖² per layer (float64: no overflow for a finite g), last
-            grad_sq(self._of("grads"), blocks[-1])
+            grad_sq_into(self._of("grads"), blocks[-1])
         return blocks
 
     def _hyper(self, name: str, dtype: torch.dtype | None = None):
