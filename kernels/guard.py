@@ -1,4 +1,4 @@
-"""The step guard's blend (``fgd_fast/backends/algebra.py``) in three launches over every layer of
+"""The step guard's blend (``fgd_fast/backends/guard_rule.py``) in three launches over every layer of
 a middle, whatever its p (the layers' ``p × p`` blocks lie one after the other in flat buffers).
 
 The middle has formed, per layer, ``D = A − I``, ``D²``, ``D³``, ``Z = K₀Y`` and ``V = Δᵀ(Y + T)``

@@ -78,7 +78,7 @@ MM_OFF, MM_P = range(2)
 MM_FIELDS = 2
 
 # the guard's blend kernels (guard.py): work items (layer, tile i, tile j) like the update's
-GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.algebra.WEIGHTS)
+GB_WEIGHTS = 15  # the positive weights 2^(−k/2), k = 0…14 (fgd_fast.backends.guard_rule.WEIGHTS)
 GB_PART = 19  # partial sums per item: 15 distances², ‖D₀‖², ‖D_ns‖², Σ 0·X₂ + Σ 0·M_Φ, ‖D‖²
 GB_PART_PAD = 32  # the partial row as a power-of-two vector
 GB_L_OFF, GB_L_P, GB_L_FIRST, GB_L_ITEMS = range(4)  # per layer (int64): block offset, p, first item, items

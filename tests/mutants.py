@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from fgd_fast import guards
-from fgd_fast.backends import algebra
+from fgd_fast.backends import guard_rule
 from fgd_fast.backends.layout import Layout
 
 RULE = "tests/test_guard_rule.py"
@@ -112,7 +112,7 @@ MUTANTS = {
 
 def _replace(name: str, new, undo: list) -> None:
     """Rebind ``name`` in every loaded fgd_fast module that imported the original."""
-    old = getattr(algebra, name)
+    old = getattr(guard_rule, name)
     for module in list(sys.modules.values()):
         if module is not None and module.__name__.startswith("fgd_fast") and getattr(module, name, None) is old:
             undo.append((module, name, old))
@@ -144,7 +144,7 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((fgd_fast.functional, "raise_if_invalid", original))
         fgd_fast.functional.raise_if_invalid = raising
     elif name in ("never_reset", "no_newton_reset"):
-        original = algebra.choose_weight
+        original = guard_rule.choose_weight
 
         def chooser(d0, x1, x2, d_newton, *, target, movable, layout=None):
             blend = original(d0, x1, x2, d_newton, target=target, movable=movable, layout=layout)
@@ -199,7 +199,7 @@ def plant(name: str) -> Callable[[], None]:
     elif name == "no_rounding_margin":
         _replace("store_unit", lambda dtype: 0.0, undo)
     elif name == "finite_from_norm":  # the old rule: an infinite ‖g‖ is a non-finite gradient
-        finite = algebra.finite_of
+        finite = guard_rule.finite_of
         _replace("inputs_finite", lambda g_norm, phi_sq, e, layout=None: finite(g_norm) & finite(phi_sq), undo)
 
     elif name == "blend_kernels_target_off":

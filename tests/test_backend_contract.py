@@ -11,7 +11,7 @@ import torch
 
 import fgd_fast
 import fgd_fast.backends as registry
-from fgd_fast.backends import PRECISIONS, BackendUnavailable, algebra, resolve_backend
+from fgd_fast.backends import PRECISIONS, BackendUnavailable, guard_rule, resolve_backend
 from helpers import backend_params, captured, device_for_tests, fgd_steps, stiefel_problem
 
 # The selection rule, as the README's backends table states it: (device type, precision) ->
@@ -105,8 +105,8 @@ def test_step_without_checks_never_reads_device_values(monkeypatch, backend):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     # the guard's full-step-first read is a CPU-only shortcut (free there); on CUDA it always blends
-    assert "cuda" not in algebra.HOST_READ_DEVICES
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    assert "cuda" not in guard_rule.HOST_READ_DEVICES
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     for name in ("item", "tolist", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     if device_for_tests().type == "cuda":

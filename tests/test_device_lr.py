@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import algebra
+from fgd_fast.backends import guard_rule
 from fgd_fast.backends.base import hyper_table
 from helpers import backend_params, backend_reason, captured, device_for_tests, stiefel_problem
 
@@ -48,7 +48,7 @@ def test_the_fused_backends_read_a_tensor_lr_on_the_device(monkeypatch):
     reason = backend_reason("triton", device_for_tests())
     if reason:
         pytest.skip(reason)
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     lr = torch.tensor(0.05, device=device_for_tests())
     reads = []
     for name in ("__float__", "item", "tolist"):

@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, guard_rule
 from fgd_fast.backends.layout import Layout
 from helpers import backend_reason, device_for_tests, gram_blocks, record_launches
 
@@ -48,7 +48,7 @@ def _both(
     the guard off, only the prediction; ``feedback``: F in M_θ's place)."""
     from fgd_fast.backends import fused_middle
 
-    unit = algebra.store_unit(torch.float32)
+    unit = guard_rule.store_unit(torch.float32)
     a, e, b, c, gg, h = (x.clone() for x in blocks)
     if not momentum:
         b = c = h = None
@@ -98,7 +98,7 @@ def _close(have: torch.Tensor, want: torch.Tensor, name: str) -> None:
 @pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_fused_middle_writes_the_step_and_checks_of_the_torch_ops(momentum, layout, monkeypatch):
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
     gen = torch.Generator().manual_seed(zlib.crc32(f"fused {momentum} {layout}".encode()))
     seen = set()
     for k, (scale, off, limit) in enumerate(CASES):
@@ -127,7 +127,7 @@ def test_the_fused_middle_writes_the_step_and_checks_of_the_torch_ops(momentum, 
 def test_without_the_guard_the_fused_middle_predicts_the_full_step(momentum, monkeypatch):
     """The guard off (``trust_radius=None``, a limit): every layer's full step, unscaled, and its
     predicted distance, as the torch ops' prediction; no guard outcome; the hyper table as given."""
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     gen = torch.Generator().manual_seed(11)
     for scale, off in ((1e-3, 0.0), (0.3, 1e-2), (10.0, 0.0)):  # (the guard would scale or reset the last two)
         lay = Layout(LAYOUTS["three-p"], device_for_tests())
@@ -145,7 +145,7 @@ def test_without_the_guard_the_fused_middle_predicts_the_full_step(momentum, mon
 def test_for_the_cuda_core_classes_the_fused_middle_writes_the_feedback_term(monkeypatch):
     """``feedback=True`` (the CUDA-core θ pass reads Φ₊ and F = M_θ − M_Φ): F in M_θ's place,
     the torch ops' ``feedback``, where the guard keeps, scales and resets."""
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     gen = torch.Generator().manual_seed(13)
     for scale, off, limit in CASES[1:4]:
         lay = Layout(LAYOUTS["three-p"], device_for_tests())
@@ -159,7 +159,7 @@ def test_for_the_cuda_core_classes_the_fused_middle_writes_the_feedback_term(mon
 def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
     """p = 1 and 3 beside p = 257 (the products take their 64-entry tiles from p = 256 on, and a
     257 leaves a one-entry edge): the torch ops' decisions and matrices."""
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     gen = torch.Generator().manual_seed(17)
     lay = Layout([(1, 1), (2, 3), (1, 257)], device_for_tests())
     blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=0.3, off=1e-3)
@@ -172,7 +172,7 @@ def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
 def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):
     """A layer whose ‖g‖ is infinite and one whose Φ holds a NaN (tr C): both flagged and reset,
     with finite matrices; the others stepped."""
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     gen = torch.Generator().manual_seed(5)
     lay = Layout(LAYOUTS["three-p"], device_for_tests())
     blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=1e-3, off=0.0)

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, guard_rule
 from fgd_fast.backends.layout import Layout
 from helpers import backend_reason, device_for_tests, gram_blocks, record_launches
 
@@ -54,7 +54,7 @@ def _middles(lay, blocks, g_sq, *, momentum, limit, per_layer, given_uu):
             b = c = h = None
         uu = None
         if given_uu:  # UᵀU as one block (the torch backend's form)
-            uu = algebra.velocity_gram(c, h, gg, lay.col(beta), lay.col(lr), lay)
+            uu = guard_rule.velocity_gram(c, h, gg, lay.col(beta), lay.col(lr), lay)
             gg = h = None
         mid = algebra.middle(
             a,
@@ -70,7 +70,7 @@ def _middles(lay, blocks, g_sq, *, momentum, limit, per_layer, given_uu):
             uu=uu,
             radius=4.0,
             limit=limit,
-            unit=algebra.store_unit(blocks[0].dtype),
+            unit=guard_rule.store_unit(blocks[0].dtype),
             stored=blocks[0].dtype,
             layout=lay,
             blend_kernels=kernels,
@@ -83,7 +83,7 @@ def _middles(lay, blocks, g_sq, *, momentum, limit, per_layer, given_uu):
 @pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_blend_kernels_choose_and_write_the_step_of_the_torch_ops(dtype, momentum, layout, monkeypatch):
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
     gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {momentum} {layout}".encode()))
     tol = 2e-5 if dtype == torch.float32 else 1e-12
     seen = set()
@@ -113,7 +113,7 @@ def test_the_blend_kernels_choose_and_write_the_step_of_the_torch_ops(dtype, mom
 def test_a_non_finite_layer_is_reset_by_the_kernels_as_by_torch(monkeypatch):
     """A layer whose ‖g‖ overflows (s = 0) and one whose E holds a NaN: both reset, the others
     stepped, the same as the torch ops."""
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     gen = torch.Generator().manual_seed(5)
     lay, blocks, g_sq = _blocks(LAYOUTS["three-p"], torch.float32, 1e-3, 0.0, gen)
     g_sq[1] = float("inf")
@@ -132,7 +132,7 @@ def test_the_triton_backend_blends_by_the_kernels(monkeypatch):
     ops) and writes the step the reference writes."""
     import fgd_fast
 
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     launches = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     shapes = [(8, 4, 3, 3), (12, 6, 3, 3)]

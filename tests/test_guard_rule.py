@@ -13,7 +13,7 @@ import torch
 
 import fgd_fast
 from fgd_fast import guards
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, guard_rule
 from fgd_fast.guards import MAX_DISTANCE
 from helpers import backend_params
 from oracle import fgd_step, random_stiefel, to_theta
@@ -78,7 +78,7 @@ def test_reset_distances_are_exact(alpha):
     for scale in [1e-4, 0.1, 0.45, 0.9]:
         theta = torch.from_numpy(random_stiefel(rng, (11, 5)) + rng.standard_normal((11, 5)) * scale / 3)
         d = theta.T @ theta - torch.eye(5, dtype=torch.float64)
-        d0, d_ns = algebra.pull_back_distances(d.unsqueeze(0), alpha)
+        d0, d_ns = guard_rule.pull_back_distances(d.unsqueeze(0), alpha)
         back = theta - alpha * theta @ d
         newton = theta - 0.5 * theta @ d
         eye = torch.eye(5, dtype=torch.float64)
@@ -94,7 +94,7 @@ def test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact():
         d0, x1, x2 = (m + m.mT for m in mats)
         d_ns = torch.randn(3, p, p, generator=gen, dtype=torch.float64) * 0.01
         target = 0.5
-        blend = algebra.choose_weight(d0, x1, x2, d_ns, target=target, movable=torch.ones(3, dtype=torch.bool))
+        blend = guard_rule.choose_weight(d0, x1, x2, d_ns, target=target, movable=torch.ones(3, dtype=torch.bool))
         for k in range(3):
             t = float(blend.weight[k])
 
@@ -103,7 +103,7 @@ def test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact():
 
             if t > 0:
                 assert abs(float(blend.dist[k]) - dist(t)) < 1e-12 and dist(t) <= target
-            larger = [w for w in algebra.WEIGHTS if w > t]
+            larger = [w for w in guard_rule.WEIGHTS if w > t]
             assert all(dist(w) > target for w in larger), (t, [dist(w) for w in larger])
             if t == 0:  # the Newton–Schulz reset exactly where the α pull-back is out and farther
                 d_ns_k = float(torch.linalg.matrix_norm(d_ns[k]))
@@ -247,7 +247,7 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
     mt = theta.mT
 
     def run(devices):
-        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", devices)
+        monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", devices)
         hyper = dict(lr=0.2, beta=0.9, alpha=0.4, radius=4.0, limit=0.05)
         blocks = dict(h=mom.mT @ g, gg=g.mT @ g, g_sq=(g * g).sum(1))
         return algebra.middle(mt @ theta, mt @ mom, mom.mT @ mom, mt @ g, **hyper, **blocks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, guard_rule
 from fgd_fast.backends.layout import Layout
 from helpers import device_for_tests
 
@@ -86,7 +86,7 @@ FIELDS = ("m_theta", "m_phi", "feedback", "dist", "finite", "scale", "dist_next"
 @pytest.mark.parametrize("grad", [0.05, 30.0], ids=["calm", "spike"])  # a spike: the guard scales or resets
 def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad, monkeypatch):
     # blend: as on a GPU, every layer blended (no host read); else the full step checked first (a read)
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", () if blend else (DEV.type,))
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", () if blend else (DEV.type,))
     gen = torch.Generator().manual_seed(1)
     per = _inputs(gen, grad=grad)
     count = sum(n for n, _ in GROUPS)

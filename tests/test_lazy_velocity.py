@@ -1,7 +1,7 @@
 """The guard's velocity Gram on demand (the torch backend where a host read is free): the full
 step's distance is first bounded with ``‖s²UᵀU‖_F ≤ (s(β‖Φ‖ + η‖g‖))²``
-(:func:`fgd_fast.backends.algebra.velocity_bound`), the rest from norms alone
-(:func:`fgd_fast.backends.algebra.step_bound`) or, where that leaves the target, exactly; ``UᵀU`` is
+(:func:`fgd_fast.backends.guard_rule.velocity_bound`), the rest from norms alone
+(:func:`fgd_fast.backends.guard_rule.step_bound`) or, where that leaves the target, exactly; ``UᵀU`` is
 formed only where the bound still leaves the target. The bounds are upper bounds (equality
 included), the decisions and the step are those of the exact rule, and the Gram is skipped
 where the bound fits."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import algebra, torch_bucket
+from fgd_fast.backends import guard_rule, torch_bucket
 from fgd_fast.backends.layout import Layout
 from fgd_fast.backends.torch_batched import prepare_torch
 from fgd_fast.guards import MAX_DISTANCE, TRUST_RADIUS
@@ -35,7 +35,7 @@ def test_velocity_bound_is_an_upper_bound_and_attained():
     for phi, g in cases:
         beta, lr = torch.tensor([0.9, 0.5]), torch.tensor([0.1, 2.0])
         scale = torch.tensor([1.0, 0.3], dtype=torch.float64)
-        bound = algebra.velocity_bound(
+        bound = guard_rule.velocity_bound(
             phi.norm().expand(2), g.norm().expand(2), beta.view(2, 1, 1), lr.view(2, 1, 1), scale
         )
         for k in range(2):
@@ -71,14 +71,14 @@ def test_step_bound_is_an_upper_bound_and_attained(scale):
         t_blocks.append(t.reshape(-1))
         dists.append((theta.T @ theta - torch.eye(p, dtype=torch.float64)).norm())
     lay = Layout([(1, p) for _, p in shapes])
-    bound = algebra.step_bound(torch.stack(dists), torch.cat(m_blocks), torch.cat(t_blocks), lay)
+    bound = guard_rule.step_bound(torch.stack(dists), torch.cat(m_blocks), torch.cat(t_blocks), lay)
     assert (torch.stack(exact) <= bound * (1 + 1e-12)).all()
     q = torch.linalg.qr(torch.randn(20, 6, generator=gen, dtype=torch.float64))[0]
     sym_t = torch.randn(6, 6, generator=gen, dtype=torch.float64)
     sym_t = scale * (sym_t + sym_t.T)
     d, t = _stiefel_step(q, torch.zeros(6, 6, dtype=torch.float64), q @ sym_t)
     dist = (q.T @ q - torch.eye(6, dtype=torch.float64)).norm().reshape(1)
-    bound = algebra.step_bound(dist, torch.zeros(1, 6, 6, dtype=torch.float64), t.unsqueeze(0))
+    bound = guard_rule.step_bound(dist, torch.zeros(1, 6, 6, dtype=torch.float64), t.unsqueeze(0))
     assert float(bound[0]) == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, guard_rule
 from fgd_fast.backends.layout import Layout
 from helpers import backend_reason, device_for_tests, gram_blocks
 
@@ -61,7 +61,7 @@ def test_the_middle_with_the_engine_is_the_torch_middle(groups, variant, momentu
     from fgd_fast.backends import mid_products
 
     dtype = torch.float32
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # every layer blended, as on a GPU
     gen = torch.Generator().manual_seed(len(groups) + (7 if momentum else 0))
     count = sum(n for n, _ in GROUPS[groups])
     out = []
@@ -86,7 +86,7 @@ def test_the_middle_with_the_engine_is_the_torch_middle(groups, variant, momentu
             gg=gg,
             radius=4.0,
             limit=1e-2,
-            unit=algebra.store_unit(dtype),
+            unit=guard_rule.store_unit(dtype),
             stored=dtype,
             variant=variant,
             layout=lay,

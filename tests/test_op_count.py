@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import fgd_fast
 from benchmarks.opcount import OpCounter, counted
-from fgd_fast.backends import algebra
+from fgd_fast.backends import guard_rule
 from helpers import backend_reason
 
 #: ceilings of non-view aten ops per step (measured on this set when they were set)
@@ -52,7 +52,7 @@ from helpers import backend_reason
 # with the CPU's layers of 2¹⁴ elements and more read in place, not staged (here the 7 widest:
 # eight ops each instead of fifteen per stack, measured 3–8% faster per step on every CPU workload,
 # benchmarks/studies/torch_knobs.py), to 195 with the full step's distance first bounded from
-# norms (algebra.step_bound; its two products only where that bound leaves the target), and 198
+# norms (guard_rule.step_bound; its two products only where that bound leaves the target), and 198
 # once the counter matched view names whole (it had taken index_select, a gather, for a view)
 CEILING = {"torch": 198, "triton": 8}
 #: the issue's goal for the torch backend on this set (non-view aten ops per step)
@@ -69,7 +69,7 @@ def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
     """(aten ops, Triton launches) of the third step (the first two create Φ and the tables)."""
     launches = [0]
     if backend == "triton":  # as on a GPU: the guard blends every layer (no full-step-first host read)
-        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+        monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
         from fgd_fast.backends import triton as tb
 
         real = tb._launch

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.studies.tf32_middle import settled_distance
-from fgd_fast.backends import algebra
+from fgd_fast.backends import algebra, block_products
 from fgd_fast.backends.tf32 import emulated_tf32_middle
 
 TF32_UNIT = 2.0**-11  # TF32's unit roundoff (10 stored mantissa bits)
@@ -55,9 +55,9 @@ def test_n_products_keep_the_identity_exact_at_tf32(p):
 def test_emulation_rounds_the_products_and_restores_them():
     x = torch.randn(4, 5, 5, generator=torch.Generator().manual_seed(0))
     with emulated_tf32_middle():
-        rounded = algebra.mm(x, x)
-    assert not torch.equal(rounded, x @ x) and algebra.mm is not None
-    assert torch.equal(algebra.mm(x, x), torch.matmul(x, x))  # restored
+        rounded = block_products.mm(x, x)
+    assert not torch.equal(rounded, x @ x) and block_products.mm is not None
+    assert torch.equal(block_products.mm(x, x), torch.matmul(x, x))  # restored
     with pytest.raises(ValueError, match="lean"), emulated_tf32_middle("fast"):
         pass
 

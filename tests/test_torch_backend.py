@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.backends import algebra, torch_batched, torch_bucket, torch_groups
+from fgd_fast.backends import guard_rule, torch_batched, torch_bucket, torch_groups
 from fgd_fast.backends.torch_batched import prepare_torch
 from helpers import device_for_tests, fgd_steps, stiefel_problem
 from test_fgd_oracle import _rel_err, _run
@@ -36,7 +36,7 @@ def mode(request, monkeypatch):
         owner = torch_bucket if hasattr(torch_bucket, name) else torch_batched  # (setattr raises on a name it lacks)
         monkeypatch.setattr(owner, name, value)
     if request.param == "staged":  # as on a GPU: no host reads (every layer blended, every mask applied)
-        monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())
+        monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     return request.param
 
 
@@ -200,7 +200,7 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     grads[2][0, 0] = float("inf")
     got, want = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
     torch_groups.grad_sq_into(grads, got)
-    monkeypatch.setattr(algebra, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # the GPU's way: always float64
     torch_groups.grad_sq_into(grads, want)
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
 

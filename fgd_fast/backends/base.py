@@ -432,7 +432,7 @@ def middle_of_runs(
     ``velocity_slots``: the slots of ``G = gᵀg`` and ``H = Φᵀg`` where the Gram kernel forms
     them (else torch forms them from ``grads``, ``phis``). ``g_sq``
     (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
-    in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.algebra.store_unit`),
+    in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.guard_rule.store_unit`),
     ``stored`` (the parameters' dtype), ``trust_radius``, ``max_distance``: the step guard
     (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products at
     ``precision`` whatever the global TF32 setting (``"tf32"``/``"tf32x3"``: TF32 tensor cores,

@@ -62,7 +62,7 @@ import torch
 
 from .._cuda_build import load as _load_extension
 from .._matrix import stiefel_shape
-from .algebra import grad_sq, scaled_hyper, store_unit
+from .algebra import grad_sq, scaled_hyper
 from .base import (
     M_PHI,
     M_THETA,
@@ -82,6 +82,7 @@ from .base import (
     plan_of,
     runs_of,
 )
+from .guard_rule import store_unit
 
 __all__ = ["prepare_cuda", "launch_counts", "SCRATCH_BYTES"]
 

@@ -141,7 +141,7 @@ def _tables(lay: Layout, has_phi: bool, bm: int):
 def _rule(lay: Layout, radius: float, limit: float, unit: float) -> torch.Tensor:
     """``(L, 2)`` float64 per layer: ρ (∞: the guard off) and the guard's target (cached per
     layout and rule)."""
-    from .algebra import guard_target
+    from .guard_rule import guard_target
 
     def build():
         p = lay.p_per_layer()

@@ -4,7 +4,7 @@
 (``middle(blend_kernels=...)``): instead of ~90 small torch ops (the pull-back polynomial, X₁ and X₂,
 six inner products per layer, the weight rule, the masked blend of three matrices), one launch
 sums every layer's distances per tile, one applies the rule per layer, one writes the blended
-matrices in place. The rule is :func:`.algebra.choose_weight`'s, with one difference for the
+matrices in place. The rule is :func:`.guard_rule.choose_weight`'s, with one difference for the
 better: every weight's distance is summed directly (not a quartic from inner products, then
 re-checked), so the weight chosen is the largest whose distance is within the target.
 """
@@ -34,7 +34,7 @@ def tiles(lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _weights(lay: Layout) -> torch.Tensor:
-    from .algebra import WEIGHTS
+    from .guard_rule import WEIGHTS
 
     return lay.cached(("guard-weights",), lambda: torch.tensor(WEIGHTS[:-1], dtype=torch.float64).to(lay.device))
 
@@ -66,7 +66,7 @@ def blend(
     """The guard's step of the largest weight that fits, per layer, written in place into
     ``m_phi``, ``m_theta`` and ``feedback``; returns ``(scale, dist, fits, codes)`` per layer:
     the update's total scale ``ts`` and the step's distance (float64), whether θ₊ fits ``stored``
-    (:func:`.algebra.storable`) and what the guard did (int8, :func:`.algebra.guard_codes`).
+    (:func:`.guard_rule.storable`) and what the guard did (int8, :func:`.guard_rule.guard_codes`).
     ``scale``: the trust scale s per layer (float64). Blocks in ``lay`` (contiguous): ``d = A −
     I``, ``d2 = D²``, ``d3 = D³``, ``z = K₀Y``, ``v = Δᵀ(Y + T)``, and ``w = s²UᵀU`` or its parts
     (``gg = s²G``, with Φ ``c = s²C`` and ``h = s²H``). ``alpha``, ``target``, ``lr``, ``beta``:

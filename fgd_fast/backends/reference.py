@@ -7,7 +7,7 @@ The guard (``trust_radius``) follows the batched backends' rule (:mod:`.algebra`
 candidate itself: the scale ``s = min(1, ρ/(‖Φ‖ + η‖g‖))`` comes first and the sequence runs
 on ``sΦ, sg``; then with the pull-back ``θ_pb = θ − αθ(A − I)`` and ``V = θ₊ − θ_pb`` the
 distance of ``θ_pb + tV`` is ``D₀ + tX₁ + t²X₂`` from the n × p matrices (``D₀ = θ_pbᵀθ_pb − I``,
-``X₁ = 2 sym(θ_pbᵀV)``, ``X₂ = VᵀV``), and :func:`.algebra.choose_weight` picks t.
+``X₁ = 2 sym(θ_pbᵀV)``, ``X₂ = VᵀV``), and :func:`.guard_rule.choose_weight` picks t.
 
 ``variant="paper"`` (Algorithm 1 as printed) moves θ by the tangent part of Φ₊ only:
 ``θ₊ = θ + Φ₊ − θN sym(θᵀΦ₊) − αθ(A − I)``.
@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .algebra import choose_weight, guard_codes, guard_target, storable, store_unit, sym, trust_scale
 from .base import StepPlan, compute_dtype, full_precision
+from .block_products import sym
+from .guard_rule import choose_weight, guard_codes, guard_target, storable, store_unit, trust_scale
 
 __all__ = ["prepare_reference"]
 

@@ -78,14 +78,14 @@ def _tf32(x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def emulated_tf32_middle(form: str = "lean") -> Iterator[None]:
-    """Inside, every ``p × p`` product of the middle (:mod:`.algebra`'s ``mm``, ``mm_add``,
+    """Inside, every ``p × p`` product of the middle (:mod:`.block_products`' ``mm``, ``mm_add``,
     ``i_plus_d``) takes float32 inputs rounded to TF32 and sums in fp32, as TF32 tensor cores
     do, on any device: a CPU check of a middle run at ``precision="tf32"``. ``form="naive"``
     computes ``(I + αD)·X`` as one product of the rounded ``I + αD`` (what the middle did
     before its ``X ∓ D·X`` forms), to show what those forms save."""
-    from . import algebra
+    from . import block_products
 
-    saved = algebra.mm, algebra.mm_add, algebra.i_plus_d
+    saved = block_products.mm, block_products.mm_add, block_products.i_plus_d
 
     def mm(x, y, out=None):
         product = torch.matmul(_tf32(x), _tf32(y))
@@ -105,8 +105,8 @@ def emulated_tf32_middle(form: str = "lean") -> Iterator[None]:
 
     if form not in ("lean", "naive"):
         raise ValueError(f"form={form!r}: 'lean' or 'naive'")
-    algebra.mm, algebra.mm_add, algebra.i_plus_d = mm, mm_add, i_plus_d
+    block_products.mm, block_products.mm_add, block_products.i_plus_d = mm, mm_add, i_plus_d
     try:
         yield
     finally:
-        algebra.mm, algebra.mm_add, algebra.i_plus_d = saved
+        block_products.mm, block_products.mm_add, block_products.i_plus_d = saved

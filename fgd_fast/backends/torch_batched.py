@@ -20,7 +20,7 @@ buckets that share p and the block layout are grouped, so one middle serves them
    prediction of the step's outcome. The prediction's velocity Gram ``UᵀU`` (``U = βΦ − ηg``)
    comes from the Gram pass, or, where a host read is free and ``exact_next=False`` (what
    :func:`fgd_fast.functional.fgd` passes for parameters that are not DTensors), from a pass of
-   its own only if the middle's bound of it leaves the target (:func:`.algebra.velocity_bound`).
+   its own only if the middle's bound of it leaves the target (:func:`.guard_rule.velocity_bound`).
 
 and allocates every buffer that ``apply`` will need. ``apply`` then allocates nothing and
 writes in place, layer by layer (or chunk by chunk):
@@ -72,9 +72,9 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .algebra import host_reads_free
 from .base import StepPlan, check_precision, device_of, fp32_matmuls, layer_classes, plan_of
 from .gram_sums import OverlappedSums
+from .guard_rule import host_reads_free
 from .torch_bucket import Bucket
 from .torch_groups import middle_groups
 

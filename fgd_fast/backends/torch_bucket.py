@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .algebra import Middle, join_checks, store_unit
+from .algebra import Middle, join_checks
 from .base import compute_dtype, full_precision
+from .guard_rule import store_unit
 
 # symmetric Grams from this p on as block halves (¾ of the flops, one more call and a mirror copy);
 # one CPU thread (Intel Xeon, MKL; benchmarks/studies/cpu_host_ops.py): 1.1–2× slower up to

@@ -17,7 +17,8 @@ import torch
 
 from ..collectives import packed
 from . import carry
-from .algebra import Middle, grad_norm, host_reads_free, middle
+from .algebra import Middle, grad_norm, middle
+from .guard_rule import host_reads_free
 from .layout import Layout
 from .layout import rows as _rows
 from .torch_bucket import MIDDLE_BLOCKS, Bucket, Chunk

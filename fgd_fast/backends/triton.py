@@ -64,7 +64,7 @@ from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
 from . import fused_middle, gram_gather, guard_blend, mid_products
-from .algebra import grad_norm, grad_sq, scaled_hyper, store_unit
+from .algebra import grad_norm, grad_sq, scaled_hyper
 from .base import (
     M_PHI,
     M_THETA,
@@ -85,6 +85,7 @@ from .base import (
     plan_of,
     runs_of,
 )
+from .guard_rule import store_unit
 from .layout import Layout
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
