@@ -194,6 +194,20 @@ class StiefelOptimizer(Optimizer):
         if buf is not None:
             _check_saved_tensor(buf, p, text, "momentum_buffer")
 
+    def _saved_options(self, saved_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer-wide options a state_dict's groups bring (those it has), checked: the
+        groups must agree on each, and each must be valid for this optimizer."""
+        options = {o: saved_groups[0][o] for o in self._OPTIONS if saved_groups and o in saved_groups[0]}
+        for group in saved_groups:
+            for o, v in options.items():
+                if group.get(o, v) != v:
+                    raise ValueError(
+                        f"this state_dict's groups disagree on the optimizer-wide option {o}; "
+                        "it cannot be one optimizer's: load the model's weights only and start the optimizer fresh"
+                    )
+        self._validate_options({**self.defaults, **options})
+        return options
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim``, but a state_dict that cannot be this optimizer's is refused with
         the reason (nothing changes): groups without this optimizer's keys, state tensors of
@@ -212,12 +226,7 @@ class StiefelOptimizer(Optimizer):
                     f"{', '.join(map(repr, missing))} (a torch.optim.SGD state_dict, say, holds momentum in "
                     f"gradient units, not {name}'s); load the model's weights only and start the optimizer fresh"
                 )
-        options = {o: saved_groups[0][o] for o in self._OPTIONS if saved_groups and o in saved_groups[0]}
-        for group in saved_groups:
-            for o, v in options.items():
-                if group.get(o, v) != v:
-                    raise ValueError(f"this state_dict's groups disagree on the optimizer-wide option {o}")
-        self._validate_options({**self.defaults, **options})
+        options = self._saved_options(saved_groups)
         if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
             for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
                 merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}

@@ -20,7 +20,7 @@ from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
-from .validation import check_state_tensor
+from .validation import check_max_distance, check_state_tensor, check_trust_radius
 
 __all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
 
@@ -110,7 +110,7 @@ def fgd(
     from the ``p × p`` blocks). With ``guard`` (default) the step written is the largest
     fraction of the update whose θ₊ stays within ``max_distance`` (down to the feedback
     pull-back with Φ₊ = 0), after Φ, g are scaled into the safety radius
-    ``‖Φ‖ + η‖g‖ ≤ trust_radius``; all on the device (:mod:`fgd_fast.backends.algebra`).
+    ``‖Φ‖ + η‖g‖ ≤ trust_radius``; all on the device (:mod:`fgd_fast.backends.guard_rule`).
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
     authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`);
     ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`);
@@ -129,6 +129,8 @@ def fgd(
         raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
     if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
         raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
+    check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
+    check_trust_radius(trust_radius)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)

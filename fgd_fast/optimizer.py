@@ -24,10 +24,10 @@ from .validation import (
     check_int_at_least,
     check_keys,
     check_lr,
+    check_max_distance,
     check_nesterov,
     check_nonnegative,
-    check_positive,
-    check_real,
+    check_trust_radius,
     check_unit_interval,
     user_stacklevel,
 )
@@ -238,15 +238,8 @@ class FGD(StiefelOptimizer):
         check_bool("check_finite", options["check_finite"])
         check_bool("check_manifold", options["check_manifold"])
         check_bool("guard", options["guard"])
-        max_distance = check_real("max_distance", options["max_distance"])
-        if not 0.0 < max_distance < 1.0:
-            raise ValueError(
-                f"invalid max_distance={max_distance}: it must lie in (0, 1), inside the radius of the "
-                "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹"
-            )
-        check_positive(
-            "trust_radius", options["trust_radius"], "the guard's safety radius on ‖Φ‖ + η‖g‖; 4 is the default"
-        )
+        check_max_distance(options["max_distance"])
+        check_trust_radius(options["trust_radius"])
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()

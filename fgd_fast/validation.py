@@ -31,6 +31,8 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_nesterov",
+    "check_max_distance",
+    "check_trust_radius",
     "check_orthogonal_params",
     "check_grad",
     "check_lr",
@@ -113,6 +115,22 @@ def check_positive(name: str, value: Any, hint: str = "") -> float:
         extra = f" ({hint})" if hint else ""
         raise ValueError(f"invalid {name}={value}: it must be > 0{extra}")
     return value
+
+
+def check_max_distance(value: Any) -> float:
+    """``max_distance`` in (0, 1): the limit of the manifold check and the guard's target."""
+    value = check_real("max_distance", value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(
+            f"invalid max_distance={value}: it must lie in (0, 1), inside the radius of the "
+            "Neumann series 2I − θᵀθ ≈ (θᵀθ)⁻¹ (0.5 is the default)"
+        )
+    return value
+
+
+def check_trust_radius(value: Any) -> float:
+    """``trust_radius`` ρ > 0: the guard's safety radius on ``‖Φ‖_F + η‖g‖_F``."""
+    return check_positive("trust_radius", value, "the guard's safety radius on ‖Φ‖ + η‖g‖; 4 is the default")
 
 
 def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> int:

@@ -420,8 +420,9 @@ def fsdp_orthogonality_on_one_rank(rank, world, out):
 
 
 def fsdp_disagreements(rank, world, out):
-    """One rank with another lr, feedback, momentum, check flag or backend: every rank raises
-    the same error naming it, nothing is written, and nothing hangs."""
+    """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
+    setting: every rank raises the same error naming it, nothing is written, and nothing hangs
+    (a rank with another guard setting would take other steps: the weights would drift apart)."""
 
     messages, unchanged = [], []
     for option, mine, theirs in (
@@ -431,6 +432,11 @@ def fsdp_disagreements(rank, world, out):
         ("check_finite", False, True),
         ("backend", "reference", "torch"),
         ("sharding", "gather", "rows"),
+        ("check_manifold", False, True),
+        ("max_distance", 0.3, 0.5),
+        ("guard", False, True),
+        ("trust_radius", 2.0, 4.0),
+        ("variant", "paper", "official"),
     ):
         model = _sharded(world)
         kwargs = dict(HYPER, **{option: mine if rank == world - 1 else theirs})

@@ -23,6 +23,8 @@ RULE = "tests/test_guard_rule.py"
 GUARD = "tests/test_guard.py"
 DIST = "tests/test_distributed.py"
 CARRY = "tests/test_gram_carry.py"
+BAD = "tests/test_bad_input.py"
+LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -107,6 +109,36 @@ MUTANTS = {
         "no Newton–Schulz reset when the α pull-back is beyond the target",
         [f"{RULE}::test_chosen_weight_is_the_largest_that_fits_and_its_distance_is_exact"],
     ),
+    "guard_limits_unchecked": (
+        "max_distance and trust_radius taken as given (0, negative, past the Neumann radius)",
+        [
+            f"{BAD}::test_construction_rejects_bad_hyper_parameters[kwargs9-max_distance]",
+            f"{BAD}::test_functional_step_rejects_bad_guard_settings[kwargs1-trust_radius]",
+        ],
+    ),
+    "orthogonal_buffer_unchecked": (
+        "an orthogonal parameter's momentum_buffer in opt.state used without checking it fits",
+        [f"{BAD}::test_unusable_momentum_buffer_in_state_raises_before_any_write[shape-orthogonal]"],
+    ),
+    "euclidean_buffer_unchecked": (
+        "a Euclidean parameter's momentum_buffer in opt.state used without checking it fits",
+        [f"{BAD}::test_unusable_momentum_buffer_in_state_raises_before_any_write[shape-euclidean]"],
+    ),
+    "loaded_options_unchecked": (
+        "a state_dict's optimizer-wide options loaded without the groups' agreement or validation",
+        [
+            f"{LOAD}[max_distance-max_distance]",
+            f"{LOAD}[groups_disagree-optimizer-wide option max_distance]",
+        ],
+    ),
+    "saved_guard_count_unchecked": (
+        "a state_dict's guard_count loaded whatever its shape and dtype",
+        [f"{LOAD}[guard_count_float-guard_count]"],
+    ),
+    "guard_settings_not_agreed": (
+        "the ranks' guard settings (max_distance, guard, trust_radius, variant, check_manifold) not compared",
+        [f"{DIST}::test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging"],
+    ),
 }
 
 
@@ -129,7 +161,7 @@ def plant(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
-    if name in ("owner_checks_unshared", "grad_sq_unsummed"):
+    if name in ("owner_checks_unshared", "grad_sq_unsummed", "guard_settings_not_agreed"):
         os.environ[IN_RANKS] = name
         undo.append((os.environ, IN_RANKS, None))
     elif name == "raise_when_guard_binds":
@@ -231,6 +263,36 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((fused_middle.FusedMiddle, "__init__", original))
         fused_middle.FusedMiddle.__init__ = init
+    elif name == "guard_limits_unchecked":
+        from fgd_fast import optimizer
+
+        for module in (optimizer, fgd_fast.functional):
+            for attr in ("check_max_distance", "check_trust_radius"):
+                undo.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, lambda value: value)
+    elif name == "orthogonal_buffer_unchecked":
+        undo.append((fgd_fast.functional, "check_state_tensor", fgd_fast.functional.check_state_tensor))
+        fgd_fast.functional.check_state_tensor = lambda *args, **kwargs: None
+    elif name == "euclidean_buffer_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        undo.append((StiefelOptimizer, "_check_sgd_state", StiefelOptimizer._check_sgd_state))
+        StiefelOptimizer._check_sgd_state = lambda self, p, label: None
+    elif name == "loaded_options_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        original = StiefelOptimizer._saved_options
+
+        def saved_options(self, saved_groups):
+            return {o: saved_groups[0][o] for o in self._OPTIONS if saved_groups and o in saved_groups[0]}
+
+        undo.append((StiefelOptimizer, "_saved_options", original))
+        StiefelOptimizer._saved_options = saved_options
+    elif name == "saved_guard_count_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        undo.append((fgd_fast.FGD, "_check_saved_state", fgd_fast.FGD._check_saved_state))
+        fgd_fast.FGD._check_saved_state = StiefelOptimizer._check_saved_state
     elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry
 
@@ -279,6 +341,14 @@ def plant_here(name: str) -> None:
             return partial
 
         distributed.summing_over = summing_over
+    elif name == "guard_settings_not_agreed":
+        import fgd_fast.functional as functional
+
+        agree = functional.agree_across_ranks
+        dropped = ("check_manifold", "max_distance", "guard", "trust_radius", "variant")
+        functional.agree_across_ranks = lambda settings, device: agree(
+            {k: v for k, v in settings.items() if k not in dropped}, device
+        )
     else:
         raise ValueError(f"{name!r} is not planted in the ranks")
 

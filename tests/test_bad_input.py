@@ -42,6 +42,12 @@ def _trained(backend="auto", steps=2):
         (dict(lr=0.1, momentum=0.0, nesterov=True), "nesterov"),
         (dict(lr=0.1, backend="tritonn"), "backend"),
         (dict(lr=0.1, max_distance=1.5), "max_distance"),
+        (dict(lr=0.1, max_distance=0.0), "max_distance"),
+        (dict(lr=0.1, max_distance=-1.0), "max_distance"),
+        (dict(lr=0.1, trust_radius=0.0), "trust_radius"),
+        (dict(lr=0.1, trust_radius=-1.0), "trust_radius"),
+        (dict(lr=0.1, momentum=0.9, dampening=0.5, nesterov=True), "nesterov"),
+        (dict(lr=0.1, gram_refresh=0), "gram_refresh"),
         (dict(lr=float("nan")), "lr"),
         (dict(lr=0.1, precision="bf16"), "precision"),
     ],
@@ -155,3 +161,32 @@ def test_gradient_of_another_dtype_is_refused():
     with pytest.raises(ValueError, match="does not match the parameter"):
         fgd_fast.fgd([p], [torch.randn(6, 3)], bufs, lr=0.01, momentum=0.9, feedback=0.4)
     assert torch.equal(p, before) and bufs == [None]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match", [(dict(max_distance=5.0), "max_distance"), (dict(trust_radius=-1.0), "trust_radius")]
+)
+def test_functional_step_rejects_bad_guard_settings(kwargs, match):
+    """``fgd()`` called directly checks the guard's settings as ``FGD`` does (a negative
+    radius or a limit past the Neumann series' radius would steer the guard wrong)."""
+    p = fgd_fast.orthogonalize_(torch.randn(6, 3))
+    before, bufs = p.clone(), [None]
+    with pytest.raises(ValueError, match=match):
+        fgd_fast.fgd([p], [torch.randn(6, 3)], bufs, lr=0.01, momentum=0.9, feedback=0.4, **kwargs)
+    assert torch.equal(p, before) and bufs == [None]
+
+
+@pytest.mark.parametrize("where", ["orthogonal", "euclidean"])
+@pytest.mark.parametrize("bad", ["shape", "integer"])
+def test_unusable_momentum_buffer_in_state_raises_before_any_write(where, bad):
+    """A ``momentum_buffer`` put into ``opt.state`` by hand (not through ``load_state_dict``,
+    which checks it) that does not fit its parameter: the step raises with the buffer's name,
+    and no parameter — orthogonal or Euclidean, before it or after it — nor any state changed."""
+    net, opt = _trained()
+    param = net[1].weight if where == "orthogonal" else net[3].bias  # stepped after net[0] / the orthogonal group
+    buf = opt.state[param]["momentum_buffer"]
+    opt.state[param]["momentum_buffer"] = buf.reshape(-1)[1:].clone() if bad == "shape" else buf.to(torch.int64)
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opt.step()
+    assert_unchanged(net, opt, snap)

@@ -103,7 +103,14 @@ def test_every_real_number_type_is_a_hyper_parameter(value):
     )
     _loss(net, 0).backward()
     opt.step()
-    assert all(torch.isfinite(p).all() for p in net.parameters())
+    same = _net()  # the same step with Python floats: the value was used, not just accepted
+    plain = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(same), lr=float(value), momentum=0.9, feedback=0.4, max_distance=0.5
+    )
+    _loss(same, 0).backward()
+    plain.step()
+    for p, q in zip(net.parameters(), same.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
 
 
 def test_bools_and_device_tensors_are_not_hyper_parameters():
@@ -154,7 +161,7 @@ def test_options_changed_after_construction_are_validated():
             g.update(edit)
         opt.defaults.update(edit)
         snap = snapshot(net, opt)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"invalid {next(iter(edit))}|unknown {next(iter(edit))}"):
             opt.step()
         assert_unchanged(net, opt, snap)
         opt.defaults.update(max_distance=0.3, precision="ieee")
@@ -189,6 +196,41 @@ def test_a_state_dict_with_unusable_buffers_is_refused(bad):
     with pytest.raises(ValueError, match="momentum_buffer"):
         opt.load_state_dict(sd)
     assert_unchanged(net, opt, snap)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("guard_count_float", "guard_count"),
+        ("guard_count_shape", "guard_count"),
+        ("max_distance", "max_distance"),
+        ("trust_radius", "trust_radius"),
+        ("groups_disagree", "optimizer-wide option max_distance"),
+    ],
+)
+def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, match):
+    """The guard's counters and the optimizer-wide options a state_dict brings are checked at
+    load (not at the next step): refused with the reason, nothing loaded."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, max_distance=0.3)
+    _loss(net, 0).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert "guard_count" in sd["state"][0]
+    if edit == "guard_count_float":
+        sd["state"][0]["guard_count"] = sd["state"][0]["guard_count"].to(torch.float32)
+    elif edit == "guard_count_shape":
+        sd["state"][0]["guard_count"] = torch.zeros(3, dtype=torch.int64)
+    elif edit in ("max_distance", "trust_radius"):
+        for group in sd["param_groups"]:
+            group[edit] = 2.0 if edit == "max_distance" else -1.0
+    else:
+        sd["param_groups"][1]["max_distance"] = 0.2
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_unchanged(net, opt, snap)
+    assert opt.max_distance == 0.3
 
 
 def test_feedback_near_0_or_1_warns_once():

@@ -325,7 +325,23 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
     for res in results:
         assert all(res["unchanged"]), res["unchanged"]
         assert res["messages"] == results[0]["messages"]
-    for msg, what in zip(results[0]["messages"], ("lr", "feedback", "momentum", "check_finite", "backend", "sharding")):
+    assert len(results[0]["messages"]) == 11
+    for msg, what in zip(
+        results[0]["messages"],
+        (
+            "lr",
+            "feedback",
+            "momentum",
+            "check_finite",
+            "backend",
+            "sharding",
+            "check_manifold",
+            "max_distance",
+            "guard",
+            "trust_radius",
+            "variant",
+        ),
+    ):
         assert f"the ranks disagree on {what}" in msg, msg
 
 

@@ -102,10 +102,11 @@ def test_huge_finite_gradient_never_writes_non_finite(backend):
         opt.step()
     assert torch.isfinite(w).all() and torch.isfinite(opt.state[w]["momentum_buffer"]).all()
     assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
-    # without the guard the same step is refused before writing
+    # without the guard the same step is refused before writing: it would overflow (the gradient
+    # itself is finite, so this is the prediction's check, not the inputs')
     opt.guard = False
     before = w.detach().clone()
-    with pytest.raises((FloatingPointError, ValueError), match="reset_parameter"):
+    with pytest.raises(FloatingPointError, match="would write non-finite values"):
         opt.step()
     assert torch.equal(w, before)
 
