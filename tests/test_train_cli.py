@@ -82,6 +82,22 @@ def test_digits_run_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "train.png").stat().st_size > 10_000
     assert "max ‖θᵀθ−I‖" in proc.stdout and "cayley-sgd" in proc.stdout and "× sgd" in proc.stdout
     assert "step 12/12: sgd acc" in proc.stderr  # progress without a terminal: a line per evaluation
+    assert opts["fgd"]["guard_steps"] == {"scaled": 0, "reset": 0}  # (layer-steps; ordinary training)
+
+
+def test_sweep_reports_where_the_guard_bound(tmp_path):
+    """``benchmarks.training.sweep``: the grid's report says, per cell, how many layer-steps the
+    step guard scaled or reset (at lr 4 it binds; at lr 0.1 it does not)."""
+    from benchmarks.training import sweep
+
+    out = tmp_path / "sweep.md"
+    assert sweep.main(["--epochs", "1", "--lr", "0.1,4", "--second", "0.4", "--out", str(out)]) == 0
+    grid = json.loads(out.with_suffix(".json").read_text())["grid"]
+    steps = {g["lr"]: g["guard_steps"] for g in grid}
+    assert steps[0.1] == {"scaled": 0, "reset": 0} and steps[4.0]["scaled"] + steps[4.0]["reset"] > 0
+    text = out.read_text()
+    assert "Layer-steps the step guard scaled / reset" in text
+    assert f"| 4 | {steps[4.0]['scaled']} / {steps[4.0]['reset']} |" in text
 
 
 def test_gpu_configuration_rehearsed_on_a_narrow_wrn(tmp_path, train_main):

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     "max_distance": r["max_distance"],
                     "peak_max_distance": peak,
                     "train_loss": r["train_loss"],
+                    **({"guard_steps": r["guard_steps"]} if "guard_steps" in r else {}),
                 }
             )
             print(
@@ -153,6 +154,14 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
             for f in fbs
         ]
         lines.append(f"| {lr:g} | " + " | ".join(cells).replace("stopped¹ (stopped¹)", "stopped¹") + " |")
+    if any("guard_steps" in g for g in result["grid"]):
+        lines += ["", "Layer-steps the step guard scaled / reset (of the run's layers × steps):", "", head, rule]
+        for lr in lrs:
+            cells = [
+                _cell(result["grid"], lr, f, "guard_steps", lambda v: f"{v['scaled']} / {v['reset']}", knob)
+                for f in fbs
+            ]
+            lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
     failed = [g for g in result["grid"] if "failed" in g]
     if failed:
         lines += ["", "¹ the run stopped with an error:", ""]

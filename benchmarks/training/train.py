@@ -351,6 +351,8 @@ class Run:
         out = {"family": family(self.name), "settings": self.settings, "epochs": self.epochs, "history": self.hist}
         if isinstance(self.opt, fgd_fast.FGD):
             out["backend"] = self.opt.resolved_backend(self.device)
+            stats = self.opt.guard_stats().values()  # layer-steps the guard scaled / reset
+            out["guard_steps"] = {k: sum(s[k] for s in stats) for k in ("scaled", "reset")}
         if self.error:
             return {**out, "error": self.error}
         skip = min(5, len(self.timer.step) // 4)  # warm-up steps (allocation, cuDNN autotuning) left out
