@@ -153,13 +153,14 @@ def test_mismatched_euclidean_state_is_refused_at_load():
     opt.step()  # the optimizer still works
 
 
-def test_gradient_of_another_dtype_is_refused():
-    """(torch >= 2.12 refuses such a .grad itself; the functional form must refuse it too.)"""
+@pytest.mark.parametrize("grad", [torch.randn(6, 3), torch.randn(3, 6, dtype=torch.float16)], ids=["dtype", "shape"])
+def test_gradient_of_another_dtype_or_shape_is_refused(grad):
+    """(torch refuses such a .grad itself; the functional form must refuse it too.)"""
     p = fgd_fast.orthogonalize_(torch.randn(6, 3, dtype=torch.float16))
     before = p.clone()
     bufs = [None]
     with pytest.raises(ValueError, match="does not match the parameter"):
-        fgd_fast.fgd([p], [torch.randn(6, 3)], bufs, lr=0.01, momentum=0.9, feedback=0.4)
+        fgd_fast.fgd([p], [grad], bufs, lr=0.01, momentum=0.9, feedback=0.4)
     assert torch.equal(p, before) and bufs == [None]
 
 

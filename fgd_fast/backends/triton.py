@@ -19,12 +19,18 @@ fused backends' block order ``[A | E | B | C]`` and ``[M_θ | M_Φ]`` (:mod:`.ba
 2. (``apply``) ``update_kernel``: ``Φ₊ = U + θM_Φ`` (when Φ is stored), then
    ``θ₊ = θ + V + θM`` with ``(V, M) = (Φ₊, −α(A − I))``, or ``(−ηg, M_θ)`` without Φ.
 
-Between the passes, the O(p³) middle (:func:`.base.middle_of_runs`) with batched torch ops at
-the step's precision, one batch per distinct p (never per layer), writes the M matrices, the distance ``‖A − I‖_F``
-and the finite flag (E = θᵀg is NaN/Inf whenever g is: no extra pass over g). Split-K
-partials are summed by one ``torch.sum`` in a fixed order: deterministic run to run. So a step
-costs at most 6 kernel launches per class plus O(#distinct p) small torch ops, independent of
-the number of layers (``launch_counts`` records kernel launches, for tests).
+Between the passes, the O(p³) middle writes the M matrices, the distance ``‖A − I‖_F`` and the
+finite flag (E = θᵀg is NaN/Inf whenever g is: no extra pass over g). With float32 blocks
+(every class but float64 parameters), the official update and a prediction (the guard or a
+check on: the defaults) it is fused (:mod:`.fused_middle`): the Gram blocks gathered into the
+middle's layout by one launch (:mod:`.gram_gather`), a prologue, five product launches and the
+guard's three, so the tensor-core step is 13 launches per class and a handful of torch ops
+(``tests/test_op_count.py``); otherwise
+:func:`.base.middle_of_runs` runs :func:`.algebra.middle` with batched torch ops at the step's
+precision, one batch per distinct p (never per layer), its products one launch each for every p
+(:mod:`.mid_products`) and the guard's blend in three (:mod:`.guard_blend`). Split-K partials are
+summed in a fixed order: deterministic run to run. The launch count is independent of the
+number of layers (``launch_counts`` records kernel launches, for tests).
 
 Metadata: an int64 table (fields named in :mod:`fgd_fast.kernels.meta`) and int32 work
 tables. Work tables depend only on shapes and are cached; the pointer table is cached on the
