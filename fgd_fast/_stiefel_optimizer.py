@@ -202,7 +202,8 @@ class StiefelOptimizer(Optimizer):
             for o, v in options.items():
                 if group.get(o, v) != v:
                     raise ValueError(
-                        f"this state_dict's groups disagree on the optimizer-wide option {o}; "
+                        f"this state_dict's groups disagree on the optimizer-wide option {o} ({v!r} in "
+                        f"param_groups[0], {group.get(o)!r} in another); "
                         "it cannot be one optimizer's: load the model's weights only and start the optimizer fresh"
                     )
         self._validate_options({**self.defaults, **options})

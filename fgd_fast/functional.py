@@ -20,7 +20,13 @@ from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
-from .validation import check_max_distance, check_state_tensor, check_trust_radius
+from .validation import (
+    check_max_distance,
+    check_nonnegative,
+    check_state_tensor,
+    check_trust_radius,
+    check_unit_interval,
+)
 
 __all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
 
@@ -75,7 +81,10 @@ def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
         return [keep(value)] * count
     values = [keep(v) for v in value]
     if len(values) != count:
-        raise ValueError(f"{name} has {len(values)} entries for {count} parameters")
+        raise ValueError(
+            f"{name} has {len(values)} entries for {count} parameters: pass one value per parameter, "
+            "or a single value for all"
+        )
     return values
 
 
@@ -135,7 +144,10 @@ def fgd(
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
-        raise ValueError("params, grads and momentum_buffers must have the same length")
+        raise ValueError(
+            f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
+            "gradient and one buffer (None before the first step) per parameter"
+        )
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
     read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
@@ -146,6 +158,14 @@ def fgd(
 
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
+    # as FGD checks its groups (each distinct value once: a few checks per step, not per layer;
+    # a tensor lr is checked where it was made)
+    for v in {v for v in lrs if not isinstance(v, torch.Tensor)}:
+        check_nonnegative("lr", v)
+    for v in set(betas):
+        check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
+    for v in set(alphas):
+        check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
 
     bufs: list[torch.Tensor | None] = []
@@ -154,7 +174,8 @@ def fgd(
         if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
             raise ValueError(
                 f"{labels[i]}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the "
-                f"parameter {tuple(p.shape)} {p.dtype} on {p.device}"
+                f"parameter {tuple(p.shape)} {p.dtype} on {p.device}; pass grads[i] with params[i]'s shape, "
+                "dtype and device"
             )
         if betas[i] == 0.0:
             bufs.append(None)

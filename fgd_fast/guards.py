@@ -163,11 +163,16 @@ def _raise_if_off_manifold(
         if only_non_finite and dv == dv:
             continue
         if not dv <= max_distance:  # also catches NaN
-            what = "is not finite" if dv != dv else f"is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold"
+            if not math.isfinite(dv):  # (θ with an Inf entry: ‖θᵀθ − I‖ is Inf or NaN)
+                raise ValueError(
+                    f"orthogonal parameter {labels[i]} is not finite (NaN or Inf entries); the step was not "
+                    "applied. No projection recovers it: re-initialise it (e.g. torch.nn.init.orthogonal_(param)), "
+                    "then call opt.reset_parameter(param), which also clears its momentum"
+                )
             raise ValueError(
-                f"orthogonal parameter {labels[i]} {what} (the limit is max_distance={max_distance};  "
-                "2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not applied. Project it "
-                "first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
+                f"orthogonal parameter {labels[i]} is ‖θᵀθ − I‖_F = {dv:.4g} from the Stiefel manifold (the "
+                f"limit is max_distance={max_distance}; 2I − θᵀθ must approximate (θᵀθ)⁻¹); the step was not "
+                "applied. Project it first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
                 "for you), or call opt.reset_parameter(param), which also clears its momentum; "
                 "check_manifold=False turns this check off"
             )

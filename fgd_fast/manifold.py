@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._matrix import as_stiefel, from_stiefel, stiefel_shape
+from ._matrix import as_stiefel, from_stiefel
 from .distributed import full_value, gram64, is_dtensor, write_shard
 
 __all__ = ["orthogonalize_", "sign_fixed_q", "stiefel_distance"]
@@ -27,14 +27,27 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"orthogonalize_ expects a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
-        raise ValueError(f"orthogonalize_ needs a real floating-point tensor, got {tensor.dtype}")
-    stiefel_shape(tensor.shape)  # raises the 'at least 2 dims' ValueError
+        raise ValueError(
+            f"orthogonalize_ needs a real floating-point tensor, got {tensor.dtype}; convert it first (e.g. t.float())"
+        )
+    if tensor.dim() < 2:
+        raise ValueError(
+            f"orthogonalize_ needs a tensor with at least 2 dims (a matrix, or a weight viewed as "
+            f"(c_o, -1)), got shape {tuple(tensor.shape)}"
+        )
     if tensor.numel() == 0:
         return tensor
     if is_dtensor(tensor):
         write_shard(tensor, orthogonalize_(full_value(tensor).clone()))
         return tensor
-    q = sign_fixed_q(as_stiefel(tensor).to(torch.float64))
+    theta = as_stiefel(tensor).to(torch.float64)
+    if not bool(torch.isfinite(theta).all()):  # a QR of NaN/Inf is NaN: nothing to project
+        raise ValueError(
+            "orthogonalize_ got a tensor with NaN or Inf entries, which no projection can recover; "
+            "re-initialise it (e.g. torch.nn.init.orthogonal_(param)), then call opt.reset_parameter(param) "
+            "to clear its momentum"
+        )
+    q = sign_fixed_q(theta)
     tensor.copy_(from_stiefel(q, tensor.shape))
     return tensor
 
@@ -56,6 +69,13 @@ def stiefel_distance(tensor: torch.Tensor) -> float:
     parameter's dtype (≈1e-6 for float32). For a DTensor it is the full matrix's distance
     (partial Grams of the local rows and one all-reduce; a collective, call it on every rank).
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"stiefel_distance expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() < 2:
+        raise ValueError(
+            f"stiefel_distance needs a tensor with at least 2 dims (a matrix, or a weight viewed as "
+            f"(c_o, -1)), got shape {tuple(tensor.shape)}"
+        )
     gram = gram64(tensor.detach())
     gram.diagonal().sub_(1.0)
     return float(torch.linalg.matrix_norm(gram, "fro"))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._stiefel_optimizer import StiefelOptimizer, option
+from ._stiefel_optimizer import StiefelOptimizer, label, option
 from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
@@ -248,6 +248,7 @@ class FGD(StiefelOptimizer):
         loss = self._run_closure(closure)
         orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
         eucl: list[tuple[dict[str, Any], list[torch.Tensor]]] = []  # (a group's parameters come together)
+        resting: list[tuple[torch.Tensor, float]] = []  # lr = 0: only their state is made, after the checks
         for group, p, text in self._params_with_grads():  # the one collection pass (checks the gradients)
             if not group["orthogonal"]:
                 if not eucl or eucl[-1][0] is not group:  # (no id(): torch 2.11's Dynamo cannot trace it on a dict)
@@ -259,7 +260,7 @@ class FGD(StiefelOptimizer):
             lr = group["lr"]
             on_device = isinstance(lr, torch.Tensor) and lr.device.type != "cpu"  # never read on the host
             if not on_device and float(lr) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
-                self._make_state(p, beta)
+                resting.append((p, beta))
                 continue
             orth["params"].append(p)
             orth["grads"].append(p.grad)
@@ -301,6 +302,8 @@ class FGD(StiefelOptimizer):
                         last[p] = d  # (a device tensor: no synchronisation here)
                     else:
                         last.pop(p, None)
+        for p, beta in resting:  # (after the step that could raise: a failed step creates no state)
+            self._make_state(p, beta)
         for group, ps in eucl:
             self._sgd(
                 ps,
@@ -368,15 +371,22 @@ class FGD(StiefelOptimizer):
         """Recover an orthogonal parameter after a bad step: project it onto the manifold
         (:func:`fgd_fast.orthogonalize_`) and clear its momentum (the next step starts from
         Φ = 0, as the first one does). The advice of the step's errors."""
-        for group, p, _ in self._keyed():
+        for group, p, key in self._keyed():
             if p is param:
                 if not group["orthogonal"]:
-                    raise ValueError("reset_parameter is for parameters of an orthogonal=True group")
+                    raise ValueError(
+                        f"reset_parameter({label(key)}): the parameter is in a group without orthogonal=True, "
+                        "which has no manifold to return to; to clear its momentum, opt.state[param].clear()"
+                    )
                 orthogonalize_(p)
                 self.state.get(p, {}).pop("momentum_buffer", None)
                 self.__dict__.get("_last_distance", {}).pop(p, None)
                 return
-        raise ValueError("reset_parameter: this tensor is not a parameter of the optimizer")
+        what = f"a tensor of shape {tuple(param.shape)}" if isinstance(param, torch.Tensor) else repr(param)
+        raise ValueError(
+            f"reset_parameter got {what} that is not one of this optimizer's parameters; pass the "
+            "nn.Parameter object itself (not .data, .detach() or a copy)"
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
@@ -446,8 +456,10 @@ class FGD(StiefelOptimizer):
         if counts is not None and (
             not isinstance(counts, torch.Tensor) or counts.shape != (2,) or counts.is_floating_point()
         ):
+            got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else repr(counts)
             raise ValueError(
-                f"cannot load this state_dict: parameter {text}'s guard_count is not an integer (2,) tensor"
+                f"cannot load this state_dict: parameter {text}'s guard_count is {got}, expected an integer "
+                "tensor of shape (2,); nothing was loaded. Delete that entry to restart the counts"
             )
 
     # -- introspection ----------------------------------------------------------------------
@@ -479,7 +491,7 @@ def _check_group(group: dict[str, Any]) -> None:
     """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
     check_keys(group, _GROUP_KEYS)
     check_lr(group["lr"])
-    check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive")
+    check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
     check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
     check_nonnegative("weight_decay", group["weight_decay"])
     check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")

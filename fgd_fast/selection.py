@@ -10,6 +10,7 @@ from torch import nn
 
 from ._stiefel_optimizer import remember_names
 from .manifold import orthogonalize_
+from .validation import ORTHOGONAL_DTYPES
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
@@ -59,7 +60,9 @@ def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
         for name, p in model.named_parameters():
             verdict = rule(name, p)
             if not isinstance(verdict, bool):
-                raise TypeError(f"rule({name!r}, param) must return a bool, got {type(verdict).__name__}")
+                raise TypeError(
+                    f"rule({name!r}, param) must return a bool, got {type(verdict).__name__}; wrap it in bool(...)"
+                )
             chosen.append((name, p)) if verdict else None
         return chosen
     if rule not in RULES:
@@ -94,6 +97,13 @@ def stiefel_param_groups(
     """
     chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
+    for name, p in chosen:  # every choice checked before any is projected (a failure changes nothing)
+        if p.dim() < 2 or p.dtype not in ORTHOGONAL_DTYPES:
+            raise ValueError(
+                f"rule={rule!r} selected {name!r} ({tuple(p.shape)} {p.dtype}), which cannot be orthogonal: "
+                "only parameters with at least 2 dims and a float16/bfloat16/float32/float64 dtype can; make "
+                "the rule leave it out (e.g. return False for p.dim() < 2) or name it in exclude="
+            )
     if orthogonalize:
         for _, p in chosen:
             orthogonalize_(p.data)

@@ -38,7 +38,12 @@ __all__ = [
     "check_lr",
     "check_state_tensor",
     "param_tensors",
+    "ORTHOGONAL_DTYPES",
 ]
+
+
+#: the dtypes an orthogonal parameter may have (its step computes in float32 or float64)
+ORTHOGONAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_real(name: str, value: Any) -> float:
@@ -61,7 +66,7 @@ def check_real(name: str, value: Any) -> float:
         )
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise ValueError(f"{name} must be finite, got {value}; check the schedule or configuration that produced it")
     return value
 
 
@@ -86,7 +91,8 @@ def check_lr(value: Any) -> float | torch.Tensor:
 def check_nonnegative(name: str, value: Any) -> float:
     value = check_real(name, value)
     if value < 0.0:
-        raise ValueError(f"invalid {name}={value}: it must be >= 0 (e.g. {name}=0.0 to disable it)")
+        fix = "to ascend the objective, pass maximize=True" if name == "lr" else f"e.g. {name}=0.0 to disable it"
+        raise ValueError(f"invalid {name}={value}: it must be >= 0 ({fix})")
     return value
 
 
@@ -180,7 +186,10 @@ def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:
     dampening."""
     check_bool("nesterov", nesterov)
     if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")
+        raise ValueError(
+            f"nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD), got momentum={momentum}, "
+            f"dampening={dampening}: set momentum (e.g. 0.9) and dampening=0, or nesterov=False"
+        )
     return nesterov
 
 
@@ -195,10 +204,11 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
                 f"orthogonal {label} has shape {tuple(p.shape)}: a Stiefel constraint needs at "
                 "least 2 dims; move it to a group without orthogonal=True"
             )
-        if not p.is_floating_point():
+        if p.dtype not in ORTHOGONAL_DTYPES:
             raise ValueError(
-                f"orthogonal {label} has dtype {p.dtype}: only real floating-point parameters "
-                "(float16, bfloat16, float32, float64) can be orthogonal"
+                f"orthogonal {label} has dtype {p.dtype}: only real floating-point parameters (float16, bfloat16, "
+                "float32, float64) can be orthogonal; cast it (e.g. param.data = param.data.float()) or move it "
+                "to a group without orthogonal=True"
             )
         stiefel_shape(p.shape)
 
@@ -212,8 +222,10 @@ def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: s
             f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
         )
         raise ValueError(
-            f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}; "
-            "was the optimizer state loaded for another model?"
+            f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}. If the model was "
+            "moved or cast (model.to(...), .double()) after the optimizer stepped, move or cast it before "
+            f"building the optimizer, or drop the entry (opt.state[param].pop({name!r})); if this state was "
+            "loaded, it belongs to another model"
         )
 
 
@@ -235,7 +247,8 @@ def check_grad(p: torch.Tensor, label: str) -> None:
     if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
         raise ValueError(
             f"{label}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the parameter "
-            f"{tuple(p.shape)} {p.dtype} on {p.device}"
+            f"{tuple(p.shape)} {p.dtype} on {p.device}; after changing a parameter's dtype, device or shape "
+            "set its .grad to None (opt.zero_grad()) and run backward again"
         )
 
 

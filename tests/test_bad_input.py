@@ -191,3 +191,92 @@ def test_unusable_momentum_buffer_in_state_raises_before_any_write(where, bad):
     with pytest.raises(ValueError, match="momentum_buffer"):
         opt.step()
     assert_unchanged(net, opt, snap)
+
+
+def test_a_failed_step_creates_no_state_for_a_group_at_lr_0():
+    """A group at lr = 0 only gets its state made (Φ = 0, the guard's counters); when another
+    group's step then fails, not even that."""
+    torch.manual_seed(0)
+    a = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    b = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    opt = fgd_fast.FGD([dict(params=[a], orthogonal=True, lr=0.0), dict(params=[b], orthogonal=True)], lr=0.1)
+    a.grad, b.grad = torch.randn(6, 3), torch.full((6, 3), float("nan"))
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert len(opt.state) == 0
+    b.grad = torch.randn(6, 3)
+    opt.step()
+    assert set(opt.state[a]) == {"momentum_buffer", "guard_count"} and not opt.state[a]["momentum_buffer"].any()
+
+
+def test_stiefel_param_groups_checks_every_choice_before_projecting_any():
+    net = nn.Linear(4, 3)
+    before = net.weight.detach().clone()
+    with pytest.raises(ValueError, match="selected 'bias'.*return False for p.dim"):
+        fgd_fast.stiefel_param_groups(net, rule=lambda name, p: True)
+    assert torch.equal(net.weight, before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_parameter_is_not_projected_and_reset_parameter_says_how_to_recover(bad):
+    """A QR of NaN/Inf is NaN: orthogonalize_ refuses it (before writing) instead of writing NaN,
+    so opt.reset_parameter (the step errors' advice) keeps the momentum and says what to do."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad = torch.randn(6, 3) * 0.01
+    opt.step()
+    with torch.no_grad():
+        w[0, 0] = bad
+    snap = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match="not finite.*re-initialise"):
+        opt.step()
+    with pytest.raises(ValueError, match="NaN or Inf.*re-initialise"):
+        opt.reset_parameter(w)
+    assert torch.equal(w.nan_to_num(), snap[0].nan_to_num()) and torch.equal(w.isnan(), snap[0].isnan())  # unchanged
+    assert torch.equal(opt.state[w]["momentum_buffer"], snap[1])
+    with torch.no_grad():
+        torch.nn.init.orthogonal_(w)
+    opt.reset_parameter(w)
+    assert "momentum_buffer" not in opt.state[w]
+    opt.step()  # recovered
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-0.1), "maximize=True"),
+        (dict(lr=[0.1, float("nan")]), "lr must be finite"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(feedback=1.5), "feedback"),
+    ],
+)
+def test_functional_step_rejects_bad_hyper_parameters(kwargs, match):
+    """``fgd()`` called directly checks lr, momentum and feedback as ``FGD`` does."""
+    ps = [fgd_fast.orthogonalize_(torch.randn(6, 3)) for _ in range(2)]
+    before, bufs = [p.clone() for p in ps], [None, None]
+    hyper = {**dict(lr=0.1, momentum=0.9, feedback=0.4), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fgd_fast.fgd(ps, [torch.randn(6, 3) for _ in ps], bufs, **hyper)
+    assert all(torch.equal(p, q) for p, q in zip(ps, before)) and bufs == [None, None]
+
+
+def test_errors_name_the_values_and_the_fix():
+    net = _model()
+    with pytest.raises(ValueError, match=r"got momentum=0.0, dampening=0.0: set momentum"):
+        fgd_fast.FGD(net.parameters(), lr=0.1, momentum=0.0, nesterov=True)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn: only real floating-point parameters \(float16,"):
+        fgd_fast.FGD([dict(params=[nn.Parameter(torch.eye(3).to(torch.float8_e4m3fn))], orthogonal=True)], lr=0.1)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.01)
+    with pytest.raises(ValueError, match=r"reset_parameter\('3.bias'\).*without orthogonal=True"):
+        opt.reset_parameter(net[3].bias)
+    with pytest.raises(ValueError, match=r"shape \(8, 3, 3, 3\).*the nn.Parameter object itself"):
+        opt.reset_parameter(net[0].weight.data)
+    with pytest.raises(ValueError, match="got 1 params, 2 grads and 1 momentum_buffers"):
+        fgd_fast.fgd([torch.eye(3)], [torch.eye(3)] * 2, [None], lr=0.1, momentum=0.9, feedback=0.4)
+    with pytest.raises(ValueError, match="2 entries for 1 parameters: pass one value per parameter"):
+        fgd_fast.fgd([torch.eye(3)], [torch.eye(3)], [None], lr=[0.1, 0.2], momentum=0.9, feedback=0.4)
+    with pytest.raises(TypeError, match="expects a torch.Tensor"):
+        fgd_fast.stiefel_distance([[1.0, 0.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        fgd_fast.orthogonalize_(torch.randn(3))

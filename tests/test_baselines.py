@@ -644,6 +644,18 @@ def test_adapters_refuse_a_parametrized_model():
         torch_orthogonal_sgd(net, "all", lr=0.1)
 
 
+def test_adapters_refuse_before_parametrizing_anything():
+    """One weight already parametrized, the others not: the refusal leaves the others as they were."""
+    from torch.nn.utils import parametrize
+
+    net = _adapter_net()
+    torch_orthogonal_sgd(nn.Sequential(net[2]), "all", lr=0.1)  # net[2] (a shared module) parametrized
+    before = net[0].weight.detach().clone()
+    with pytest.raises(ValueError, match="already parametrized"):
+        torch_orthogonal_sgd(net, "all", lr=0.1)
+    assert not parametrize.is_parametrized(net[0], "weight") and torch.equal(net[0].weight, before)
+
+
 def test_package_imports_without_geoopt():
     code = (
         "import sys; sys.modules['geoopt'] = None\n"

@@ -196,7 +196,7 @@ def test_reset_parameter_projects_and_clears_momentum():
     opt.step()
     opt.reset_parameter(w)
     assert fgd_fast.stiefel_distance(w) < 1e-5 and "momentum_buffer" not in opt.state[w]
-    with pytest.raises(ValueError, match="not a parameter"):
+    with pytest.raises(ValueError, match="not one of this optimizer's parameters"):
         opt.reset_parameter(torch.nn.Parameter(torch.randn(3, 3)))
 
 

@@ -61,7 +61,10 @@ def _load_triton(device: torch.device) -> Backend:
     try:
         from .triton import prepare_triton
     except Exception as exc:  # Triton missing, too old, or failing at import (driver, ...)
-        raise BackendUnavailable(f"backend='triton' is unavailable: {type(exc).__name__}: {exc}") from exc
+        raise BackendUnavailable(
+            f"backend='triton' is unavailable: {type(exc).__name__}: {exc}; install a Triton that runs here "
+            "(pip install triton), or use backend='torch' (or 'auto', which falls back quietly)"
+        ) from exc
     return prepare_triton
 
 
@@ -71,7 +74,10 @@ def _load_cuda(device: torch.device) -> Backend:
     try:
         from .cuda import prepare_cuda
     except Exception as exc:  # extension missing or failing to build or load
-        raise BackendUnavailable(f"backend='cuda' is unavailable: {type(exc).__name__}: {exc}") from exc
+        raise BackendUnavailable(
+            f"backend='cuda' is unavailable: {type(exc).__name__}: {exc}; rebuild the extension "
+            "(pip install --no-build-isolation -e . with a CUDA toolkit), or use backend='torch' or 'auto'"
+        ) from exc
     return prepare_cuda
 
 

@@ -282,7 +282,10 @@ def prepare_cuda(
     needs_cuda("cuda", params)
     for param in params:
         if param.dtype not in _CODE:
-            raise TypeError(f"backend='cuda' supports float16/bfloat16/float32/float64 parameters, got {param.dtype}")
+            raise TypeError(
+                f"backend='cuda' supports float16/bfloat16/float32/float64 parameters, got {param.dtype}; "
+                "cast the parameter or use backend='torch'"
+            )
     classes = layer_classes(len(params), lambda i: params[i].dtype)
     built = [
         _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance, variant)

@@ -74,11 +74,13 @@ def _reparametrize(
     chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
-    orth = []
-    for name, p in chosen:
+    for name, _ in chosen:  # every weight checked before any is parametrized (a failure changes nothing)
         module, attr = _owner(model, name)
         if parametrize.is_parametrized(module, attr) or isinstance(module, parametrize.ParametrizationList):
             raise ValueError(f"{name} is already parametrized; build the contender on a fresh model")
+    orth = []
+    for name, p in chosen:
+        module, attr = _owner(model, name)
         if orthogonalize:
             with torch.no_grad():
                 orthogonalize_(p.data)
@@ -101,7 +103,7 @@ def _groups(orth, rest, weight_decay: float) -> list[dict[str, Any]]:
 def _sgd_options(lr, momentum, weight_decay, nesterov, dampening) -> dict[str, Any]:
     """The validated SGD keyword arguments both adapters pass on (weight decay goes per group)."""
     check_nonnegative("lr", lr)
-    check_unit_interval("momentum", momentum)
+    check_unit_interval("momentum", momentum, "e.g. 0.9")
     check_nonnegative("weight_decay", weight_decay)
     check_nesterov(nesterov, momentum, dampening)
     return dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov)
