@@ -87,3 +87,42 @@ def test_a_run_killed_mid_phase_keeps_every_earlier_result(tmp_path):
     assert by[("sgd", "time")]["median_ms"] > 0 and by[("sgd", "exit")]["rc"] == 0
     assert "First phase" in (out / "report.md").read_text(encoding="utf-8")
     assert json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["phases"]["first"]["ok"]
+
+
+def test_sigterm_stops_the_phase_and_keeps_the_results(tmp_path):
+    """The session's outer ``timeout`` sends SIGTERM: gpu_check kills the running phase's
+    process group (it would otherwise outlive the call and compete with a rerun for the GPU)
+    and publishes what it has."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, *CHECK, str(out), "--work", str(work), "--cpu-dry-run", "--no-install"]
+    cmd += ["--phases", "install", "tests", "--budget", "200", "--tests", "tests/test_bad_input.py"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "tests.log").exists() and time.monotonic() < deadline:  # the tests phase has begun
+            assert proc.poll() is None, "gpu_check ended before the tests phase"
+            time.sleep(0.2)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["terminated"] == f"signal {signal.SIGTERM}"
+    time.sleep(1.0)
+    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+    assert not left, f"the phase's processes outlived gpu_check: {left}"
+
+
+def test_a_rerun_clears_only_its_own_work_folder(tmp_path):
+    """A rerun on a warm machine must not report the last run's logs; a folder gpu_check did
+    not make is never cleared."""
+    out, work, other = tmp_path / "out", tmp_path / "work", tmp_path / "mine"
+    base = [sys.executable, *CHECK, str(out), "--cpu-dry-run", "--no-install", "--phases", "install"]
+    subprocess.run([*base, "--work", str(work)], env=ENV, check=True, timeout=120, capture_output=True, cwd=ROOT)
+    (work / "tests-junit.xml").write_text("<stale/>")
+    subprocess.run([*base, "--work", str(work)], env=ENV, check=True, timeout=120, capture_output=True, cwd=ROOT)
+    assert not (work / "tests-junit.xml").exists()
+    other.mkdir()
+    (other / "keep.txt").write_text("a user's file")
+    subprocess.run([*base, "--work", str(other)], env=ENV, check=True, timeout=120, capture_output=True, cwd=ROOT)
+    assert (other / "keep.txt").read_text() == "a user's file"

@@ -26,5 +26,8 @@ timeout $((budget + 20)) python3 -m benchmarks.gpu.gpu_check "$out" --budget "$b
   ${GPU_CHECK_ARGS:-} > /tmp/gpu_check.out 2>&1
 rc=$?
 sed -n '/^| phase/,/^$/p' /tmp/gpu_check.out
+if [ "$rc" -ne 0 ]; then  # (a crash before the phase table: its traceback comes back in this call's output)
+  tail -n 40 /tmp/gpu_check.out
+fi
 echo "gpu_check exit $rc; files in $out: $(ls "$out" | tr '\n' ' ')"
 exit $rc
