@@ -142,7 +142,7 @@ def check_trust_radius(value: Any) -> float:
 def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> int:
     """``value`` is a Python int (not a bool, not a float) with ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}; pass a Python int")
     if value < minimum:
         extra = f" ({hint})" if hint else ""
         raise ValueError(f"invalid {name}={value}: it must be an int >= {minimum}{extra}")
