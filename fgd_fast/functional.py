@@ -21,6 +21,7 @@ from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
 from .validation import (
+    check_grad_fits,
     check_max_distance,
     check_nonnegative,
     check_state_tensor,
@@ -107,6 +108,7 @@ def fgd(
     variant: str = "official",
     sharding: str = "auto",
     gram_refresh: int = GRAM_REFRESH,
+    _validated: bool = False,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -129,6 +131,8 @@ def fgd(
     ``gram_refresh``: at most how many steps the torch backend on a CPU carries θᵀθ, θᵀΦ, ΦᵀΦ
     from step to step before reading them from the parameters again (1: every step; see
     :class:`fgd_fast.FGD`).
+    ``_validated``: internal, for ``FGD.step``, which checked lr, momentum, feedback,
+    ``max_distance`` and ``trust_radius`` this step already (skips checking them again).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -138,8 +142,9 @@ def fgd(
         raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
     if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
         raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
-    check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
-    check_trust_radius(trust_radius)
+    if not _validated:  # (FGD.step has checked its options and groups this step: not twice on the hot path)
+        check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
+        check_trust_radius(trust_radius)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
@@ -158,25 +163,19 @@ def fgd(
 
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
-    # as FGD checks its groups (each distinct value once: a few checks per step, not per layer;
-    # a tensor lr is checked where it was made)
-    for v in {v for v in lrs if not isinstance(v, torch.Tensor)}:
-        check_nonnegative("lr", v)
-    for v in set(betas):
-        check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
-    for v in set(alphas):
-        check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
+    if not _validated:  # as FGD checks its groups (each distinct value once; a tensor lr where it was made)
+        for v in {v for v in lrs if not isinstance(v, torch.Tensor)}:
+            check_nonnegative("lr", v)
+        for v in set(betas):
+            check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
+        for v in set(alphas):
+            check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
 
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
-        if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
-            raise ValueError(
-                f"{labels[i]}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the "
-                f"parameter {tuple(p.shape)} {p.dtype} on {p.device}; pass grads[i] with params[i]'s shape, "
-                "dtype and device"
-            )
+        check_grad_fits(p, g, labels[i], "pass grads[i] with params[i]'s shape, dtype and device")
         if betas[i] == 0.0:
             bufs.append(None)
             fresh.append(True)

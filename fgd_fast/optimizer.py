@@ -290,6 +290,7 @@ class FGD(StiefelOptimizer):
                 variant=opts["variant"],
                 sharding=opts["sharding"],
                 gram_refresh=opts["gram_refresh"],
+                _validated=True,  # (_run_closure checked the options and every group above)
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ._stiefel_optimizer import remember_names
 from .manifold import orthogonalize_
-from .validation import ORTHOGONAL_DTYPES
+from .validation import check_orthogonal_params
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
@@ -98,12 +98,13 @@ def stiefel_param_groups(
     chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
     for name, p in chosen:  # every choice checked before any is projected (a failure changes nothing)
-        if p.dim() < 2 or p.dtype not in ORTHOGONAL_DTYPES:
+        try:
+            check_orthogonal_params([p], [repr(name)])
+        except ValueError as exc:
             raise ValueError(
-                f"rule={rule!r} selected {name!r} ({tuple(p.shape)} {p.dtype}), which cannot be orthogonal: "
-                "only parameters with at least 2 dims and a float16/bfloat16/float32/float64 dtype can; make "
-                "the rule leave it out (e.g. return False for p.dim() < 2) or name it in exclude="
-            )
+                f"rule={rule!r} selected {name!r} ({tuple(p.shape)} {p.dtype}): {exc}; or make the rule leave "
+                "it out (e.g. return False for p.dim() < 2) or name it in exclude="
+            ) from None
     if orthogonalize:
         for _, p in chosen:
             orthogonalize_(p.data)

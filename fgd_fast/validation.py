@@ -35,6 +35,7 @@ __all__ = [
     "check_trust_radius",
     "check_orthogonal_params",
     "check_grad",
+    "check_grad_fits",
     "check_lr",
     "check_state_tensor",
     "param_tensors",
@@ -244,11 +245,21 @@ def check_grad(p: torch.Tensor, label: str) -> None:
             f"{label} is complex ({p.dtype}); fgd_fast optimizers support real parameters only "
             "(split it with torch.view_as_real)"
         )
+    check_grad_fits(
+        p,
+        g,
+        label,
+        "after changing a parameter's dtype, device or shape set its .grad to None (opt.zero_grad()) and run "
+        "backward again",
+    )
+
+
+def check_grad_fits(p: torch.Tensor, g: torch.Tensor, label: str, fix: str) -> None:
+    """The gradient ``g`` has ``p``'s shape, dtype and device."""
     if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
         raise ValueError(
             f"{label}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match the parameter "
-            f"{tuple(p.shape)} {p.dtype} on {p.device}; after changing a parameter's dtype, device or shape "
-            "set its .grad to None (opt.zero_grad()) and run backward again"
+            f"{tuple(p.shape)} {p.dtype} on {p.device}; {fix}"
         )
 
 
