@@ -126,3 +126,18 @@ def test_a_rerun_clears_only_its_own_work_folder(tmp_path):
     (other / "keep.txt").write_text("a user's file")
     subprocess.run([*base, "--work", str(other)], env=ENV, check=True, timeout=120, capture_output=True, cwd=ROOT)
     assert (other / "keep.txt").read_text() == "a user's file"
+
+
+def test_the_breakdown_splits_the_torch_step_into_its_parts(tmp_path):
+    """The torch backend's products are all cuBLAS kernels on a GPU: the breakdown takes its Gram
+    pass, middle and update from the backend's ``fgd::`` ranges instead (host time on a CPU)."""
+    out = tmp_path / "first.jsonl"
+    cmd = [sys.executable, *FIRST, str(out), "--cpu-dry-run", "--cases", "fgd-torch", "--measure", "breakdown"]
+    subprocess.run(cmd, env=ENV, check=True, timeout=180, capture_output=True, cwd=ROOT)
+    row = {(r["case"], r["what"]): r for r in lines(out)}[("fgd-torch", "breakdown")]
+    assert sorted(row["phases"]) == ["gram", "middle", "update"], row
+    assert all(v["host_ms"] > 0 and v["gpu_ms"] is None for v in row["phases"].values()), row["phases"]
+    report = subprocess.run(
+        [sys.executable, *FIRST, str(out), "--report"], env=ENV, capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert "by part of the step: gram: host" in report, report

@@ -21,7 +21,10 @@ so a run killed at any point keeps everything measured before. In priority order
   why it could not be captured;
 - ``breakdown``: one profiled step (checks off), GPU time per kind of kernel (split, Gram,
   update, the Triton middle's kernels and guard kernels, cuBLAS products, the rest: the torch
-  paths' p × p middle, guard and bookkeeping), the kernel count, and the top kernels by time;
+  paths' p × p middle, guard and bookkeeping), the kernel count, the top kernels by time, and
+  per part of the step as the FGD backends mark it (``phases``: Gram pass, middle, update) the
+  GPU time it launched and the host time inside it — the split the kernel names cannot give
+  where every product is a cuBLAS kernel (the torch backend);
 - ``memory``: the peak memory one step allocates above what existed before it;
 - ``distance``: max ‖θᵀθ − I‖_F (float64) over ``--steps`` steps of the benchmark's gradient
   stream (:func:`measure.gradient_pool`, ``lr = measure.LR``), for the cases the precision
@@ -167,7 +170,28 @@ def _breakdown(case, device) -> dict:
         kernels=sum(len(v) for v in kernels.values()),
         kinds_ms={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         top=[dict(name=k, calls=len(v), ms=round(sum(v), 4)) for k, v in top],
+        phases=_phases(prof, device),
     )
+
+
+def _phases(prof, device) -> dict:
+    """The step's parts as the FGD backends mark them (``fgd::gram``, ``fgd::middle``,
+    ``fgd::update``: :func:`fgd_fast.backends.base.phase`): per part the host time inside the
+    range and, on a GPU, the kernels' time it launched (children included); empty for a
+    contender that marks none."""
+    out: dict[str, dict] = {}
+    for e in prof.events():
+        if not e.name.startswith("fgd::"):
+            continue
+        part = out.setdefault(e.name.removeprefix("fgd::"), dict(host_ms=0.0, gpu_ms=0.0, ranges=0))
+        part["host_ms"] += e.cpu_time_total / 1e3
+        part["gpu_ms"] += e.device_time_total / 1e3 if device.type == "cuda" else 0.0
+        part["ranges"] += 1
+    gpu = device.type == "cuda"  # (no device time on a CPU: None, not 0)
+    return {
+        k: dict(v, host_ms=round(v["host_ms"], 4), gpu_ms=round(v["gpu_ms"], 4) if gpu else None)
+        for k, v in out.items()
+    }
 
 
 def _capture(case, device, reps: int) -> dict:
@@ -458,6 +482,15 @@ def report(rows: list[dict]) -> str:
         if b:
             kinds = ", ".join(f"{k} {v:.3g}" for k, v in b["kinds_ms"].items())
             lines.append(f"- **{c}**: {kinds} (total {b['gpu_ms']:.3g} ms in {b['kernels']} kernels)")
+            parts = b.get("phases") or {}
+            if parts:  # the backend's own ranges: device time launched and host time inside each
+                cells = ", ".join(
+                    f"{k} {v['gpu_ms']:.3g} ms (host {v['host_ms']:.3g} ms)"
+                    if v.get("gpu_ms") is not None
+                    else f"{k}: host {v['host_ms']:.3g} ms"
+                    for k, v in parts.items()
+                )
+                lines.append(f"  - by part of the step: {cells}")
     lines += ["", "### Distance and memory", "", "| case | steps | max ‖θᵀθ − I‖_F | final | peak extra MiB |"]
     lines.append("|---|---|---|---|---|")
     for c in cases:

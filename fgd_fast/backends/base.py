@@ -58,6 +58,7 @@ decision, as device tensors; ``plan.apply()`` then writes θ₊ into ``params`` 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import contextmanager
@@ -81,6 +82,7 @@ __all__ = [
     "check_precision",
     "fp32_matmuls",
     "full_precision",
+    "phase",
     "in_input_order",
     "plan_of",
     "layer_classes",
@@ -272,6 +274,23 @@ def fp32_matmuls(precision: str = "ieee"):
 def full_precision():
     """fp32 matmuls in IEEE precision inside (``fp32_matmuls("ieee")``)."""
     return fp32_matmuls("ieee")
+
+
+#: the step's parts as profiler ranges (``fgd::gram``, ``fgd::middle``, ``fgd::update``)
+PHASES = ("gram", "middle", "update")
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range ``fgd::<name>`` around one part of the step (:data:`PHASES`) while a
+    profiler records (``torch.profiler.profile``), so that a profile splits the step's time —
+    host and device — into its Gram pass, middle and update even where every product is a cuBLAS
+    kernel; a null context otherwise: a range is an operator of its own, which an unprofiled step
+    (and a CUDA graph, and the op count) should not pay for."""
+    if name not in PHASES:
+        raise ValueError(f"phase {name!r}: expected one of {PHASES}")
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"fgd::{name}")
+    return contextlib.nullcontext()
 
 
 _permutations = TableCache()

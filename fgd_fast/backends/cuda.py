@@ -79,6 +79,7 @@ from .base import (
     layer_classes,
     middle_of_runs,
     needs_cuda,
+    phase,
     plan_of,
     runs_of,
 )
@@ -210,32 +211,34 @@ class _Class:
         self.hyper = hyper_table(hyper, self.acc, device, tuple(params[i].data_ptr() for i in order))
 
         # pass 1: Gram blocks of every layer, then the fixed-order sum of the splits
-        partial = torch.empty(splits * gram_off, dtype=self.acc, device=device)
-        _launch("gram", _ext.gram, self.meta, partial, gram_off, tile, splits, self.code)
-        gram = partial
-        if splits > 1:
-            gram = torch.empty(gram_off, dtype=self.acc, device=device)
-            _launch("sum_splits", _ext.sum_splits, partial, gram, gram_off, splits)
+        with phase("gram"):
+            partial = torch.empty(splits * gram_off, dtype=self.acc, device=device)
+            _launch("gram", _ext.gram, self.meta, partial, gram_off, tile, splits, self.code)
+            gram = partial
+            if splits > 1:
+                gram = torch.empty(gram_off, dtype=self.acc, device=device)
+                _launch("sum_splits", _ext.sum_splits, partial, gram, gram_off, splits)
 
         # the O(p³) middle, one batch per run of equal (reads Φ, p): [M_θ | M_Φ] per layer
         self.mats = torch.empty(m_off, dtype=self.acc, device=device)
         # the guard's ‖g‖² by one multi-tensor torch op on the inputs (the Gram kernel does not take it)
         predict = trust_radius is not None or max_distance is not None
-        g_sq = grad_sq([grads[i] for i in order]) if predict else None
-        checks = middle_of_runs(
-            gram,
-            self.mats,
-            self.hyper,
-            runs,
-            g_sq=g_sq,
-            grads=[grads[i] for i in order],
-            phis=[bufs[i] for i in order],
-            unit=store_unit(params[order[0]].dtype),
-            stored=params[order[0]].dtype,
-            trust_radius=trust_radius,
-            max_distance=max_distance,
-            variant=variant,
-        )
+        with phase("middle"):
+            g_sq = grad_sq([grads[i] for i in order]) if predict else None
+            checks = middle_of_runs(
+                gram,
+                self.mats,
+                self.hyper,
+                runs,
+                g_sq=g_sq,
+                grads=[grads[i] for i in order],
+                phis=[bufs[i] for i in order],
+                unit=store_unit(params[order[0]].dtype),
+                stored=params[order[0]].dtype,
+                trust_radius=trust_radius,
+                max_distance=max_distance,
+                variant=variant,
+            )
         self.dist, self.finite = checks.dist, checks.finite
         self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
         self.hyper_step = scaled_hyper(self.hyper, checks.scale)  # [sη, sβ, α]: the guard's U → sU
@@ -247,6 +250,10 @@ class _Class:
         self.scratch = torch.empty(self.grid * _ROWS * self.p_max, dtype=self.acc, device=device)
 
     def apply(self) -> None:
+        with phase("update"):
+            self._update()
+
+    def _update(self) -> None:
         _launch(
             "update",
             _ext.update,

@@ -72,7 +72,7 @@ from collections import defaultdict
 import torch
 
 from .._matrix import stiefel_shape
-from .base import StepPlan, check_precision, device_of, fp32_matmuls, layer_classes, plan_of
+from .base import StepPlan, check_precision, device_of, fp32_matmuls, layer_classes, phase, plan_of
 from .gram_sums import OverlappedSums
 from .guard_rule import host_reads_free
 from .torch_bucket import Bucket
@@ -117,7 +117,7 @@ class _Step:
 
     def apply(self) -> None:
         # (contexts, not decorators: torch.compile traces them)
-        with torch.no_grad(), fp32_matmuls(self.precision), self.mode():
+        with torch.no_grad(), fp32_matmuls(self.precision), self.mode(), phase("update"):
             for b in self.units:
                 b.apply(self.scratch[b.cdt])
         for g in self.groups:  # stamped with the versions the writes left
@@ -218,24 +218,30 @@ def _planned(
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once
-                g.middle(g.grams(scratch), scratch)
+                with phase("gram"):
+                    blocks = g.grams(scratch)
+                with phase("middle"):
+                    g.middle(blocks, scratch)
             # with a prediction the middle's finiteness (‖g‖², tr C) is the check: no pass over g
-            for b in buckets:
-                b.finish(check_finite, b.finite_flags() if check_finite and not b.predict else None)
+            with phase("middle"):
+                for b in buckets:
+                    b.finish(check_finite, b.finite_flags() if check_finite and not b.predict else None)
         else:  # every group's partial Grams, summed over the ranks as they are made, then every middle
             sums = OverlappedSums(reduce)
             held = []
-            for g in groups:
-                held.append(g.grams(scratch))
-                sums.add(held[-1], g.symmetric_slots())  # (sent once a bucket is full; the next Grams meanwhile)
-            # non-finite counts, only without a prediction: with one, the summed ‖g‖², tr C and E say it
-            counted = check_finite and not any(b.predict for b in buckets)
-            bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
-            sums.finish(bad)
-            for g, blocks in zip(groups, held):
-                g.middle(blocks, scratch)
-            for i, b in enumerate(buckets):
-                b.finish(check_finite, bad[i] == 0 if counted else None)
+            with phase("gram"):  # (the sums over the ranks included)
+                for g in groups:
+                    held.append(g.grams(scratch))
+                    sums.add(held[-1], g.symmetric_slots())  # (sent once a bucket is full; the next Grams meanwhile)
+                # non-finite counts, only without a prediction: with one, the summed ‖g‖², tr C and E say it
+                counted = check_finite and not any(b.predict for b in buckets)
+                bad = [(~b.finite_flags()).to(b.cdt) for b in buckets] if counted else []
+                sums.finish(bad)
+            with phase("middle"):
+                for g, blocks in zip(groups, held):
+                    g.middle(blocks, scratch)
+                for i, b in enumerate(buckets):
+                    b.finish(check_finite, bad[i] == 0 if counted else None)
     step = _Step(buckets, scratch, precision, [g for g in groups if g.carry], mode)
     plan = plan_of(buckets, device, check_finite)
     plan.apply = step.apply

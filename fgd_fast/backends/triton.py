@@ -88,6 +88,7 @@ from .base import (
     layer_classes,
     middle_of_runs,
     needs_cuda,
+    phase,
     plan_of,
     runs_of,
 )
@@ -248,6 +249,11 @@ class _Checked:
         self.dist_next, self.finite_next, self.guarded = mid.dist_next, mid.finite_next, mid.guarded
         self.check_table = mid.check_table  # (read by the optimizer in one .tolist(): base.plan_of)
 
+    def apply(self) -> None:
+        """Every write of the class's step (:meth:`_apply`: the update kernels)."""
+        with phase("update"):
+            self._apply()
+
     def checks(self, checks) -> None:
         self.dist, self.finite = checks.dist, checks.finite
         self.dist_next, self.finite_next, self.guarded = checks.dist_next, checks.finite_next, checks.guarded
@@ -350,27 +356,28 @@ class _Class(_Checked):
 
         # pass 1: Gram blocks, split over n, then a fixed-order sum of the splits (into slabs kept
         # per set of parameters: every entry the gather reads is written first)
-        owners = tuple(params[i].data_ptr() for i in self.layers)
-        size = sh.splits * sh.gram_total
-        partial = _split_buffers.get_or(
-            ("gram", device, owners, size, self.acc), lambda: torch.empty(size, dtype=self.acc, device=device)
-        )
-        blocks = (SLOT_A, SLOT_E, SLOT_B, SLOT_C) if has_phi else (SLOT_A, SLOT_E)
-        if trust_radius is not None or max_distance is not None:  # the guard's G = gᵀg (and H = Φᵀg)
-            blocks += (meta.SLOT_G, meta.SLOT_H) if has_phi else (meta.SLOT_G,)
-        for block in blocks:
-            work = sh.gram_sym if block in (SLOT_A, SLOT_C, meta.SLOT_G) else sh.gram_full
-            _launch(
-                K.gram_kernel,
-                (work.shape[0], sh.splits),
-                self.meta,
-                work,
-                partial,
-                sh.gram_total,
-                BLOCK=block,
-                **self.consts,
-                **self.gram_config,
+        with phase("gram"):
+            owners = tuple(params[i].data_ptr() for i in self.layers)
+            size = sh.splits * sh.gram_total
+            partial = _split_buffers.get_or(
+                ("gram", device, owners, size, self.acc), lambda: torch.empty(size, dtype=self.acc, device=device)
             )
+            blocks = (SLOT_A, SLOT_E, SLOT_B, SLOT_C) if has_phi else (SLOT_A, SLOT_E)
+            if trust_radius is not None or max_distance is not None:  # the guard's G = gᵀg (and H = Φᵀg)
+                blocks += (meta.SLOT_G, meta.SLOT_H) if has_phi else (meta.SLOT_G,)
+            for block in blocks:
+                work = sh.gram_sym if block in (SLOT_A, SLOT_C, meta.SLOT_G) else sh.gram_full
+                _launch(
+                    K.gram_kernel,
+                    (work.shape[0], sh.splits),
+                    self.meta,
+                    work,
+                    partial,
+                    sh.gram_total,
+                    BLOCK=block,
+                    **self.consts,
+                    **self.gram_config,
+                )
         predict = trust_radius is not None or max_distance is not None
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=False)  # the splits summed, into the layout
 
@@ -380,18 +387,19 @@ class _Class(_Checked):
         # torch's products (Triton 3.6 cannot compile a float64 dot)
         fused = fused_middle.applies(dtype=self.acc, variant=variant, max_distance=max_distance)
         guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
-        if fused:  # the middle and the guard in nine launches (fused_middle.py); F where Φ is read
-            self.fused(gather, runs, guard, precision, ("middle", device, owners, has_phi), feedback=has_phi)
-        else:
-            self.middle(
-                partial,
-                runs,
-                gather=gather,
-                products=mid_products.engine(precision) if self.acc == torch.float32 else None,
-                feedback_with_phi=True,
-                precision=precision,
-                **guard,
-            )
+        with phase("middle"):
+            if fused:  # the middle and the guard in nine launches (fused_middle.py); F where Φ is read
+                self.fused(gather, runs, guard, precision, ("middle", device, owners, has_phi), feedback=has_phi)
+            else:
+                self.middle(
+                    partial,
+                    runs,
+                    gather=gather,
+                    products=mid_products.engine(precision) if self.acc == torch.float32 else None,
+                    feedback_with_phi=True,
+                    precision=precision,
+                    **guard,
+                )
         self.p_max = max(p for _, p in np_list)
 
         # the update's scratch is reserved here too, so that apply() allocates nothing: a step
@@ -405,7 +413,7 @@ class _Class(_Checked):
         self.programs = programs
         self.scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=device)
 
-    def apply(self) -> None:
+    def _apply(self) -> None:
         sh = self.shapes
         args = (self.meta, self.hyper_step, sh.update_work, sh.update_work.shape[0])
         modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
@@ -600,37 +608,38 @@ class _TensorCoreClass(_Checked):
             ),
         )
 
-        # the split pass: hi = tf32(θ), lo = tf32(θ − hi)
-        items = sh.split_work.shape[0]
-        _launch(
-            TC.tc_split_kernel,
-            (_persistent(items, device),),
-            self.meta,
-            sh.split_work,
-            items,
-            LO=self.lo,
-            **self.consts,
-            **TC.SPLIT_CONFIG,
-        )
-        # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ (into slabs
-        # kept like the split buffer: every entry the gather reads is written first)
-        size = sh.splits * sh.gram_total
-        partial = _split_buffers.get_or(
-            ("tc-gram", device, owners, size), lambda: torch.empty(size, dtype=torch.float32, device=device)
-        )
-        items = sh.gram_work.shape[0]
-        _launch(
-            TC.tc_gram_kernel,
-            (_persistent(items, device),),
-            self.meta,
-            sh.gram_work,
-            items,
-            partial,
-            sh.gram_total,
-            PRECISION="tf32",
-            **self.consts,
-            **self.gram_config,
-        )
+        with phase("gram"):
+            # the split pass: hi = tf32(θ), lo = tf32(θ − hi)
+            items = sh.split_work.shape[0]
+            _launch(
+                TC.tc_split_kernel,
+                (_persistent(items, device),),
+                self.meta,
+                sh.split_work,
+                items,
+                LO=self.lo,
+                **self.consts,
+                **TC.SPLIT_CONFIG,
+            )
+            # pass 1: one TF32 GEMM pass over every tile of hiᵀ[hi | lo | Φ | g] and ΦᵀΦ (into slabs
+            # kept like the split buffer: every entry the gather reads is written first)
+            size = sh.splits * sh.gram_total
+            partial = _split_buffers.get_or(
+                ("tc-gram", device, owners, size), lambda: torch.empty(size, dtype=torch.float32, device=device)
+            )
+            items = sh.gram_work.shape[0]
+            _launch(
+                TC.tc_gram_kernel,
+                (_persistent(items, device),),
+                self.meta,
+                sh.gram_work,
+                items,
+                partial,
+                sh.gram_total,
+                PRECISION="tf32",
+                **self.consts,
+                **self.gram_config,
+            )
         # the splits summed, the symmetric blocks' lower tiles mirrored and A = hiᵀhi + L + Lᵀ,
         # into the middle's layout: one launch (kernels/blocks.py)
         gather = _gatherer(partial, sh.splits, has_phi, predict, mirror=True, lo=self.lo, upper=self.gram_config["BM"])
@@ -638,16 +647,17 @@ class _TensorCoreClass(_Checked):
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
         fused = fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance)
         guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
-        if fused:
-            # the middle and the guard in nine launches (fused_middle.py)
-            self.fused(gather, runs, guard, precision, ("tc-middle", device, owners, has_phi))
-        else:
-            self.middle(
-                partial, runs, gather=gather, products=mid_products.engine(precision), precision=precision, **guard
-            )
+        with phase("middle"):
+            if fused:
+                # the middle and the guard in nine launches (fused_middle.py)
+                self.fused(gather, runs, guard, precision, ("tc-middle", device, owners, has_phi))
+            else:
+                self.middle(
+                    partial, runs, gather=gather, products=mid_products.engine(precision), precision=precision, **guard
+                )
         self.programs = _persistent(sh.update_work.shape[0], device)
 
-    def apply(self) -> None:
+    def _apply(self) -> None:
         sh = self.shapes
         items = sh.update_work.shape[0]
         _launch(
