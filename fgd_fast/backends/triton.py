@@ -58,10 +58,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from fgd_fast.kernels import fgd_step as K
@@ -70,6 +68,7 @@ from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
 from . import fused_middle, gram_gather, guard_blend, mid_products
+from . import triton_tables as tables
 from .algebra import grad_norm, grad_sq, scaled_hyper
 from .base import (
     M_PHI,
@@ -97,7 +96,8 @@ from .layout import Layout
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
-SCRATCH_BYTES = 64 << 20
+SCRATCH_BYTES = tables.SCRATCH_BYTES
+
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
 assert (SLOT_A, SLOT_E, SLOT_B, SLOT_C, M_THETA, M_PHI) == (
     meta.SLOT_A,
@@ -131,10 +131,6 @@ def _persistent(items: int, device: torch.device) -> int:
     """Programs of a persistent grid over ``items`` work items (~2 per SM on a GPU)."""
     wanted = force_programs or (_programs_wanted(device) // 2 if device.type == "cuda" else 3)
     return max(1, min(items, wanted))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 _tables = TableCache()
@@ -260,49 +256,6 @@ class _Checked:
         self.hyper_step = scaled_hyper(self.ops.hyper, checks.scale)  # [sη, sβ, α]: the guard's U → sU
 
 
-@dataclass
-class _Shapes:
-    """Everything about a CUDA-core launch class that depends only on the layer shapes."""
-
-    gram_sym: torch.Tensor  # int32 (W, 3): layer, tile i, tile j, i <= j (A and C)
-    gram_full: torch.Tensor  # int32 (W, 3): every (layer, i, j) (B and E)
-    update_work: torch.Tensor  # int32 (I, 2): layer, row block
-    gram_off: list[int]  # element offset of [A|E|B|C] per layer
-    m_off: list[int]  # element offset of the layer's M_θ and M_Φ in the middle's (layout) buffers
-    chunk: list[int]  # rows per split per layer
-    splits: int
-    gram_total: int
-
-
-def _shapes(np_list, device, wanted, bp, bk, br, acc_name) -> _Shapes:
-    acc_bytes = 8 if acc_name == "float64" else 4
-    gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
-    g_total = m_total = 0
-    for layer, (n, p) in enumerate(np_list):
-        nt = triton.cdiv(p, bp)
-        gram_sym += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
-        gram_full += [(layer, i, j) for i in range(nt) for j in range(nt)]
-        update_work += [(layer, r) for r in range(triton.cdiv(n, br))]
-        gram_off.append(g_total)
-        m_off.append(m_total)
-        g_total += meta.GRAM_SLOTS * p * p
-        m_total += p * p  # M_θ and M_Φ: in the middle's two buffers, layout order
-    splits = force_splits or max(1, min(64, triton.cdiv(wanted, len(gram_sym))))
-    splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
-    chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
-    as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
-    return _Shapes(
-        as_table(gram_sym, 3),
-        as_table(gram_full, 3),
-        as_table(update_work, 2),
-        gram_off,
-        m_off,
-        chunk,
-        splits,
-        g_total,
-    )
-
-
 class _Class(_Checked):
     """A launch class on CUDA cores: tables, Gram pass and middle (prepare), update (apply)."""
 
@@ -336,7 +289,7 @@ class _Class(_Checked):
         blocking = (self.gram_config["BP"], self.gram_config["BK"], self.update_config["BR"], acc_name)
         self.shapes = _tables.get_or(
             ("shapes", device, tuple(np_list), _programs_wanted(device), blocking, force_splits),
-            lambda: _shapes(np_list, device, _programs_wanted(device), *blocking),
+            lambda: tables.shapes(np_list, device, _programs_wanted(device), *blocking, forced_splits=force_splits),
         )
         sh = self.shapes
         self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, self.acc)
@@ -433,91 +386,6 @@ class _Class(_Checked):
         self.ops.write_back()
 
 
-@dataclass
-class _TCShapes:
-    """Everything about a tensor-core launch class that depends only on the layer shapes."""
-
-    split_work: torch.Tensor  # int32 (S, SPLIT_WORK)
-    gram_work: torch.Tensor  # int32 (W, GRAM_WORK), longest first
-    update_work: torch.Tensor  # int32 (I, UPDATE_WORK), largest p first
-    ld: list[int]  # padded rows of hi/lo per layer
-    split_off: list[int]  # element offset of hi (and lo) per layer
-    split_total: int
-    gram_off: list[int]
-    m_off: list[int]
-    chunk: list[int]
-    splits: int
-    gram_total: int
-
-
-def _tc_shapes(np_list, device, wanted, has_phi, lo, cfg, ucfg, scfg, predict) -> _TCShapes:
-    bm, bk = cfg["BM"], cfg["BK"]
-    ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
-    split_off, gram_off, m_off, tiles = [], [], [], []
-    s_total = g_total = m_total = 0
-    for layer, (_, p) in enumerate(np_list):
-        split_off.append(s_total)
-        gram_off.append(g_total)
-        m_off.append(m_total)
-        s_total += p * ld[layer]
-        g_total += meta.TC_GRAM_SLOTS * p * p
-        m_total += p * p  # M_θ and M_Φ: in the middle's two buffers, layout order
-        nt = _cdiv(p, bm)
-        upper = [(i, j) for i in range(nt) for j in range(i, nt)]
-        full = [(i, j) for i in range(nt) for j in range(nt)]
-        products = [(meta.F_HI, meta.F_HI, meta.SLOT_A, upper), (meta.F_HI, meta.F_GRAD, meta.SLOT_E, full)]
-        if lo:
-            products.append((meta.F_HI, meta.F_LO, meta.SLOT_L, full))  # L = hiᵀlo
-        if has_phi:
-            products += [(meta.F_HI, meta.F_PHI, meta.SLOT_B, full), (meta.F_PHI, meta.F_PHI, meta.SLOT_C, upper)]
-        if predict:  # the guard's G = gᵀg and H = Φᵀg (TF32: relative error ~2⁻¹¹ in UᵀU)
-            products.append((meta.F_GRAD, meta.F_GRAD, meta.SLOT_G, upper))
-            if has_phi:
-                products.append((meta.F_GRAD, meta.F_PHI, meta.SLOT_H, full))  # gᵀΦ = Hᵀ: only H + Hᵀ enters
-        tiles += [(layer, lf, rf, slot, i, j) for lf, rf, slot, ij in products for i, j in ij]
-    # split n when the tiles cannot fill the GPU; the partials stay under the bound
-    splits = force_splits or max(1, min(64, _cdiv(wanted, len(tiles)), min(_cdiv(n, 4 * bk) for n, _ in np_list)))
-    splits = max(1, min(splits, SCRATCH_BYTES // max(1, 4 * g_total)))
-    chunk = [_cdiv(_cdiv(n, splits), bk) * bk for n, _ in np_list]
-    gram_work = [(*t, s) for t in tiles for s in range(splits)]  # every split writes its slab (zeros if empty)
-    gram_work.sort(key=lambda w: -min(chunk[w[0]], np_list[w[0]][0] - w[6] * chunk[w[0]]))  # longest first (LPT)
-    bs, bl = scfg["BS"], scfg["BL"]
-    split_work = [
-        (layer, i, k)
-        for layer, (n, p) in enumerate(np_list)
-        for i in range(_cdiv(p, bs))
-        for k in range(ld[layer] // bl)
-    ]
-    br, bn = ucfg["BR"], ucfg["BN"]
-    update_work = [
-        (layer, r, c) for layer, (n, p) in enumerate(np_list) for r in range(_cdiv(n, br)) for c in range(_cdiv(p, bn))
-    ]
-    update_work.sort(key=lambda w: -np_list[w[0]][1])  # the largest p (the longest K) first
-    as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
-    return _TCShapes(
-        as_table(split_work, meta.SPLIT_WORK),
-        as_table(gram_work, meta.GRAM_WORK),
-        as_table(update_work, meta.UPDATE_WORK),
-        ld,
-        split_off,
-        s_total,
-        gram_off,
-        m_off,
-        chunk,
-        splits,
-        g_total,
-    )
-
-
-def _aligned(tensors, np_list) -> bool:
-    """Every address 16-byte aligned and both n and p multiples of 4 floats: what the tensor-core
-    kernels' ``ALIGNED`` hints assert (``tl.multiple_of(n, 4)``, ``(p, 4)``; p also sets the
-    offsets of the p × p blocks and the M loads' rows). A layer with only its contiguous
-    dimension a multiple of 4 is not aligned: a hint that does not hold makes a wrong 16-byte
-    access on a GPU."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(n % 4 == 0 and p % 4 == 0 for n, p in np_list)
-
-
 class _TensorCoreClass(_Checked):
     """A float32 launch class on tensor cores: split, Gram pass and middle (prepare), update (apply)."""
 
@@ -543,7 +411,7 @@ class _TensorCoreClass(_Checked):
         self.layers, np_list = _order(layers, params)
         self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, torch.float32)
         # hi (and lo) of every layer: scratch written by the split pass (ld = n rounded up, 16-byte aligned)
-        ld = [_cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
+        ld = [tables.cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
         split_total = sum(p * d for (_, p), d in zip(np_list, ld))
         # one buffer per set of parameters, kept from step to step: its address is in the metadata
         # table, so a steady step (and a captured one) reuses both and builds nothing
@@ -552,7 +420,7 @@ class _TensorCoreClass(_Checked):
         self.split = _split_buffers.get_or(
             ("tc-split", device, owners, numel), lambda: torch.empty(numel, dtype=torch.float32, device=device)
         )
-        aligned = _aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list)
+        aligned = tables.aligned([*ops.theta, *ops.grad, *ops.phi, self.split], np_list)
         self.consts = dict(ROWS=rows, ALIGNED=aligned)
         self.gram_config = TC.GRAM_CONFIG[precision, aligned]
         self.update_config = TC.UPDATE_CONFIG[precision, aligned]
@@ -571,7 +439,7 @@ class _TensorCoreClass(_Checked):
         )
         self.shapes = sh = _tables.get_or(
             key,
-            lambda: _tc_shapes(
+            lambda: tables.tc_shapes(
                 np_list,
                 device,
                 _programs_wanted(device),
@@ -581,6 +449,7 @@ class _TensorCoreClass(_Checked):
                 self.update_config,
                 TC.SPLIT_CONFIG,
                 predict,
+                forced_splits=force_splits,
             ),
         )
         base = self.split.data_ptr()
@@ -704,7 +573,7 @@ def prepare_triton(
         aligned = None
         if dtype == torch.float32 and tensor_cores:
             own = (params[i], grads[i]) + ((bufs[i],) if has_phi else ())
-            aligned = _aligned(own, [(shape.n, shape.p)])
+            aligned = tables.aligned(own, [(shape.n, shape.p)])
         return dtype, has_phi, shape.transposed, aligned
 
     classes = layer_classes(len(params), key)
