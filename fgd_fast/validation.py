@@ -66,7 +66,7 @@ def check_real(name: str, value: Any) -> float:
             f"{name} must be a real number (int, float or a numpy scalar), got {type(value).__name__}: {value!r}"
         )
     value = float(value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # not NaN or ±Inf (math.isfinite cannot take a compiled step's SymFloat)
         raise ValueError(f"{name} must be finite, got {value}; check the schedule or configuration that produced it")
     return value
 

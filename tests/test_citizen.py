@@ -312,6 +312,32 @@ def test_compiled_step_over_several_widths_has_no_graph_break():
     _compiled_step_matches_eager(nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6)))
 
 
+def test_compiled_step_follows_a_scheduler_without_a_graph_break():
+    """A new user's review: a fullgraph-compiled step failed at the second step of a StepLR —
+    Dynamo traces the changed lr as a SymFloat, which the lr check's math.isfinite cannot take.
+    Four scheduled steps, compiled, equal the eager ones (each lr used, none refused)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 3))
+    opt = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(net), lr=0.01, backend="torch", check_finite=False, check_manifold=False
+    )
+    eager_net, eager_opt = copy.deepcopy((net, opt))
+    step = torch.compile(opt.step, fullgraph=True, backend="eager")  # (before the scheduler wraps opt.step)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, eager_opt)]
+    for _ in range(4):
+        for p, q in zip(net.parameters(), eager_net.parameters()):
+            p.grad = torch.randn_like(p) * 0.01
+            q.grad = p.grad.clone()
+        step()
+        eager_opt.step()
+        for sched in scheds:
+            sched.step()
+    assert opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] == 0.01 / 16
+    for p, q in zip(net.parameters(), eager_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def _reachable(root) -> list:
     """Objects reachable from ``root`` through containers, closures and fgd_fast's own objects."""
     import gc
