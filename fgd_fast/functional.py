@@ -24,6 +24,7 @@ from .validation import (
     check_grad_fits,
     check_max_distance,
     check_nonnegative,
+    check_orthogonal_params,
     check_state_tensor,
     check_trust_radius,
     check_unit_interval,
@@ -171,6 +172,8 @@ def fgd(
         for v in set(alphas):
             check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
+    if not _validated:  # (FGD checked its groups' parameters when they were added)
+        check_orthogonal_params(params, labels)
 
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []

@@ -195,11 +195,19 @@ def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:
 
 
 def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | None = None) -> None:
-    """Every Stiefel-constrained parameter must be a real floating tensor with >= 2 dims."""
+    """Every Stiefel-constrained parameter must be a real floating tensor with >= 2 dims, listed
+    once (twice, it would be stepped twice per step, off the manifold: torch.optim only warns)."""
+    first: dict[int, str] = {}
     for i, p in enumerate(params):
         label = names[i] if names else f"parameter {i} of the group"
         if not isinstance(p, torch.Tensor):
             continue  # torch.optim reports non-tensors itself
+        if id(p) in first:
+            raise ValueError(
+                f"orthogonal {label} is the same tensor as {first[id(p)]}: listed twice, it would be stepped "
+                "twice in every step and leave the Stiefel manifold; list each parameter once"
+            )
+        first[id(p)] = label
         if p.dim() < 2:
             raise ValueError(
                 f"orthogonal {label} has shape {tuple(p.shape)}: a Stiefel constraint needs at "

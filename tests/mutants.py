@@ -135,6 +135,10 @@ MUTANTS = {
         "a state_dict's guard_count loaded whatever its shape and dtype",
         [f"{LOAD}[guard_count_float-guard_count]"],
     ),
+    "duplicate_orthogonal_unchecked": (
+        "a parameter listed twice in an orthogonal group accepted (stepped twice, off the manifold)",
+        [f"{BAD}::test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused"],
+    ),
     "guard_settings_not_agreed": (
         "the ranks' guard settings (max_distance, guard, trust_radius, variant, check_manifold) not compared",
         [f"{DIST}::test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging"],
@@ -270,6 +274,19 @@ def plant(name: str) -> Callable[[], None]:
             for attr in ("check_max_distance", "check_trust_radius"):
                 undo.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, lambda value: value)
+    elif name == "duplicate_orthogonal_unchecked":
+        from fgd_fast import _stiefel_optimizer
+
+        original = fgd_fast.validation.check_orthogonal_params
+
+        def once_each(params, names=None):  # the other checks as they are, on the list without repeats
+            params = list(params)
+            keep = [i for i, p in enumerate(params) if all(q is not p for q in params[:i])]
+            return original([params[i] for i in keep], [names[i] for i in keep] if names else None)
+
+        for module in (_stiefel_optimizer, fgd_fast.functional):
+            undo.append((module, "check_orthogonal_params", module.check_orthogonal_params))
+            module.check_orthogonal_params = once_each
     elif name == "orthogonal_buffer_unchecked":
         undo.append((fgd_fast.functional, "check_state_tensor", fgd_fast.functional.check_state_tensor))
         fgd_fast.functional.check_state_tensor = lambda *args, **kwargs: None

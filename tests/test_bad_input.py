@@ -280,3 +280,22 @@ def test_errors_name_the_values_and_the_fix():
         fgd_fast.stiefel_distance([[1.0, 0.0], [0.0, 1.0]])
     with pytest.raises(ValueError, match="at least 2 dims"):
         fgd_fast.orthogonalize_(torch.randn(3))
+
+
+def test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused():
+    """A new user's review: torch.optim only warns about a repeated parameter; FGD stepped it twice
+    per step, stored θ ~2× max_distance off the manifold, and refused the next step."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(10, 4, generator=gen)))
+    q = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3, generator=gen)))
+    with pytest.raises(ValueError, match="listed twice"):
+        fgd_fast.FGD([dict(params=[p, q, p], orthogonal=True)], lr=0.1)
+    opt = fgd_fast.FGD([dict(params=[q], orthogonal=True)], lr=0.1)
+    with pytest.raises(ValueError, match="listed twice"):
+        opt.add_param_group(dict(params=[p, p], orthogonal=True))
+    assert len(opt.param_groups) == 1  # nothing added
+    before, g = p.detach().clone(), torch.randn(p.shape, generator=gen)
+    with torch.no_grad(), pytest.raises(ValueError, match="listed twice"):
+        fgd_fast.fgd([p, p], [g, g], [None, None], lr=0.1, momentum=0.9, feedback=0.4)
+    assert torch.equal(p, before)
+    fgd_fast.FGD([dict(params=[p], orthogonal=True), dict(params=[q])], lr=0.1)  # once each: accepted
