@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,11 +49,27 @@ def select_stiefel(
     * a callable ``rule(name, param) -> bool``.
 
     ``exclude``: parameter or module names left unconstrained (``"fc"`` leaves out ``fc.weight``;
-    a name matches itself and everything below it).
+    a name matches itself and everything below it); a name that matches nothing in the model
+    (a typo would silently constrain the weight it meant to leave out) raises ``ValueError``.
     """
     exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
+    _check_excluded(model, exclude)
     chosen = _select(model, rule)
     return [(n, p) for n, p in chosen if not any(n == e or n.startswith(e + ".") for e in exclude)]
+
+
+def _check_excluded(model: nn.Module, exclude: tuple[str, ...]) -> None:
+    """Every ``exclude`` name must be a parameter's or a module's name (or a prefix of one)."""
+    if not exclude:
+        return
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules() if n]
+    for e in exclude:
+        if not isinstance(e, str):
+            raise TypeError(f"exclude= takes parameter or module names (str), got {type(e).__name__}: {e!r}")
+        if not any(n == e or n.startswith(e + ".") for n in names):
+            near = difflib.get_close_matches(e, names, n=3)
+            hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else " (see model.named_parameters())"
+            raise ValueError(f"exclude={e!r} matches no parameter or module of the model{hint}")
 
 
 def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
@@ -96,6 +114,15 @@ def stiefel_param_groups(
     still names each parameter correctly (it remembers the tensors' names).
     """
     chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
+    if not chosen:  # (FGD then is plain SGD: say so, a rule meant for convolutions on an MLP does this)
+        what = "nn.Conv2d weights with k > 1" if rule in ("paper", "official") else "weights"
+        warnings.warn(
+            f"stiefel_param_groups: rule={rule!r} selected no trainable weight of this model as orthogonal "
+            f"(it takes {what}), so FGD will train it as plain SGD; for Linear layers use rule='all' "
+            "(with exclude= for the classifier head) or a callable rule",
+            UserWarning,
+            stacklevel=2,
+        )
     chosen_ids = {id(p) for _, p in chosen}
     for name, p in chosen:  # every choice checked before any is projected (a failure changes nothing)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -295,6 +296,34 @@ def test_exclude_leaves_named_weights_unconstrained():
     assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude="0.weight")] == ["2.weight"]
     groups = fgd_fast.stiefel_param_groups(net, "all", exclude=["2"])
     assert groups[0]["names"] == ["0.weight"] and "2.weight" in groups[1]["names"]
+
+
+def test_an_exclude_name_that_matches_nothing_is_refused_with_the_near_names():
+    """A new user's review: exclude=["fc.weights"] (a typo) silently constrained fc.weight."""
+    net = torch.nn.Sequential()
+    net.add_module("body", torch.nn.Linear(6, 8))
+    net.add_module("fc", torch.nn.Linear(8, 3))
+    before = net.fc.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"exclude='fc.weights' matches no .*did you mean 'fc.weight'"):
+        fgd_fast.stiefel_param_groups(net, "all", exclude=["fc.weights"])
+    assert torch.equal(net.fc.weight, before)  # refused before any projection
+    with pytest.raises(ValueError, match="exclude='head' matches no"):
+        fgd_fast.select_stiefel(net, "all", exclude="head")
+    with pytest.raises(TypeError, match="exclude= takes parameter or module names"):
+        fgd_fast.select_stiefel(net, "all", exclude=[net.fc])
+    assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude=["fc"])] == ["body.weight"]  # module name
+
+
+def test_a_rule_that_selects_nothing_warns():
+    """rule="paper" on an MLP (no 3 × 3 convolution) made FGD plain SGD without a word."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with pytest.warns(UserWarning, match="rule='paper' selected no trainable weight") as caught:
+        groups = fgd_fast.stiefel_param_groups(mlp)
+    assert caught[0].filename == __file__  # points at the caller
+    assert groups[0]["params"] == [] and len(groups[1]["params"]) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fgd_fast.stiefel_param_groups(mlp, "all")  # a rule that selects something: silent
 
 
 def test_resolved_backend_defaults_to_the_parameters_device():
