@@ -15,6 +15,7 @@ may not give one a different value.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .backends import compute_dtype
 from .functional import sgd
 from .manifold import stiefel_distance
-from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors
+from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors, user_stacklevel
 
 __all__ = ["StiefelOptimizer", "label", "option", "remember_names"]
 
@@ -214,7 +215,9 @@ class StiefelOptimizer(Optimizer):
         the reason (nothing changes): groups without this optimizer's keys, state tensors of
         the wrong shape, a non-floating or non-finite buffer. Optimizer-wide options saved in
         the groups are restored (missing ones, from older checkpoints, keep their current
-        value). The floating state of float16/bfloat16 orthogonal parameters stays float32
+        value); where that changes one (a checkpoint from a GPU run brings ``backend="triton"``,
+        or checks that were off), a ``UserWarning`` names each change — set it again after
+        loading to keep this optimizer's. The floating state of float16/bfloat16 orthogonal parameters stays float32
         (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
@@ -242,11 +245,21 @@ class StiefelOptimizer(Optimizer):
             for index, (group, p, key) in enumerate(self._keyed()):
                 if index in saved and isinstance(saved[index], dict):
                     self._check_saved_state(p, group, saved[index], label(key))
+        changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for o in self._OPTIONS:
                 group[o] = options.get(o, self.defaults[o])
         self.defaults.update(options)
+        if changed:  # (a constructor's explicit choice replaced without a word is a surprise)
+            what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
+            first = next(iter(changed))
+            warnings.warn(
+                f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
+                f"to keep this optimizer's, set them again after loading (e.g. opt.{first} = {changed[first][0]!r})",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         for index, (group, p, _) in enumerate(self._keyed()):
             cdt = compute_dtype(p.dtype)
             if index not in saved or cdt == p.dtype or not group["orthogonal"]:

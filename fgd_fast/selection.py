@@ -12,7 +12,7 @@ from torch import nn
 
 from ._stiefel_optimizer import remember_names
 from .manifold import orthogonalize_
-from .validation import check_orthogonal_params
+from .validation import check_orthogonal_params, user_stacklevel
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
@@ -121,7 +121,7 @@ def stiefel_param_groups(
             f"(it takes {what}), so FGD will train it as plain SGD; for Linear layers use rule='all' "
             "(with exclude= for the classifier head) or a callable rule",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     chosen_ids = {id(p) for _, p in chosen}
     for name, p in chosen:  # every choice checked before any is projected (a failure changes nothing)

@@ -75,18 +75,28 @@ def test_copies_keep_the_options_and_continue_bit_identically(name, how):
 
 
 def test_state_dict_carries_the_options():
+    """Restored, and (a new user's review) said so where they change this optimizer's: a GPU run's
+    checkpoint brought backend="triton" and checks that were off to a CPU run without a word."""
     net = _net()
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01, max_distance=0.3, guard=False)
     other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
-    other.load_state_dict(opt.state_dict())
+    with pytest.warns(UserWarning, match=r"max_distance 0.5 → 0.3, guard True → False; .*opt.max_distance = 0.5") as w:
+        other.load_state_dict(opt.state_dict())
+    assert len(w) == 1 and w[0].filename == __file__  # one warning, at the caller
     assert other.max_distance == 0.3 and other.guard is False
     assert all(g["max_distance"] == 0.3 for g in other.param_groups)
+    same = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.02, max_distance=0.3, guard=False)
+    with warnings.catch_warnings():  # a resume with the same options: silent
+        warnings.simplefilter("error")
+        same.load_state_dict(opt.state_dict())
     legacy = opt.state_dict()  # a checkpoint written before the options were in the groups
     for g in legacy["param_groups"]:
         for o in fgd_fast.FGD._OPTIONS:
             del g[o]
     fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01, max_distance=0.2)
-    fresh.load_state_dict(legacy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(legacy)
     assert fresh.max_distance == 0.2  # missing options keep their current value
 
 
@@ -312,6 +322,7 @@ def test_compiled_step_over_several_widths_has_no_graph_break():
     _compiled_step_matches_eager(nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6)))
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (compiled: the wrapper unseen)
 def test_compiled_step_follows_a_scheduler_without_a_graph_break():
     """A new user's review: a fullgraph-compiled step failed at the second step of a StepLR —
     Dynamo traces the changed lr as a SymFloat, which the lr check's math.isfinite cannot take.
@@ -406,7 +417,8 @@ def test_an_optimizer_wide_choice_is_validated_and_carried(name, unknown, chosen
     assert getattr(opt, name) == chosen
     other = fgd_fast.FGD(fgd_fast.stiefel_param_groups(_net()), lr=0.01)
     assert getattr(other, name) == default  # (variant: the authors' code)
-    other.load_state_dict(opt.state_dict())
+    with pytest.warns(UserWarning, match=f"{name} '{default}' → '{chosen}'"):
+        other.load_state_dict(opt.state_dict())
     assert getattr(other, name) == chosen and all(g[name] == chosen for g in other.param_groups)
     with pytest.raises(ValueError, match=name):
         fgd_fast.functional.fgd([], [], [], lr=0.1, momentum=0.9, feedback=0.4, **{name: "nope"})
