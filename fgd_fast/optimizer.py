@@ -52,7 +52,8 @@ class FGD(StiefelOptimizer):
 
     The first step uses Φ = 0; ``momentum=0`` is the stateless form
     ``θ ← θ − η(g − θN\,sym(θᵀg)) − αθ(A − I)``. Weight decay, dampening and Nesterov do not
-    apply to orthogonal parameters. All other parameters get exactly ``torch.optim.SGD``.
+    apply to orthogonal parameters. All other parameters get exactly ``torch.optim.SGD`` (dense
+    real gradients; sparse or complex ones are refused).
 
     What each term does, the two-pass form the fast backends compute, the cost model and the
     precision notes: ``docs/algorithm.md``.
@@ -233,7 +234,9 @@ class FGD(StiefelOptimizer):
         if precision != "ieee" and backend not in PRECISION_BACKENDS:
             raise ValueError(
                 f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "
-                "computes in full precision: drop precision= or choose one of those backends"
+                "computes in full precision: pass precision='ieee' (or none: the default follows the backend) or "
+                "choose one of those backends; on an existing optimizer, whose precision may be the default of its "
+                "first backend, set opt.precision = 'ieee' before opt.backend"
             )
         check_bool("check_finite", options["check_finite"])
         check_bool("check_manifold", options["check_manifold"])

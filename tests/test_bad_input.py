@@ -299,3 +299,16 @@ def test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused():
         fgd_fast.fgd([p, p], [g, g], [None, None], lr=0.1, momentum=0.9, feedback=0.4)
     assert torch.equal(p, before)
     fgd_fast.FGD([dict(params=[p], orthogonal=True), dict(params=[q])], lr=0.1)  # once each: accepted
+
+
+def test_switching_to_a_full_precision_backend_says_how():
+    """A new user's review: opt.backend = "reference" on an optimizer built with the default
+    precision was told to "drop precision=", which the user never passed."""
+    p = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(10, 4)))
+    opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1)
+    with pytest.raises(ValueError, match=r"set opt.precision = 'ieee' before opt.backend"):
+        opt.backend = "reference"
+    assert opt.backend == "auto"  # refused: unchanged
+    opt.precision = "ieee"
+    opt.backend = "reference"  # the advice works
+    assert opt.backend == "reference"
