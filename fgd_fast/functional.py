@@ -279,6 +279,7 @@ def fgd(
         finite_next=[pl.finite_next for pl in plans],
         guarded=[pl.guarded for pl in plans],
         tables=[pl.checks for pl in plans],
+        carried=gram_refresh > 1,
     )
     for pl in plans:
         pl.apply()

@@ -63,9 +63,12 @@ def raise_if_invalid(
     finite_next: Sequence[torch.Tensor | None] | None = None,
     guarded: Sequence[torch.Tensor | None] | None = None,
     tables: Sequence[torch.Tensor | None] | None = None,
+    carried: bool = False,
 ) -> list[int] | None:
     """Raise if any layer failed a check; return the guard's per-layer decisions read at the
-    same synchronisation (``None`` when no check is on: nothing is read).
+    same synchronisation (``None`` when no check is on: nothing is read). ``carried``: the step
+    may have read θᵀθ carried from the last one (``gram_refresh > 1``): the off-manifold message
+    then names the write that carried blocks cannot see.
 
     ``dist[k]``, ``finite[k]``, … are per-layer device tensors of one backend call whose
     layers are ``index[k]`` (positions into ``labels``). One ``.tolist()`` per device.
@@ -132,7 +135,7 @@ def raise_if_invalid(
                 "opt.reset_parameter(param); check_finite=False turns this check off"
             )
     if check_manifold:
-        _raise_if_off_manifold(dist_all, labels, max_distance)
+        _raise_if_off_manifold(dist_all, labels, max_distance, carried=carried)
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_next_all) if not ok]
         if bad:
@@ -158,6 +161,7 @@ def _raise_if_off_manifold(
     max_distance: float,
     *,
     only_non_finite: bool = False,
+    carried: bool = False,
 ) -> None:
     for i, dv in enumerate(dist_all):
         if only_non_finite and dv == dv:
@@ -175,4 +179,11 @@ def _raise_if_off_manifold(
                 "applied. Project it first with fgd_fast.orthogonalize_(param) (stiefel_param_groups does this "
                 "for you), or call opt.reset_parameter(param), which also clears its momentum; "
                 "check_manifold=False turns this check off"
+                + (
+                    ". With gram_refresh > 1, θᵀθ may be carried from the last step: a write to θ through "
+                    "param.data since then is not seen (param.copy_ under torch.no_grad() is); call "
+                    "fgd_fast.backends.carry.forget() after such a write"
+                    if carried
+                    else ""
+                )
             )

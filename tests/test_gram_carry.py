@@ -123,6 +123,28 @@ def test_forget_after_a_write_through_data():
     _close(fresh, carried)
 
 
+def test_an_unseen_write_through_data_is_named_in_the_error():
+    """A new user's review: after ``p.data.copy_(another orthonormal θ)``, carried steps measured
+    the old θ's Grams, moved the new θ off the manifold, and the refresh refused it, advising a
+    projection; the message now names the write and carry.forget()."""
+    carry.forget()
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(64, 16, generator=gen)))
+    opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1, backend="torch", gram_refresh=4)
+    with pytest.raises(ValueError, match=r"through param\.data .*carry\.forget\(\)"):
+        for k in range(8):
+            p.grad = torch.randn(p.shape, generator=gen) * 0.1
+            if k == 2:  # a carried step follows (step 0 read the Grams)
+                p.data.copy_(fgd_fast.orthogonalize_(torch.randn(p.shape, generator=gen)))
+            opt.step()
+    carry.forget()
+    with pytest.raises(ValueError, match="from the Stiefel manifold") as info:  # without carrying: no such words
+        q = torch.nn.Parameter(2 * torch.eye(3))
+        q.grad = torch.zeros(3, 3)
+        fgd_fast.FGD([dict(params=[q], orthogonal=True)], lr=0.1, backend="torch").step()
+    assert "carry" not in str(info.value)
+
+
 def _failing(k, params, opt):
     if k == 5:  # a carried step (steps 0 and 4 read the Grams)
         params[0].grad[0, 0, 0, 0] = float("nan")  # check_finite raises before anything is written
