@@ -258,3 +258,24 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
     for name in ("m_theta", "m_phi", "feedback", "scale", "dist_next"):
         assert torch.allclose(getattr(first, name), getattr(blended, name), rtol=1e-12, atol=1e-14), name
     assert torch.equal(first.guarded, blended.guarded) and torch.equal(first.finite_next, blended.finite_next)
+
+
+@pytest.mark.parametrize("scale", [1e18, 1e20])
+def test_where_the_torch_backends_guard_differs_from_the_references(scale):
+    """The README's one exception to "one rule in every backend": a float32 gradient whose Gram
+    overflows (entries past ~1e19) is reset by the torch backend, scaled by the reference (which
+    scales g before its products); below that they decide alike. Both store θ within max_distance."""
+    decided = {}
+    for backend in ("reference", "torch"):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(64, 16, generator=gen)))
+        opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1, backend=backend)
+        g = torch.randn(64, 16, generator=gen)
+        p.grad = g / g.abs().max() * scale
+        opt.step()
+        assert fgd_fast.stiefel_distance(p) <= 0.5
+        decided[backend] = opt.guard_stats()[0]
+    if scale < 1e19:
+        assert decided["torch"] == decided["reference"] == {"scaled": 1, "reset": 0}
+    else:
+        assert decided == {"reference": {"scaled": 1, "reset": 0}, "torch": {"scaled": 0, "reset": 1}}
