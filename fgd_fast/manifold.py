@@ -35,6 +35,7 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
             f"orthogonalize_ needs a tensor with at least 2 dims (a matrix, or a weight viewed as "
             f"(c_o, -1)), got shape {tuple(tensor.shape)}"
         )
+    check_materialised(tensor, "orthogonalize_")
     if tensor.numel() == 0:
         return tensor
     if is_dtensor(tensor):
@@ -50,6 +51,16 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
     q = sign_fixed_q(theta)
     tensor.copy_(from_stiefel(q, tensor.shape))
     return tensor
+
+
+def check_materialised(tensor: torch.Tensor, who: str) -> None:
+    """A tensor on the meta device holds no values to project or measure: say what to do."""
+    if tensor.device.type == "meta":
+        raise ValueError(
+            f"{who} got a tensor on the meta device, which holds no values; materialise the model first "
+            "(model.to_empty(device=...), then initialise its weights), then build the param groups and the "
+            "optimizer from it (to_empty makes new parameters: groups made before it hold the meta ones)"
+        )
 
 
 def sign_fixed_q(theta: torch.Tensor) -> torch.Tensor:
@@ -76,6 +87,7 @@ def stiefel_distance(tensor: torch.Tensor) -> float:
             f"stiefel_distance needs a tensor with at least 2 dims (a matrix, or a weight viewed as "
             f"(c_o, -1)), got shape {tuple(tensor.shape)}"
         )
+    check_materialised(tensor, "stiefel_distance")
     gram = gram64(tensor.detach())
     gram.diagonal().sub_(1.0)
     return float(torch.linalg.matrix_norm(gram, "fro"))

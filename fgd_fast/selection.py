@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._stiefel_optimizer import remember_names
-from .manifold import orthogonalize_
+from .manifold import check_materialised, orthogonalize_
 from .validation import check_orthogonal_params, user_stacklevel
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
@@ -133,6 +133,8 @@ def stiefel_param_groups(
                 "it out (e.g. return False for p.dim() < 2) or name it in exclude="
             ) from None
     if orthogonalize:
+        for _, p in chosen:  # (a meta tensor refused before any weight is projected)
+            check_materialised(p, "stiefel_param_groups(orthogonalize=True)")
         for _, p in chosen:
             orthogonalize_(p.data)
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]

@@ -312,3 +312,22 @@ def test_switching_to_a_full_precision_backend_says_how():
     opt.precision = "ieee"
     opt.backend = "reference"  # the advice works
     assert opt.backend == "reference"
+
+
+def test_meta_tensors_are_refused_with_what_to_do():
+    """A new user's review: a meta-device model failed with torch's "item() on meta tensors"."""
+    for fn in (fgd_fast.orthogonalize_, fgd_fast.stiefel_distance):
+        with pytest.raises(ValueError, match="meta device.*to_empty"):
+            fn(torch.empty(4, 3, device="meta"))
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 3))
+    with pytest.raises(ValueError, match=r"stiefel_param_groups\(orthogonalize=True\) got a tensor on the meta"):
+        fgd_fast.stiefel_param_groups(net)
+    net.to_empty(device="cpu")  # the advice: materialise, initialise, then build the groups
+    for m in net:
+        nn.init.orthogonal_(m.weight)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.1)
+    for p in net.parameters():
+        p.grad = torch.randn_like(p) * 0.01
+    opt.step()
+    assert max(opt.orthogonality().values()) < 1e-2  # stepped, on the manifold
