@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
@@ -54,17 +53,17 @@ def shapes(np_list, device, wanted, bp, bk, br, acc_name, forced_splits: int | N
     gram_sym, gram_full, update_work, gram_off, m_off = [], [], [], [], []
     g_total = m_total = 0
     for layer, (n, p) in enumerate(np_list):
-        nt = triton.cdiv(p, bp)
+        nt = cdiv(p, bp)
         gram_sym += [(layer, i, j) for i in range(nt) for j in range(i, nt)]
         gram_full += [(layer, i, j) for i in range(nt) for j in range(nt)]
-        update_work += [(layer, r) for r in range(triton.cdiv(n, br))]
+        update_work += [(layer, r) for r in range(cdiv(n, br))]
         gram_off.append(g_total)
         m_off.append(m_total)
         g_total += meta.GRAM_SLOTS * p * p
         m_total += p * p  # M_θ and M_Φ: in the middle's two buffers, layout order
-    splits = forced_splits or max(1, min(64, triton.cdiv(wanted, len(gram_sym))))
+    splits = forced_splits or max(1, min(64, cdiv(wanted, len(gram_sym))))
     splits = max(1, min(splits, SCRATCH_BYTES // max(1, g_total * acc_bytes)))
-    chunk = [triton.cdiv(triton.cdiv(n, splits), bk) * bk for n, _ in np_list]
+    chunk = [cdiv(cdiv(n, splits), bk) * bk for n, _ in np_list]
     as_table = lambda rows, width: device_table(rows, torch.int32, device).reshape(-1, width)  # noqa: E731
     return Shapes(
         as_table(gram_sym, 3),
