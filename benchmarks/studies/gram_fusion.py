@@ -14,26 +14,13 @@ layers use; median of ``--reps`` after a warm-up): three ``bmm`` against ``cat``
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from benchmarks.machine import environment
+from benchmarks.machine import _median_seconds, environment
 
 # (layers in one call, p, n = 9p): the cpu-scale workloads' 3 × 3 convolutions and a few more
 SHAPES = [(1, 102, 918), (1, 96, 864), (1, 64, 576), (1, 51, 459), (4, 26, 234), (3, 13, 117), (1, 128, 1152)]
-
-
-def _median_s(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _three(r, g, phi, blocks) -> None:
@@ -53,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    env = environment(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    env = environment(cpu)
     commit = env["commit"]["id"][:7]
     print(f"{env['cpu']} | 1 thread | torch {torch.__version__} | commit {commit} | median of {args.reps}")
     print("| layers × (p, n) | 3 × bmm | cat + bmm + copy | fused ÷ three |")
@@ -63,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         r, g, phi = (torch.randn(c, p, n, generator=gen) for _ in range(3))  # R = θᵀ, G = gᵀ, P = Φᵀ
         blocks = [torch.empty(c, p, p) for _ in range(3)]  # A, E, B
         joint, out = torch.empty(c, 3 * p, n), torch.empty(c, p, 3 * p)
-        a = _median_s(lambda: _three(r, g, phi, blocks), args.reps)  # noqa: B023  (timed here, in this iteration)
-        b = _median_s(lambda: _fused(r, g, phi, blocks, joint, out), args.reps)  # noqa: B023
+        a = _median_seconds(lambda: _three(r, g, phi, blocks), cpu, args.reps)  # noqa: B023  (timed here, in this iteration)
+        b = _median_seconds(lambda: _fused(r, g, phi, blocks, joint, out), cpu, args.reps)  # noqa: B023
         print(f"| {c} × ({p}, {n}) | {a * 1e6:.0f} µs | {b * 1e6:.0f} µs | {b / a:.2f}× |")
 
 
