@@ -64,10 +64,11 @@ class FGD(StiefelOptimizer):
             ``weight_decay``, ``dampening`` and ``nesterov``, and sets ``orthogonal: bool``
             (default ``False``); the other arguments are optimizer-wide.
         lr: learning rate η (>= 0), a number or a one-element floating tensor (kept as it is:
-            a scheduler changes it in place; the ``"triton"`` and ``"cuda"`` backends read it on
-            the device, so a step captured in a CUDA graph sees each new value, the others read
-            it on the host; a GPU tensor is never read by the optimizer itself, so its group is
-            always stepped). At lr = 0 an orthogonal group is not stepped at all (its
+            a scheduler changes it in place; the ``"torch"``, ``"triton"`` and ``"cuda"``
+            backends read it on the device, so a step captured in a CUDA graph or compiled with
+            ``torch.compile`` sees each new value, the reference reads it on the host; a GPU
+            tensor, or any tensor in a compiled step, is never read by the optimizer itself, so
+            its group is always stepped). At lr = 0 an orthogonal group is not stepped at all (its
             state is created; the feedback term would otherwise still move θ): what
             ``torch.distributed.checkpoint``'s state initialisation relies on.
         momentum: β in [0, 1) (the paper's γ = 1 − β).
@@ -261,7 +262,8 @@ class FGD(StiefelOptimizer):
             beta, alpha = float(group["momentum"]), float(group["feedback"])
             self._warn_feedback_once(alpha)
             lr = group["lr"]
-            on_device = isinstance(lr, torch.Tensor) and lr.device.type != "cpu"  # never read on the host
+            # never read on the host: a GPU tensor (a read synchronises), any tensor in a compiled step
+            on_device = isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
             if not on_device and float(lr) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
                 resting.append((p, beta))
                 continue

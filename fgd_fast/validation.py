@@ -75,8 +75,8 @@ def check_lr(value: Any) -> float | torch.Tensor:
     """``lr``: a real number ≥ 0 (as :func:`check_nonnegative`), or a one-element floating tensor
     on any device, kept as it is (a scheduler may change it in place; backends that can read it
     on the device do, so a captured step sees the change). A tensor's value is checked where
-    reading it costs nothing (on the CPU); on a GPU only its shape and dtype (a read would
-    synchronise every step)."""
+    reading it costs nothing (on the CPU, outside ``torch.compile``); on a GPU only its shape and
+    dtype (a read would synchronise every step)."""
     if not isinstance(value, torch.Tensor):
         return check_nonnegative("lr", value)
     if value.numel() != 1 or not value.is_floating_point():
@@ -84,7 +84,7 @@ def check_lr(value: Any) -> float | torch.Tensor:
             f"lr as a tensor must hold one floating-point number, got {tuple(value.shape)} {value.dtype}; "
             "pass e.g. torch.tensor(0.01) (on the parameters' device for a captured step)"
         )
-    if value.device.type == "cpu":
+    if value.device.type == "cpu" and not torch.compiler.is_compiling():  # (a compiled step reads no tensor)
         check_nonnegative("lr", float(value))
     return value
 

@@ -1,13 +1,15 @@
 """``lr`` as a tensor (``FGD(lr=torch.tensor(0.01))``): a scheduler changes it in place, the
-Triton and CUDA backends read it on the device (so a captured step sees each new value), the
-others read it on the host; every backend steps exactly as with the same float."""
+torch, Triton and CUDA backends read it on the device (so a captured or compiled step sees each
+new value), the reference on the host; every backend steps exactly as with the same float."""
 
 from __future__ import annotations
 
+import copy
 import traceback
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import fgd_fast
 from fgd_fast.backends import guard_rule
@@ -41,11 +43,12 @@ def test_a_tensor_lr_steps_as_the_float_does(backend):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
 
 
-def test_the_fused_backends_read_a_tensor_lr_on_the_device(monkeypatch):
-    """The Triton step (as a GPU runs it) never reads the lr tensor on the host: η reaches its
-    table by device ops (the optimizer's own checks read a CPU tensor's value, where that is
-    free; not counted)."""
-    reason = backend_reason("triton", device_for_tests())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_device_backends_read_a_tensor_lr_on_the_device(monkeypatch, backend):
+    """The torch and Triton steps (as a GPU runs them) never read the lr tensor on the host: η
+    reaches the middle and the update by device ops (the optimizer's own checks read a CPU
+    tensor's value, where that is free; not counted)."""
+    reason = backend_reason(backend, device_for_tests())
     if reason:
         pytest.skip(reason)
     monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
@@ -62,7 +65,7 @@ def test_the_fused_backends_read_a_tensor_lr_on_the_device(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, watched)
     params, grads = stiefel_problem(SHAPES)
-    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, backend="triton")
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, backend=backend)
     reads.clear()  # (construction reads a CPU tensor once, to check its value)
     for _ in range(2):
         for p, g in zip(params, grads):
@@ -70,6 +73,28 @@ def test_the_fused_backends_read_a_tensor_lr_on_the_device(monkeypatch):
         opt.step()
         lr.mul_(0.5)
     assert reads == []
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+def test_tensor_and_float_lrs_in_one_step(backend):
+    """Two groups, one lr a tensor and one a float, over layers of several p (one middle over
+    both groups' layers in the torch backend: a per-layer η gathered from both), guard on: the
+    steps of the same two floats."""
+
+    def run(first_lr):
+        params, grads = stiefel_problem(SHAPES + [(7, 3, 3, 3)])
+        groups = [dict(params=params[:2], orthogonal=True, lr=first_lr), dict(params=params[2:], orthogonal=True)]
+        opt = fgd_fast.FGD(groups, lr=0.03, backend=backend, trust_radius=0.5)
+        for k in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g * (1.0 + k)
+            opt.step()
+            for group in opt.param_groups:
+                group["lr"] = group["lr"].mul_(0.5) if isinstance(group["lr"], torch.Tensor) else group["lr"] * 0.5
+        return params
+
+    for a, b in zip(run(0.05), run(torch.tensor(0.05))):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
 
 
 def test_the_hyper_table_follows_the_tensor():
@@ -92,8 +117,41 @@ def test_a_bad_tensor_lr_is_refused(bad, error):
         fgd_fast.FGD(stiefel_problem(SHAPES)[0], lr=bad)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (compiled: the wrapper unseen)
+def test_a_compiled_step_follows_a_tensor_lr_without_recompiling():
+    """``torch.compile(opt.step, fullgraph=True)`` with lr a CPU tensor that a scheduler changes
+    in place (what torch recommends for compiled optimizers): no graph break, no recompilation
+    after the first steady step, and the steps of the eager optimizer with the same floats. (It
+    broke at the optimizer's host read of the tensor; the torch backend read it on the host.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 16, 3), torch.nn.Linear(20, 6))
+    lr = torch.tensor(0.01)
+    kw = dict(backend="torch", check_finite=False, check_manifold=False)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=lr, **kw)
+    eager_net = copy.deepcopy(net)
+    eager_opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(eager_net), lr=0.01, **kw)
+    counter = CompileCounter()
+    step = torch.compile(opt.step, fullgraph=True, backend=counter)  # (before the scheduler wraps opt.step)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, eager_opt)]
+    frames = []
+    for _ in range(4):
+        for p, q in zip(net.parameters(), eager_net.parameters()):
+            p.grad = torch.randn_like(p) * 0.01
+            q.grad = p.grad.clone()
+        step()
+        eager_opt.step()
+        for sched in scheds:
+            sched.step()
+        frames.append(counter.frame_count)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(eager_opt.param_groups[0]["lr"]) == 0.01 / 16
+    assert frames[1] == frames[-1]  # (the first step, which makes Φ, and the steady one: then no recompilation)
+    for p, q in zip(net.parameters(), eager_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
-@pytest.mark.parametrize("backend", backend_params(("triton", "cuda")))
+@pytest.mark.parametrize("backend", backend_params(("torch", "triton", "cuda")))
 def test_a_captured_step_replays_each_new_tensor_lr(backend):
     """Captured once with lr a CUDA tensor; a scheduler-like in-place change before each replay
     reaches the step (eager steps with the same floats as the twin)."""

@@ -14,7 +14,7 @@ over the orthogonal parameters of one device:
 * ``fresh[i]`` — Φ is known to be zero (first step): a backend may skip reading it;
 * ``lr``, ``momentum``, ``feedback`` — per-layer η, β, α (floats; a backend that sets
   ``prepare.device_lr = True`` may get η as one-element tensors, to read on the device:
-  :func:`hyper_table`);
+  :func:`hyper_table`, or the torch backend's per-layer column, ``torch_groups.Group._hyper``);
 * ``precision`` — ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for the fp32 products (``torch``,
   ``triton``); ``reference`` and ``cuda`` always compute in full precision and ignore it;
 * ``trust_radius`` — ρ of the step guard (:mod:`.algebra`), ``None`` for no guard;

@@ -159,7 +159,7 @@ def prepare_torch(
             rows,
             param.dtype,
             param.device,
-            lr[i],
+            ("tensor", id(lr[i])) if isinstance(lr[i], torch.Tensor) else lr[i],  # (a tensor: by identity)
             momentum[i],
             feedback[i],
             reads_phi,
@@ -173,13 +173,13 @@ def prepare_torch(
     options = dict(check_finite=check_finite, reduce=reduce, gram_refresh=gram_refresh, exact_next=exact_next)
     options.update(trust_radius=trust_radius, max_distance=max_distance, variant=variant)
     with mode():
-        return _prepared(params, grads, bufs, key, device, precision, shapes, mode, **options)
+        return _prepared(params, grads, bufs, lr, key, device, precision, shapes, mode, **options)
 
 
-def _prepared(params, grads, bufs, key, device, precision, shapes, mode, **options) -> StepPlan:
+def _prepared(params, grads, bufs, lr, key, device, precision, shapes, mode, **options) -> StepPlan:
     """:func:`prepare_torch` after its arguments are checked: the buckets, then :func:`_planned`."""
     groups = layer_classes(len(params), key)
-    buckets = [Bucket(idx, params, grads, bufs, key, precision) for key, idx in groups.items()]
+    buckets = [Bucket(idx, params, grads, bufs, key, precision, lr[idx[0]]) for key, idx in groups.items()]
     total = sum(b.numel * len(b.layers) for b in buckets)  # constrained elements P
     floor = _CPU_STACK_FLOOR if device.type == "cpu" else 0
     for b in buckets:
@@ -267,3 +267,4 @@ def _scratch(buckets, total: int, device) -> dict[torch.dtype, list[torch.Tensor
 prepare_torch.row_shards = True  # accepts reduce= and shapes= (row shards of larger matrices)
 prepare_torch.carries_grams = True  # accepts gram_refresh= (Gram blocks carried between steps on a CPU)
 prepare_torch.bounds_next = True  # accepts exact_next=False (dist_next may be a bound within the target)
+prepare_torch.device_lr = True  # takes lr as tensors (read on the device: never on the host where that costs)

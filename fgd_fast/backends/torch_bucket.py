@@ -53,8 +53,8 @@ class Chunk:
 class Bucket:
     """Equal-shape layers: the p × p matrices of the step, and ``apply`` that writes it."""
 
-    def __init__(self, idx, params, grads, bufs, key, precision):
-        n, p, rows, dtype, device, lr, beta, alpha, reads_phi, writes_phi = key[:10]
+    def __init__(self, idx, params, grads, bufs, key, precision, lr):
+        n, p, rows, dtype, device, _, beta, alpha, reads_phi, writes_phi = key[:10]  # (lr: a float or a tensor)
         self.layers, self.n, self.p, self.rows = idx, n, p, rows
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi

@@ -114,12 +114,21 @@ class Group:
 
     def _hyper(self, name: str, dtype: torch.dtype | None = None):
         """η, β or α: a float where every member has the same, else ``(L,)`` per layer (in
-        ``dtype``, default the compute dtype)."""
+        ``dtype``, default the compute dtype). An η given as a tensor is read on the device (no
+        host read: a compiled or captured step follows a scheduler's in-place changes)."""
         values = [getattr(m, name) for m, _ in self.members]
+        dtype, device = dtype or self.first.cdt, self.layout.device
+        v_full = lambda v: torch.full((1,), v, dtype=dtype, device=device)  # noqa: E731
+        if any(isinstance(v, torch.Tensor) for v in values):  # (L,): each member's value over its layers
+            parts = [
+                (v.reshape(1).to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) else v_full(v)).expand(size)
+                for v, size in zip(values, self.sizes)
+            ]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         if all(v == values[0] for v in values):
             return values[0]
         per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
-        return torch.tensor(per_layer, dtype=dtype or self.first.cdt, device=self.layout.device)
+        return torch.tensor(per_layer, dtype=dtype, device=device)
 
     def middle(self, blocks: list[torch.Tensor], scratch: dict[torch.dtype, list[torch.Tensor]]) -> None:
         """One middle over every member's layers (:func:`.algebra.middle`), handed back per member
@@ -149,7 +158,7 @@ class Group:
         else:
             coef = torch.stack([scale * beta, scale * -lr], 1).to(b.cdt)
         # no zero coefficient (so no masks for the update), where a host read is free to say so
-        lrs_nonzero = all(m.lr != 0 for m, _ in self.members)
+        lrs_nonzero = host and all(float(m.lr) != 0 for m, _ in self.members)  # (a tensor's read is free here)
         no_reset = host and lrs_nonzero and (smallest is None or smallest > 0)
         for member, gemm_chunks, s, e in self._spans():
             blocks_of = (lay.layers(f, s, e) for f in mid[:3])  # M_θ, M_Φ, F
