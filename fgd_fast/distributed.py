@@ -3,8 +3,9 @@
 Every FGD correction is θ times a ``p × p`` matrix built from the Gram blocks ``A = θᵀθ``,
 ``B = θᵀΦ``, ``C = ΦᵀΦ``, ``E = θᵀg``, and each block is a sum over the rows of θ:
 ``A = Σ_r θ_rᵀθ_r``. So when every rank holds some whole rows of θ (a *row shard*), the ranks
-compute partial blocks of their rows, **one** all-reduce of all layers' packed blocks (A and C
-as upper triangles: ``3p² + p`` numbers per layer, whatever the number of ranks) gives
+compute partial blocks of their rows, **one** all-reduce of all layers' packed blocks (E and B
+whole, A, C and the guard's UᵀU as upper triangles, and ‖g‖²: ``3.5p² + 1.5p + 1`` numbers per
+layer, whatever the number of ranks) gives
 every rank the full blocks, every rank runs the same O(p³) middle, and each updates its own
 rows (the update of a row needs only that row of θ, Φ and g). No rank ever holds a full
 matrix, and the step is the one a single process would take on the full matrices.
@@ -79,7 +80,7 @@ def shard_placement(param: torch.Tensor, world_size: int | None = None):
     mesh on a subgroup pass ``functools.partial(shard_placement, world_size=mesh.size())``.
 
     ``Shard(0)`` of a ``c_o <= m`` weight (e.g. a stem convolution with 3 input channels on
-    2 ranks) shards θ's columns: FGD then takes the exact all-gather fallback for it.
+    2 ranks) shards θ's columns: FGD then steps it whole on its owner rank (:mod:`fgd_fast.owners`).
     """
     from torch.distributed.tensor import Shard
 

@@ -93,7 +93,7 @@ class FGD(StiefelOptimizer):
             Both checks share one host synchronisation per step; turn both off to capture
             ``step()`` in a CUDA graph (warm up with two steps first; a replay reuses the
             captured step's hyper-parameters, but for an lr given as a CUDA tensor with the
-            ``"triton"`` or ``"cuda"`` backend, which each replay reads) or to compile it
+            ``"torch"``, ``"triton"`` or ``"cuda"`` backend, which each replay reads) or to compile it
             with ``fullgraph=True``.
         guard: keep training alive through spikes, on the device with no synchronisation of
             its own. Per layer the distance after the step is computed exactly before anything
@@ -213,7 +213,7 @@ class FGD(StiefelOptimizer):
     )
     _STATE_DICT_KEYS = ("orthogonal", "feedback")
     backend = option("backend", "The backend name (optimizer-wide, kept in ``defaults``).")
-    precision = option("precision", "fp32 product precision of the Triton backend (optimizer-wide).")
+    precision = option("precision", "fp32 product precision of the torch and Triton backends (optimizer-wide).")
     check_finite = option("check_finite", "Raise on non-finite inputs or outputs of a step (optimizer-wide).")
     check_manifold = option("check_manifold", "Raise on a θ beyond ``max_distance``, before or after (optimizer-wide).")
     max_distance = option("max_distance", "The limit of ``check_manifold`` and of the guard (optimizer-wide).")
