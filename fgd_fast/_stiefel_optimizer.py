@@ -26,7 +26,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .backends import compute_dtype
 from .functional import sgd
 from .manifold import stiefel_distance
-from .validation import check_grad, check_orthogonal_params, check_state_tensor, param_tensors, user_stacklevel
+from .validation import (
+    check_grad,
+    check_orthogonal_params,
+    check_state_tensor,
+    check_writable,
+    param_tensors,
+    user_stacklevel,
+)
 
 __all__ = ["StiefelOptimizer", "label", "option", "remember_names"]
 
@@ -98,6 +105,8 @@ class StiefelOptimizer(Optimizer):
                 self._check_options([param_group])
             merged = {**self.defaults, **param_group}
             self._validate_group(merged)
+            if not isinstance(params, set):
+                check_writable(param_tensors(params))
             if merged["orthogonal"] and not isinstance(params, set):
                 names = param_group.get("param_names") or param_group.get("names")
                 tensors = param_tensors(params)

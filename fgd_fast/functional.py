@@ -19,11 +19,11 @@ from .backends import Backend, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
-from .guards import MAX_DISTANCE, TRUST_RADIUS, raise_if_invalid
+from .guards import MAX_DISTANCE, TRUST_RADIUS, check_guard_room, raise_if_invalid
 from .validation import (
     check_grad_fits,
+    check_lr,
     check_max_distance,
-    check_nonnegative,
     check_orthogonal_params,
     check_state_tensor,
     check_trust_radius,
@@ -164,9 +164,9 @@ def fgd(
 
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
-    if not _validated:  # as FGD checks its groups (each distinct value once; a tensor lr where it was made)
-        for v in {v for v in lrs if not isinstance(v, torch.Tensor)}:
-            check_nonnegative("lr", v)
+    if not _validated:  # as FGD checks its groups (each distinct value or tensor once)
+        for v in set(lrs):
+            check_lr(v)
         for v in set(betas):
             check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
         for v in set(alphas):
@@ -199,6 +199,8 @@ def fgd(
         if not is_dtensor(params[i]):
             by_device.setdefault(params[i].device, []).append(i)
 
+    if guard:
+        check_guard_room(params, labels, max_distance)
     predict = guard or check_finite or check_manifold
     steering = dict(
         trust_radius=trust_radius if guard else None,

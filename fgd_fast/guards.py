@@ -26,7 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MAX_DISTANCE", "TRUST_RADIUS", "KEPT", "SCALED", "RESET", "raise_if_invalid"]
+from ._matrix import stiefel_shape
+from .backends.guard_rule import guard_target, store_unit
+
+__all__ = ["MAX_DISTANCE", "TRUST_RADIUS", "KEPT", "SCALED", "RESET", "raise_if_invalid", "check_guard_room"]
 
 #: Default limit on ‖θᵀθ − I‖_F. The truncated Neumann series 2I − θᵀθ approximates
 #: (θᵀθ)⁻¹ with error ‖(I − θᵀθ)²‖, which stops being small well before the series'
@@ -48,6 +51,28 @@ _RESET_ADVICE = (
     "lower the learning rate or clip the gradient, or keep guard=True (the default), which scales "
     "such steps instead"
 )
+
+
+def check_guard_room(params: Sequence[torch.Tensor], labels: Sequence[str], max_distance: float) -> None:
+    """Before a guarded step: every float16/bfloat16 parameter leaves the guard some room. Its
+    target is ``max_distance`` less the rounding margin of storing θ₊ in that dtype, which grows
+    as √p (:func:`.backends.guard_rule.guard_target`, a bound that a θ rounded up by one relative
+    unit everywhere reaches); where the margin takes all of it (at the default 0.5: bfloat16 from
+    p = 2,328, float16 from p ≈ 150,000), no step fits: the guard would reset every step, and
+    training would silently stop."""
+    for p, text in zip(params, labels):
+        if p.dtype not in (torch.float16, torch.bfloat16) or p.dim() < 2:
+            continue
+        cols = stiefel_shape(p.shape).p
+        if guard_target(max_distance, cols, store_unit(p.dtype)) <= 0.0:
+            margin = max_distance - guard_target(max_distance, cols, store_unit(p.dtype))
+            raise ValueError(
+                f"orthogonal parameter {text} ({p.dtype}, p = {cols}): the guard can take no step of it, since "
+                f"storing θ in {str(p.dtype).removeprefix('torch.')} may alone move it up to {margin:.2g} from the "
+                f"manifold, beyond max_distance={max_distance}; every step would be reset and training would stop. "
+                "Keep orthogonal parameters in float32 (torch.autocast still computes in 16 bits), or pass "
+                "guard=False (check_manifold then checks the computed step, without the rounding margin)"
+            )
 
 
 def raise_if_invalid(
@@ -130,9 +155,11 @@ def raise_if_invalid(
         if bad:
             raise FloatingPointError(
                 f"non-finite gradient or momentum_buffer (NaN or Inf) for orthogonal parameter(s) {', '.join(bad)}; "
-                "the step was not applied and no parameter or state changed. Skip this step "
-                "(torch.amp.GradScaler does) or find the overflow; a non-finite momentum_buffer is cleared by "
-                "opt.reset_parameter(param); check_finite=False turns this check off"
+                "on a GPU or with the Triton backend also a float32 momentum_buffer so large that its Gram ΦᵀΦ "
+                "overflows (entries past ~1e19, e.g. edited into a checkpoint); the step was not applied and no "
+                "parameter or state changed. Skip this step (torch.amp.GradScaler does) or find the overflow; a "
+                "non-finite momentum_buffer is cleared by opt.reset_parameter(param); check_finite=False turns this "
+                "check off"
             )
     if check_manifold:
         _raise_if_off_manifold(dist_all, labels, max_distance, carried=carried)

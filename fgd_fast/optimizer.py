@@ -27,6 +27,7 @@ from .validation import (
     check_max_distance,
     check_nesterov,
     check_nonnegative,
+    check_orthogonal_params,
     check_trust_radius,
     check_unit_interval,
     user_stacklevel,
@@ -276,6 +277,9 @@ class FGD(StiefelOptimizer):
             orth["labels"].append(text)
 
         if orth["params"]:
+            # a parameter appended to a group's list after it was added (so never checked) may repeat
+            if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
+                check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
             opts = self.defaults
             report = fgd(
                 orth["params"],

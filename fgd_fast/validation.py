@@ -76,16 +76,30 @@ def check_lr(value: Any) -> float | torch.Tensor:
     on any device, kept as it is (a scheduler may change it in place; backends that can read it
     on the device do, so a captured step sees the change). A tensor's value is checked where
     reading it costs nothing (on the CPU, outside ``torch.compile``); on a GPU only its shape and
-    dtype (a read would synchronise every step)."""
+    dtype (a read would synchronise every step). At most float32's largest value: the fused
+    backends compute η·g in float32, where a larger η is Inf."""
     if not isinstance(value, torch.Tensor):
-        return check_nonnegative("lr", value)
+        return _check_lr_value(value)
     if value.numel() != 1 or not value.is_floating_point():
         raise TypeError(
             f"lr as a tensor must hold one floating-point number, got {tuple(value.shape)} {value.dtype}; "
             "pass e.g. torch.tensor(0.01) (on the parameters' device for a captured step)"
         )
     if value.device.type == "cpu" and not torch.compiler.is_compiling():  # (a compiled step reads no tensor)
-        check_nonnegative("lr", float(value))
+        _check_lr_value(float(value))
+    return value
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_lr_value(value: Any) -> float:
+    value = check_nonnegative("lr", value)
+    if value > _FLOAT32_MAX:
+        raise ValueError(
+            f"invalid lr={value}: beyond float32's range (3.4e38), in which the fused backends compute η·g "
+            "(it would be Inf); pass a smaller lr"
+        )
     return value
 
 
@@ -180,6 +194,19 @@ def param_tensors(params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+def check_writable(params: Iterable[torch.Tensor]) -> None:
+    """Every parameter can be written in place: no two of its entries share memory (a tensor made
+    by ``expand()``, say), which an in-place update refuses — in the middle of a step, after other
+    parameters were written (the failed-step contract), so it is refused when added."""
+    for i, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and torch._debug_has_internal_overlap(p) == 1:  # 1: overlap for sure
+            raise ValueError(
+                f"parameter {i} of the group (shape {tuple(p.shape)}, strides {p.stride()}) has entries that share "
+                "memory (e.g. made by expand()), so no in-place update can write it; give it memory of its own, "
+                "e.g. nn.Parameter(t.clone())"
+            )
 
 
 def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:

@@ -181,8 +181,9 @@ def guard_choose_kernel(
             h_in = hyper_ptr + layer * meta.HYPER_FIELDS
             h_out = hyper_out_ptr + layer * meta.HYPER_FIELDS
             ts = scale.to(ACC)
-            tl.store(h_out + meta.H_LR, ts * tl.load(h_in + meta.H_LR))
-            tl.store(h_out + meta.H_BETA, ts * tl.load(h_in + meta.H_BETA))
+            # a reset (ts = 0) stores exact zeros, even for an η that is not finite (0·NaN would be NaN)
+            tl.store(h_out + meta.H_LR, tl.where(ts == 0.0, 0.0, ts * tl.load(h_in + meta.H_LR)))
+            tl.store(h_out + meta.H_BETA, tl.where(ts == 0.0, 0.0, ts * tl.load(h_in + meta.H_BETA)))
             tl.store(h_out + meta.H_ALPHA, tl.load(h_in + meta.H_ALPHA))
 
 

@@ -137,7 +137,22 @@ MUTANTS = {
     ),
     "duplicate_orthogonal_unchecked": (
         "a parameter listed twice in an orthogonal group accepted (stepped twice, off the manifold)",
-        [f"{BAD}::test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused"],
+        [
+            f"{BAD}::test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused",
+            f"{BAD}::test_a_parameter_appended_twice_after_construction_is_refused_at_the_step",
+        ],
+    ),
+    "shared_memory_param_accepted": (
+        "a parameter whose entries share memory (expand()) accepted: the step fails after other writes",
+        [f"{BAD}::test_a_parameter_whose_entries_share_memory_is_refused_when_added"],
+    ),
+    "guard_room_unchecked": (
+        "a 16-bit parameter whose rounding margin takes all of max_distance stepped (every step reset)",
+        [f"{RULE}::test_a_16_bit_parameter_the_guard_cannot_step_is_refused"],
+    ),
+    "fgd_tensor_lr_unchecked": (
+        "fgd_fast.fgd takes a tensor lr unchecked (a NaN one wrote NaN)",
+        ["tests/test_device_lr.py::test_fgd_checks_a_tensor_lr_as_fgd_the_optimizer_does"],
     ),
     "guard_settings_not_agreed": (
         "the ranks' guard settings (max_distance, guard, trust_radius, variant, check_manifold) not compared",
@@ -284,9 +299,21 @@ def plant(name: str) -> Callable[[], None]:
             keep = [i for i, p in enumerate(params) if all(q is not p for q in params[:i])]
             return original([params[i] for i in keep], [names[i] for i in keep] if names else None)
 
-        for module in (_stiefel_optimizer, fgd_fast.functional):
+        for module in (_stiefel_optimizer, fgd_fast.functional, fgd_fast.optimizer):
             undo.append((module, "check_orthogonal_params", module.check_orthogonal_params))
             module.check_orthogonal_params = once_each
+    elif name == "shared_memory_param_accepted":
+        from fgd_fast import _stiefel_optimizer
+
+        undo.append((_stiefel_optimizer, "check_writable", _stiefel_optimizer.check_writable))
+        _stiefel_optimizer.check_writable = lambda params: None
+    elif name == "guard_room_unchecked":
+        undo.append((fgd_fast.functional, "check_guard_room", fgd_fast.functional.check_guard_room))
+        fgd_fast.functional.check_guard_room = lambda *args: None
+    elif name == "fgd_tensor_lr_unchecked":
+        original = fgd_fast.functional.check_lr
+        undo.append((fgd_fast.functional, "check_lr", original))
+        fgd_fast.functional.check_lr = lambda v: v if isinstance(v, torch.Tensor) else original(v)
     elif name == "orthogonal_buffer_unchecked":
         undo.append((fgd_fast.functional, "check_state_tensor", fgd_fast.functional.check_state_tensor))
         fgd_fast.functional.check_state_tensor = lambda *args, **kwargs: None

@@ -301,6 +301,38 @@ def test_a_parameter_listed_twice_in_an_orthogonal_group_is_refused():
     fgd_fast.FGD([dict(params=[p], orthogonal=True), dict(params=[q])], lr=0.1)  # once each: accepted
 
 
+def test_a_parameter_appended_twice_after_construction_is_refused_at_the_step():
+    """A guard review: a parameter appended to an orthogonal group's list after it was added (so
+    never checked) was stepped twice by the torch backend (neither one step nor two); the step
+    now refuses it, changing nothing."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(10, 4, generator=gen)))
+    opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1, backend="torch")
+    opt.param_groups[0]["params"].append(p)
+    p.grad = torch.randn(p.shape, generator=gen)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="listed twice"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_a_parameter_whose_entries_share_memory_is_refused_when_added(orthogonal):
+    """A guard review: a parameter made by expand() failed the step in torch's in-place SGD after
+    the orthogonal parameters were written (a raw RuntimeError, the failed-step contract broken);
+    it is refused when added, with the fix."""
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(3, 6)))
+    shared = nn.Parameter(torch.zeros(1, 3).expand(4, 3))
+    groups = [dict(params=[w], orthogonal=True), dict(params=[shared], orthogonal=orthogonal)]
+    with pytest.raises(ValueError, match=r"share memory.*clone\(\)"):
+        fgd_fast.FGD(groups, lr=0.1, momentum=0.0)
+    opt = fgd_fast.FGD(groups[:1], lr=0.1)
+    with pytest.raises(ValueError, match="share memory"):
+        opt.add_param_group(groups[1])
+    assert len(opt.param_groups) == 1
+    fgd_fast.FGD([dict(params=[nn.Parameter(torch.zeros(4, 3).t())])], lr=0.1)  # (strided, no overlap: accepted)
+
+
 def test_switching_to_a_full_precision_backend_says_how():
     """A new user's review: opt.backend = "reference" on an optimizer built with the default
     precision was told to "drop precision=", which the user never passed."""

@@ -97,6 +97,46 @@ def test_tensor_and_float_lrs_in_one_step(backend):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's NaN arithmetic)
+@pytest.mark.parametrize("host_reads", [True, False], ids=["host-reads", "device-only"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", backend_params(("torch", "triton")))
+def test_a_non_finite_lr_on_the_device_resets_and_writes_nothing_non_finite(backend, value, host_reads, monkeypatch):
+    """A guard review: an lr tensor on a GPU is never read on the host, so a NaN or Inf one
+    reaches the step unchecked (``_validated``: as FGD passes it). The guard resets the step
+    (r = ‖Φ‖ + η‖g‖ is not finite, s = 0), and the reset's coefficients are exact zeros: the
+    torch and Triton backends wrote 0·NaN = NaN into θ and Φ."""
+    if not host_reads:
+        monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # as on a GPU: every layer blended
+    gen = torch.Generator().manual_seed(0)
+    theta = fgd_fast.orthogonalize_(torch.randn(6, 3, generator=gen))
+    phi = torch.randn(6, 3, generator=gen) * 0.01
+    grad = torch.randn(6, 3, generator=gen) * 0.1
+    kw = dict(momentum=0.9, feedback=0.4, backend=backend)
+    report = fgd_fast.fgd([theta], [grad], [phi], lr=torch.tensor(value), **kw, _validated=True)
+    assert report.guarded[0].item() == 2  # reset
+    assert torch.isfinite(theta).all() and torch.isfinite(phi).all()
+    assert fgd_fast.stiefel_distance(theta) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(-0.1), torch.tensor(float("nan")), torch.tensor(1), torch.ones(2)])
+def test_fgd_checks_a_tensor_lr_as_fgd_the_optimizer_does(bad):
+    """A guard review: ``fgd_fast.fgd`` checked only float lrs; a NaN tensor lr wrote NaN."""
+    theta = fgd_fast.orthogonalize_(torch.randn(6, 3))
+    before = theta.clone()
+    with pytest.raises((ValueError, TypeError), match="lr"):
+        fgd_fast.fgd([theta], [torch.randn(6, 3)], [None], lr=bad, momentum=0.9, feedback=0.4)
+    assert torch.equal(theta, before)
+
+
+@pytest.mark.parametrize("lr", [1e39, torch.tensor(1e39, dtype=torch.float64)], ids=["float", "tensor"])
+def test_an_lr_beyond_float32_is_refused(lr):
+    """A guard review: lr = 1e39 is Inf in the fused backends' float32 η, and the Triton step
+    wrote NaN; refused with the reason."""
+    with pytest.raises(ValueError, match="float32"):
+        fgd_fast.FGD(stiefel_problem(SHAPES)[0], lr=lr)
+
+
 def test_the_hyper_table_follows_the_tensor():
     lr = torch.tensor(0.1)
     owners = (id(lr), "test")

@@ -279,3 +279,78 @@ def test_where_the_torch_backends_guard_differs_from_the_references(scale):
         assert decided["torch"] == decided["reference"] == {"scaled": 1, "reset": 0}
     else:
         assert decided == {"reference": {"scaled": 1, "reset": 0}, "torch": {"scaled": 0, "reset": 1}}
+
+
+def _with_huge_momentum(backend: str, dtype: torch.dtype):
+    """An FGD whose loaded float32 momentum buffer is finite but has an entry of 1e20 (its Gram
+    ΦᵀΦ overflows float32), and the parameter with a gradient."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(3, 6, generator=gen)).to(dtype))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend=backend, precision="ieee")
+    buf = torch.zeros(3, 6)
+    buf[0, 0] = 1e20
+    state = opt.state_dict()
+    state["state"] = {0: {"momentum_buffer": buf, "guard_count": torch.zeros(2, dtype=torch.int64)}}
+    opt.load_state_dict(state)
+    w.grad = torch.randn(3, 6, generator=gen).to(dtype)
+    return w, opt
+
+
+@pytest.mark.filterwarnings("ignore:the FGD step guard bound")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_huge_finite_momentum_is_not_called_non_finite(dtype):
+    """A guard review: a finite momentum buffer past ~1e19 overflows the float32 ΦᵀΦ, whose trace
+    was ‖Φ‖²: the torch backend raised "non-finite gradient or momentum_buffer" where the reference
+    takes a scaled step. Where a host read is free it now takes ‖Φ‖² from Φ (float64) and resets
+    the step, as for an overflowing gradient Gram (the README's one exception); θ stays within
+    max_distance."""
+    decided = {}
+    for backend in ("reference", "torch"):
+        w, opt = _with_huge_momentum(backend, dtype)
+        opt.step()
+        assert fgd_fast.stiefel_distance(w) <= 0.5 and torch.isfinite(opt.state[w]["momentum_buffer"]).all()
+        decided[backend] = opt.guard_stats()[0]
+    assert decided == {"reference": {"scaled": 1, "reset": 0}, "torch": {"scaled": 0, "reset": 1}}
+
+
+def test_a_huge_finite_momentum_on_a_gpu_path_is_refused_with_the_reason(monkeypatch):
+    """Where no host read is free (a GPU), the torch backend cannot tell an overflowing ΦᵀΦ from an
+    Inf: the step is refused, unchanged, and the message names the overflow."""
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
+    w, opt = _with_huge_momentum("torch", torch.float32)
+    before = w.detach().clone()
+    with pytest.raises(FloatingPointError, match="ΦᵀΦ overflows"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, max_distance",
+    [((2400, 2400), torch.bfloat16, 0.5), ((64, 128), torch.bfloat16, 0.05), ((64, 128), torch.float16, 0.001)],
+    ids=["bf16-p2400-default", "bf16-p64-tight", "fp16-p64-tighter"],
+)
+def test_a_16_bit_parameter_the_guard_cannot_step_is_refused(shape, dtype, max_distance):
+    """A guard review: where the rounding margin of the stored dtype takes all of max_distance
+    (bfloat16 from p = 2,328 at the default 0.5), every guarded step was reset — training stopped
+    with one warning. The step now refuses, changing nothing, and says what to do."""
+    w = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, max_distance=max_distance)
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match="float32.*guard=False"):
+        opt.step()
+    assert not w.any() and not opt.state[w]
+
+
+def test_a_16_bit_parameter_with_room_for_the_guard_is_stepped():
+    """Inside the room (bfloat16 up to p = 2,327 at the default; a 64-column layer here): stepped."""
+    from fgd_fast.backends.guard_rule import guard_target, store_unit
+
+    assert (
+        guard_target(0.5, 2327, store_unit(torch.bfloat16)) > 0 >= guard_target(0.5, 2328, store_unit(torch.bfloat16))
+    )
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(64, 128, generator=gen)).to(torch.bfloat16))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01)
+    w.grad = torch.randn(64, 128, generator=gen).to(torch.bfloat16) * 0.1
+    opt.step()
+    assert opt.guard_stats()[0] == {"scaled": 0, "reset": 0}

@@ -134,6 +134,7 @@ def middle(
     layout: Layout | None = None,
     blend_kernels=None,
     uu_later=None,
+    phi_sq_later=None,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -156,7 +157,9 @@ def middle(
     from norms alone (:func:`.guard_rule.step_bound`) and, where that leaves the target, with the exact rest
     (:func:`.guard_rule.step_distance`); the block is formed only if some layer's bound still leaves the
     target: the same decisions, and ``dist_next`` is the bound where it stayed within (an exact
-    value otherwise).
+    value otherwise). ``phi_sq_later``: a callable giving ``‖Φ‖²`` per layer in float64 from Φ
+    itself, called (where a host read is free) only if ``tr C`` is not finite: a finite Φ whose
+    float32 Gram overflows is then a huge input, which the guard resets, not a non-finite one.
     """
     lay = layout or Layout.of(a)
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
@@ -173,9 +176,12 @@ def middle(
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
         g_finite = finite_of(g_norm)
-        if host and bool(g_finite.all()):  # every ‖g‖ finite: E's own check is not needed
-            finite = g_finite & finite_of(phi_sq)
-        else:
+        finite = g_finite & finite_of(phi_sq) if host else None  # (with every ‖g‖ finite, E's check is not needed)
+        if host and not bool(finite.all()):  # (rare) a non-finite input, or an overflowing ΦᵀΦ
+            if phi_sq_later is not None and b is not None and not bool(finite_of(phi_sq).all()):
+                phi_sq = phi_sq_later()  # ‖Φ‖² from Φ itself: a finite Φ is then a huge input, not a non-finite one
+            finite = g_finite & finite_of(phi_sq) if bool(g_finite.all()) else None
+        if finite is None:
             finite = inputs_finite(g_norm, phi_sq, e, lay)
         phi_norm = phi_sq.sqrt()  # ‖Φ‖_F
         if radius is not None:
@@ -360,9 +366,10 @@ def grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:
 def scaled_hyper(hyper: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The ``(L, 3)`` table ``[η, β, α]`` of an update kernel with the guard's scale folded in:
     ``[sη, sβ, α]``, so that the kernel's ``U = βΦ − ηg`` becomes ``sU`` (the table itself
-    when there is no guard)."""
+    when there is no guard). A reset (s = 0) gives exact zeros, even for an η that is not finite
+    (an lr tensor on the device, which no host read checks: 0·NaN would write NaN)."""
     if scale is None:
         return hyper
     factor = torch.ones_like(hyper)
     factor[:, :2] = scale.to(hyper.dtype).unsqueeze(1)
-    return hyper * factor  # s·η, s·β, α (exact where s = 1)
+    return torch.where(factor == 0, 0.0, hyper * factor)  # s·η, s·β, α (exact where s = 1; 0 where s = 0)

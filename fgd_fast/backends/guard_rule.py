@@ -35,7 +35,8 @@ target ``limit − margin``.
   (and a few of the compute dtype), ``θ̃ = θ₊ + E``, ``‖E‖_F ≤ u‖θ₊‖_F``, moves the distance by
   at most ``2‖θ₊‖₂‖E‖_F + ‖E‖²_F`` with ``‖θ₊‖₂² ≤ 1 + L``, ``‖θ₊‖²_F ≤ p + √p·L`` (L the
   limit): that is subtracted from the limit (~1e-5 for float32, ~0.08 for a 64-column
-  bfloat16 layer).
+  bfloat16 layer). Where it takes all of the limit (bfloat16 from p = 2,328 at the default 0.5)
+  no step could be stored: a guarded step refuses such a parameter (:func:`fgd_fast.guards.check_guard_room`).
 
 The finite checks are here too: a step is movable only where its inputs and its ``M_Φ`` are
 finite, and the guard resets the rest.

@@ -17,7 +17,7 @@ import torch
 
 from ..collectives import packed
 from . import carry
-from .algebra import Middle, grad_norm, middle
+from .algebra import Middle, grad_norm, grad_sq, middle
 from .guard_rule import host_reads_free
 from .layout import Layout
 from .layout import rows as _rows
@@ -143,6 +143,8 @@ class Group:
         # carried blocks are off the stored θ by one rounding per step carried: the guard's margin takes as many
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
+        if b.predict and b.reads_phi:  # ‖Φ‖² from Φ, where its float32 Gram overflowed
+            extra.update(phi_sq_later=lambda: grad_sq(self._of("bufs")))
         if self.lazy:  # UᵀU only if the middle's bound leaves the target
             extra.update(gg=None, uu=None, uu_later=lambda: self.velocity_grams(lay.empty(b.cdt), scratch))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
@@ -157,6 +159,8 @@ class Group:
             coef = torch.tensor([[beta, -lr]] * lay.count, dtype=b.cdt, device=lay.device)
         else:
             coef = torch.stack([scale * beta, scale * -lr], 1).to(b.cdt)
+            # a reset (s = 0) reads no η: exact zeros even for an lr tensor that is not finite (0·NaN)
+            coef = torch.where(scale.unsqueeze(1) == 0, 0.0, coef) if isinstance(lr, torch.Tensor) else coef
         # no zero coefficient (so no masks for the update), where a host read is free to say so
         lrs_nonzero = host and all(float(m.lr) != 0 for m, _ in self.members)  # (a tensor's read is free here)
         no_reset = host and lrs_nonzero and (smallest is None or smallest > 0)
