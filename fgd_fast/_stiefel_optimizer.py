@@ -230,6 +230,11 @@ class StiefelOptimizer(Optimizer):
         (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
+        # the saved state's key of each parameter, in order: what the groups list (flat indices in a
+        # torch.optim state_dict, parameter names in one from torch.distributed.checkpoint), matched by
+        # position as Optimizer.load_state_dict matches them
+        keys = [k for group in saved_groups for k in group.get("params", [])]
+        saved_key = lambda index: keys[index] if index < len(keys) else index  # noqa: E731
         name = type(self).__name__
         for k, group in enumerate(saved_groups):
             missing = [key for key in self._STATE_DICT_KEYS if key not in group]
@@ -252,8 +257,8 @@ class StiefelOptimizer(Optimizer):
                         f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
                     ) from exc
             for index, (group, p, key) in enumerate(self._keyed()):
-                if index in saved and isinstance(saved[index], dict):
-                    self._check_saved_state(p, group, saved[index], label(key))
+                if isinstance(saved.get(saved_key(index)), dict):
+                    self._check_saved_state(p, group, saved[saved_key(index)], label(key))
         changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
         super().load_state_dict(state_dict)
         for group in self.param_groups:
@@ -271,9 +276,9 @@ class StiefelOptimizer(Optimizer):
             )
         for index, (group, p, _) in enumerate(self._keyed()):
             cdt = compute_dtype(p.dtype)
-            if index not in saved or cdt == p.dtype or not group["orthogonal"]:
+            if not isinstance(saved.get(saved_key(index)), dict) or cdt == p.dtype or not group["orthogonal"]:
                 continue
-            for name, value in saved[index].items():
+            for name, value in saved[saved_key(index)].items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
 

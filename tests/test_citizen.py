@@ -459,3 +459,30 @@ def test_load_state_dict_refuses_bad_hyper_parameters_and_orthogonal_flags():
         opt.load_state_dict(flipped)
     assert_unchanged(net, opt, snap)
     opt.load_state_dict(good)  # the good one still loads
+
+
+def test_a_dcp_load_keeps_16_bit_parameters_float32_momentum_and_checks_it():
+    """A distributed review: torch.distributed.checkpoint's set_optimizer_state_dict keys the state
+    by parameter name, which FGD's load_state_dict looked up by flat index — so a bfloat16
+    parameter's float32 momentum came back rounded to bfloat16 (the next step refused it) and a
+    NaN buffer was let in. Both now go as through opt.load_state_dict (one process: no group needed)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all"), lr=0.05)
+    model.weight.grad = 0.01 * torch.randn_like(model.weight)
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt)
+    phi = saved["state"]["weight"]["momentum_buffer"].clone()
+    assert phi.dtype == torch.float32
+    again = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05)
+    set_optimizer_state_dict(model, again, saved)
+    assert torch.equal(again.state[model.weight]["momentum_buffer"], phi)  # float32, bit for bit
+    again.step()  # (the step accepts it)
+    bad = get_optimizer_state_dict(model, opt)
+    bad["state"]["weight"]["momentum_buffer"][0, 0] = float("nan")
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05)
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        set_optimizer_state_dict(model, fresh, bad)
+    assert not fresh.state
