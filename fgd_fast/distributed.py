@@ -409,15 +409,18 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
 
 
 @torch.compiler.disable
-def agree_across_ranks(settings: dict[str, object], device: torch.device) -> None:
-    """Raise the same ``ValueError`` on every rank when the ranks' ``settings`` differ.
+def agree_across_ranks(settings: dict[str, object], device: torch.device, mesh=None) -> None:
+    """Raise the same ``ValueError`` on every rank (of ``mesh``, default all) when the ranks'
+    ``settings`` differ.
 
-    Each value becomes a float64 (numbers as themselves, other values by a CRC of their
-    ``repr``); one ``all_reduce(MAX)`` of ``[x, −x]`` gives every rank the largest and the
-    smallest of each, so every rank sees the same disagreement. It must be the step's first
-    collective: a rank with another backend or layer count would otherwise call different
-    collectives and hang."""
-    import zlib
+    Each value becomes a float64 (numbers as themselves, other values — tuples of per-layer
+    values included — by a 48-bit hash of their ``repr``, exact for floats); ``all_reduce(MAX)``
+    of ``[x, −x]`` gives every rank the largest and the smallest of each, so every rank sees the
+    same disagreement. On a mesh over only some ranks it reduces over each of the mesh's
+    dimensions in turn (the maximum over the whole mesh), so ranks outside it are not waited
+    for. It must be the step's first collective: a rank with another backend or layer count
+    would otherwise call different collectives and hang."""
+    import hashlib
 
     import torch.distributed as dist
 
@@ -425,12 +428,14 @@ def agree_across_ranks(settings: dict[str, object], device: torch.device) -> Non
 
     def number(v: object) -> float:
         if isinstance(v, bool) or v is None or not isinstance(v, (int, float)):
-            return float(zlib.crc32(repr(v).encode()))
+            return float(int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=6).digest(), "big"))
         return float(v)
 
     x = torch.tensor([number(settings[k]) for k in names], dtype=torch.float64, device=device)
     both = torch.cat([x, -x])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    whole = mesh is None or mesh.size() == dist.get_world_size()
+    for group in [None] if whole else [mesh.get_group(d) for d in range(mesh.ndim)]:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     hi, lo = both[: len(names)].tolist(), (-both[len(names) :]).tolist()
     differ = [k for k, a, b in zip(names, hi, lo) if a != b]
     if differ:

@@ -21,6 +21,7 @@ from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, check_guard_room, raise_if_invalid
 from .validation import (
+    check_bool,
     check_grad_fits,
     check_lr,
     check_max_distance,
@@ -109,6 +110,7 @@ def fgd(
     variant: str = "official",
     sharding: str = "auto",
     gram_refresh: int = GRAM_REFRESH,
+    maximize: bool = False,
     _validated: bool = False,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
@@ -132,6 +134,7 @@ def fgd(
     ``gram_refresh``: at most how many steps the torch backend on a CPU carries θᵀθ, θᵀΦ, ΦᵀΦ
     from step to step before reading them from the parameters again (1: every step; see
     :class:`fgd_fast.FGD`).
+    ``maximize``: ascend the objective (the gradients negated, as ``torch.optim.SGD(maximize=True)``).
     ``_validated``: internal, for ``FGD.step``, which checked lr, momentum, feedback,
     ``max_distance`` and ``trust_radius`` this step already (skips checking them again).
 
@@ -146,6 +149,7 @@ def fgd(
     if not _validated:  # (FGD.step has checked its options and groups this step: not twice on the hot path)
         check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
         check_trust_radius(trust_radius)
+        check_bool("maximize", maximize)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
@@ -154,6 +158,8 @@ def fgd(
             f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
             "gradient and one buffer (None before the first step) per parameter"
         )
+    if maximize:  # ascend along g (the ranks of a sharded step agree on it, below)
+        grads = [-g for g in grads]
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
     read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
@@ -232,14 +238,19 @@ def fgd(
             )
         )
         index.append(idx)
-    if sharded:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
-        weights = [float(k + 1) for k in range(len(sharded))]  # a permutation changes the sums too
+    meshes = []  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
+    for i in sharded:
+        if params[i].device_mesh not in meshes:
+            meshes.append(params[i].device_mesh)
+    for mesh in meshes:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
+        on_mesh = [i for i in sharded if params[i].device_mesh == mesh]
         agree_across_ranks(
-            {
-                "the number of sharded orthogonal parameters": len(sharded),
-                "lr": sum(w * host_lrs()[i] for w, i in zip(weights, sharded)),
-                "momentum": sum(w * betas[i] for w, i in zip(weights, sharded)),
-                "feedback": sum(w * alphas[i] for w, i in zip(weights, sharded)),
+            {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
+                "the number of sharded orthogonal parameters": len(on_mesh),
+                "lr": tuple(host_lrs()[i] for i in on_mesh),
+                "momentum": tuple(betas[i] for i in on_mesh),
+                "feedback": tuple(alphas[i] for i in on_mesh),
+                "maximize": maximize,
                 "backend": backend,
                 "precision": precision,
                 "variant": variant,
@@ -250,8 +261,10 @@ def fgd(
                 "guard": guard,
                 "trust_radius": trust_radius,
             },
-            params[sharded[0]].device,
+            params[on_mesh[0]].device,
+            mesh=mesh,
         )
+    if sharded:
         for idx, plan in prepare_dtensors(
             lambda device_type: _cached_backend(backend, device_type, precision)[1],
             sharded,

@@ -283,7 +283,7 @@ class FGD(StiefelOptimizer):
             opts = self.defaults
             report = fgd(
                 orth["params"],
-                [-g for g in orth["grads"]] if opts["maximize"] else orth["grads"],  # maximize: ascend along g
+                orth["grads"],
                 orth["bufs"],
                 lr=orth["lr"],
                 momentum=orth["momentum"],
@@ -299,6 +299,7 @@ class FGD(StiefelOptimizer):
                 variant=opts["variant"],
                 sharding=opts["sharding"],
                 gram_refresh=opts["gram_refresh"],
+                maximize=opts["maximize"],  # (ascend along g; agreed by the ranks of a sharded step)
                 _validated=True,  # (_run_closure checked the options and every group above)
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
@@ -409,7 +410,9 @@ class FGD(StiefelOptimizer):
         """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed as ``guard_stats``.
 
         A sharded (DTensor) parameter answers with the distance its last step computed (exact
-        to rounding, from that step's reduced Gram blocks): no collective, so one rank alone may
+        to rounding, from that step's reduced Gram blocks; for a float16/bfloat16 parameter that
+        of the float32 θ₊ before it was stored in 16 bits, a few times below the stored θ's:
+        ``fresh=True`` measures that): no collective, so one rank alone may
         call it (``if rank == 0: log(opt.orthogonality())``). ``fresh=True``, or a parameter not
         stepped with a prediction yet (or only by a compiled step), or one written since
         outside ``step`` (call ``fresh`` then), measures the whole matrix: a collective, every rank must call it. Other

@@ -437,13 +437,45 @@ def fsdp_disagreements(rank, world, out):
         ("guard", False, True),
         ("trust_radius", 2.0, 4.0),
         ("variant", "paper", "official"),
+        ("maximize", True, False),
     ):
         model = _sharded(world)
         kwargs = dict(HYPER, **{option: mine if rank == world - 1 else theirs})
         opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **kwargs)
         _set_grads(model, 0)
         _record_refusal(model, opt, ValueError, messages, unchanged)
+    # per-layer lrs that differ while the former weighted sum Σ(k+1)·lr_k agreed (a + 14b = 2 on every rank)
+    model = _sharded(world)
+    orth, plain = sorted(fgd_fast.stiefel_param_groups(model, rule), key=lambda g: not g.get("orthogonal"))
+    a, b = (0.25, 0.125) if rank == world - 1 else (1.125, 0.0625)
+    first, rest = orth["params"][:1], orth["params"][1:]
+    groups = [dict(params=first, orthogonal=True, lr=a), dict(params=rest, orthogonal=True, lr=b), plain]
+    opt = fgd_fast.FGD(groups, **HYPER)
+    _set_grads(model, 0)
+    _record_refusal(model, opt, ValueError, messages, unchanged)
     return dict(messages=messages, unchanged=unchanged)
+
+
+def fsdp_submesh(rank, world, out, *, steps=2):
+    """FSDP2 on a mesh over ranks 0 and 1 and, beside it, a model of its own on the last rank
+    (another stage: other layers, another lr): each mesh's ranks agree among themselves. The
+    agreement all-reduced over the whole world: ranks 0 and 1 waited for the last (a hang) or,
+    with FSDP2 there too, every rank raised that the ranks disagree."""
+    import functools
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    first = rank < world - 1
+    mesh = DeviceMesh("cpu", list(range(world - 1)) if first else [world - 1])
+    model = build(seed=0 if first else 1)
+    placement = functools.partial(fgd_fast.shard_placement, world_size=mesh.size())
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **dict(HYPER, lr=0.05 if first else 0.1))
+    for step in range(steps):
+        _set_grads(model, step)
+        opt.step()
+    return dict(params=_full_state(model, opt)[0], first=first)
 
 
 def _same(a, b):
@@ -583,6 +615,7 @@ CASES = {
         fsdp_resume,
         ddp_train,
         zero_steps,
+        fsdp_submesh,
     )
 }
 

@@ -390,8 +390,8 @@ def plant_here(name: str) -> None:
 
         agree = functional.agree_across_ranks
         dropped = ("check_manifold", "max_distance", "guard", "trust_radius", "variant")
-        functional.agree_across_ranks = lambda settings, device: agree(
-            {k: v for k, v in settings.items() if k not in dropped}, device
+        functional.agree_across_ranks = lambda settings, device, **kw: agree(
+            {k: v for k, v in settings.items() if k not in dropped}, device, **kw
         )
     else:
         raise ValueError(f"{name!r} is not planted in the ranks")

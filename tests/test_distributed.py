@@ -318,6 +318,18 @@ def test_fsdp_refusal_is_collective(world):
     assert "'conv.weight'" in msgs[3] and "from the Stiefel manifold" in msgs[3]
 
 
+def test_fsdp_on_a_mesh_over_some_ranks_agrees_within_it():
+    """A distributed review: the ranks' agreement ran on the whole world, so FSDP2 on a mesh over
+    ranks 0 and 1, beside another stage on rank 2, hung (or raised a false disagreement). Each
+    mesh now agrees within itself; ranks 0 and 1 step as one process does."""
+    results = run(3, "fsdp_submesh")
+    params, _, _ = cases.reference(2, 2)
+    for res in results[:2]:
+        assert res["first"]
+        assert_close(res["params"], params)
+    assert not results[2]["first"] and all(torch.isfinite(p).all() for p in results[2]["params"].values())
+
+
 def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
     """Why 5: another lr or feedback on one rank diverged silently, another momentum or check
     flag aborted, another backend hung to the timeout."""
@@ -325,7 +337,7 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
     for res in results:
         assert all(res["unchanged"]), res["unchanged"]
         assert res["messages"] == results[0]["messages"]
-    assert len(results[0]["messages"]) == 11
+    assert len(results[0]["messages"]) == 13
     for msg, what in zip(
         results[0]["messages"],
         (
@@ -340,6 +352,8 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
             "guard",
             "trust_radius",
             "variant",
+            "maximize",
+            "lr",
         ),
     ):
         assert f"the ranks disagree on {what}" in msg, msg
