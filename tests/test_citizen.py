@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 import fgd_fast
 from fgd_fast.baselines import CayleyADAM, CayleySGD
@@ -323,19 +324,26 @@ def test_compiled_step_over_several_widths_has_no_graph_break():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (compiled: the wrapper unseen)
-def test_compiled_step_follows_a_scheduler_without_a_graph_break():
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+def test_compiled_step_follows_a_scheduler_without_a_graph_break(tensor_lr):
     """A new user's review: a fullgraph-compiled step failed at the second step of a StepLR —
     Dynamo traces the changed lr as a SymFloat, which the lr check's math.isfinite cannot take.
-    Four scheduled steps, compiled, equal the eager ones (each lr used, none refused)."""
+    And with lr a CPU tensor that the scheduler changes in place (what torch recommends for
+    compiled optimizers) it broke at the optimizer's host read of the tensor, and the torch
+    backend read it on the host. Four scheduled steps, compiled, equal the eager ones (each lr
+    used, none refused); with a tensor lr, no recompilation after the first steady step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 3))
-    opt = fgd_fast.FGD(
-        fgd_fast.stiefel_param_groups(net), lr=0.01, backend="torch", check_finite=False, check_manifold=False
-    )
-    eager_net, eager_opt = copy.deepcopy((net, opt))
-    step = torch.compile(opt.step, fullgraph=True, backend="eager")  # (before the scheduler wraps opt.step)
+    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 16, 3), nn.Linear(20, 6))
+    lr = torch.tensor(0.01) if tensor_lr else 0.01
+    kw = dict(backend="torch", check_finite=False, check_manifold=False)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=lr, **kw)
+    eager_net = copy.deepcopy(net)
+    eager_opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(eager_net), lr=0.01, **kw)
+    counter = CompileCounter()  # (no code generation: Dynamo's tracing is what is tested)
+    step = torch.compile(opt.step, fullgraph=True, backend=counter)  # (before the scheduler wraps opt.step)
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, eager_opt)]
+    frames = []
     for _ in range(4):
         for p, q in zip(net.parameters(), eager_net.parameters()):
             p.grad = torch.randn_like(p) * 0.01
@@ -344,7 +352,11 @@ def test_compiled_step_follows_a_scheduler_without_a_graph_break():
         eager_opt.step()
         for sched in scheds:
             sched.step()
-    assert opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] == 0.01 / 16
+        frames.append(counter.frame_count)
+    assert opt.param_groups[0]["lr"] is lr or not tensor_lr  # (changed in place)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(eager_opt.param_groups[0]["lr"]) == 0.01 / 16
+    if tensor_lr:  # (the first step, which makes Φ, and the steady one: then no recompilation)
+        assert frames[1] == frames[-1]
     for p, q in zip(net.parameters(), eager_net.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 

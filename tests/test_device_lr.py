@@ -1,15 +1,14 @@
 """``lr`` as a tensor (``FGD(lr=torch.tensor(0.01))``): a scheduler changes it in place, the
 torch, Triton and CUDA backends read it on the device (so a captured or compiled step sees each
-new value), the reference on the host; every backend steps exactly as with the same float."""
+new value: the compiled one in tests/test_citizen.py), the reference on the host; every backend
+steps exactly as with the same float."""
 
 from __future__ import annotations
 
-import copy
 import traceback
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import fgd_fast
 from fgd_fast.backends import guard_rule
@@ -155,39 +154,6 @@ def test_the_hyper_table_follows_the_tensor():
 def test_a_bad_tensor_lr_is_refused(bad, error):
     with pytest.raises(error, match="lr"):
         fgd_fast.FGD(stiefel_problem(SHAPES)[0], lr=bad)
-
-
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (compiled: the wrapper unseen)
-def test_a_compiled_step_follows_a_tensor_lr_without_recompiling():
-    """``torch.compile(opt.step, fullgraph=True)`` with lr a CPU tensor that a scheduler changes
-    in place (what torch recommends for compiled optimizers): no graph break, no recompilation
-    after the first steady step, and the steps of the eager optimizer with the same floats. (It
-    broke at the optimizer's host read of the tensor; the torch backend read it on the host.)"""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 16, 3), torch.nn.Linear(20, 6))
-    lr = torch.tensor(0.01)
-    kw = dict(backend="torch", check_finite=False, check_manifold=False)
-    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=lr, **kw)
-    eager_net = copy.deepcopy(net)
-    eager_opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(eager_net), lr=0.01, **kw)
-    counter = CompileCounter()
-    step = torch.compile(opt.step, fullgraph=True, backend=counter)  # (before the scheduler wraps opt.step)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, eager_opt)]
-    frames = []
-    for _ in range(4):
-        for p, q in zip(net.parameters(), eager_net.parameters()):
-            p.grad = torch.randn_like(p) * 0.01
-            q.grad = p.grad.clone()
-        step()
-        eager_opt.step()
-        for sched in scheds:
-            sched.step()
-        frames.append(counter.frame_count)
-    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(eager_opt.param_groups[0]["lr"]) == 0.01 / 16
-    assert frames[1] == frames[-1]  # (the first step, which makes Φ, and the steady one: then no recompilation)
-    for p, q in zip(net.parameters(), eager_net.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
