@@ -158,8 +158,6 @@ def fgd(
             f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
             "gradient and one buffer (None before the first step) per parameter"
         )
-    if maximize:  # ascend along g (the ranks of a sharded step agree on it, below)
-        grads = [-g for g in grads]
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
     read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
@@ -207,6 +205,8 @@ def fgd(
 
     if guard:
         check_guard_room(params, labels, max_distance)
+    if maximize:  # ascend along g (checked above; the ranks of a sharded step agree on it, below)
+        grads = [-g for g in grads]
     predict = guard or check_finite or check_manifold
     steering = dict(
         trust_radius=trust_radius if guard else None,

@@ -467,7 +467,9 @@ def fsdp_submesh(rank, world, out, *, steps=2):
     from torch.distributed.fsdp import fully_shard
 
     first = rank < world - 1
-    mesh = DeviceMesh("cpu", list(range(world - 1)) if first else [world - 1])
+    # (every rank makes both meshes, in one order: making a mesh creates process groups, a collective)
+    meshes = [DeviceMesh("cpu", list(range(world - 1))), DeviceMesh("cpu", [world - 1])]
+    mesh = meshes[0] if first else meshes[1]
     model = build(seed=0 if first else 1)
     placement = functools.partial(fgd_fast.shard_placement, world_size=mesh.size())
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
