@@ -105,12 +105,12 @@ class StiefelOptimizer(Optimizer):
                 self._check_options([param_group])
             merged = {**self.defaults, **param_group}
             self._validate_group(merged)
-            if not isinstance(params, set):
-                check_writable(param_tensors(params))
-            if merged["orthogonal"] and not isinstance(params, set):
-                names = param_group.get("param_names") or param_group.get("names")
+            if not isinstance(params, set):  # (torch refuses a set itself)
                 tensors = param_tensors(params)
-                check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
+                check_writable(tensors)
+                if merged["orthogonal"]:
+                    names = param_group.get("param_names") or param_group.get("names")
+                    check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
         super().add_param_group(param_group)
 
     def _run_closure(self, closure: Callable[[], float] | None) -> float | None:

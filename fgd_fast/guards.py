@@ -64,8 +64,9 @@ def check_guard_room(params: Sequence[torch.Tensor], labels: Sequence[str], max_
         if p.dtype not in (torch.float16, torch.bfloat16) or p.dim() < 2:
             continue
         cols = stiefel_shape(p.shape).p
-        if guard_target(max_distance, cols, store_unit(p.dtype)) <= 0.0:
-            margin = max_distance - guard_target(max_distance, cols, store_unit(p.dtype))
+        target = guard_target(max_distance, cols, store_unit(p.dtype))
+        if target <= 0.0:
+            margin = max_distance - target
             raise ValueError(
                 f"orthogonal parameter {text} ({p.dtype}, p = {cols}): the guard can take no step of it, since "
                 f"storing θ in {str(p.dtype).removeprefix('torch.')} may alone move it up to {margin:.2g} from the "

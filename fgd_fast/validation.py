@@ -90,7 +90,7 @@ def check_lr(value: Any) -> float | torch.Tensor:
     return value
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_lr_value(value: Any) -> float:
