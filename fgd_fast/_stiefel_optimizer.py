@@ -97,7 +97,12 @@ class StiefelOptimizer(Optimizer):
                     )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim``, but the group is validated first (a bad one is refused, nothing
+        added) and the optimizer keeps a copy of the dict: torch writes the defaults into the
+        dict it is given, so a list of groups reused for a second optimizer would carry the
+        first one's options."""
         if isinstance(param_group, dict):
+            param_group = dict(param_group)
             params = param_group.get("params", [])
             if not isinstance(params, (torch.Tensor, set)):
                 param_group["params"] = params = list(params)  # a generator is read only once
@@ -227,7 +232,14 @@ class StiefelOptimizer(Optimizer):
         value); where that changes one (a checkpoint from a GPU run brings ``backend="triton"``,
         or checks that were off), a ``UserWarning`` names each change — set it again after
         loading to keep this optimizer's. The floating state of float16/bfloat16 orthogonal parameters stays float32
-        (``Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
+        (``Optimizer.load_state_dict`` casts it to the parameter's dtype). Load pre-hooks run
+        first, and what they return is what is checked and loaded; post-hooks run last, after
+        the options and the float32 state are in place."""
+        state_dict = state_dict.copy()  # (as torch: a hook may edit or replace it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         # the saved state's key of each parameter, in order: what the groups list (flat indices in a
@@ -260,17 +272,23 @@ class StiefelOptimizer(Optimizer):
                 if isinstance(saved.get(saved_key(index)), dict):
                     self._check_saved_state(p, group, saved[saved_key(index)], label(key))
         changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
-        super().load_state_dict(state_dict)
+        pre_hooks, post_hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()  # (ran above; the post-hooks run at the end)
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:  # (the same dicts: the hooks' handles keep working)
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         for group in self.param_groups:
             for o in self._OPTIONS:
                 group[o] = options.get(o, self.defaults[o])
         self.defaults.update(options)
         if changed:  # (a constructor's explicit choice replaced without a word is a surprise)
             what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
-            first = next(iter(changed))
             warnings.warn(
                 f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
-                f"to keep this optimizer's, set them again after loading (e.g. opt.{first} = {changed[first][0]!r})",
+                f"to keep this optimizer's, set them again after loading: {self._restore_order(changed)}",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -281,6 +299,30 @@ class StiefelOptimizer(Optimizer):
             for name, value in saved[saved_key(index)].items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
+        self._loaded()
+        for post_hook in post_hooks.values():
+            post_hook(self)
+
+    def _loaded(self) -> None:
+        """Runs after a successful load, before the post-hooks (subclasses drop caches here)."""
+
+    def _restore_order(self, changed: dict[str, tuple[Any, Any]]) -> str:
+        """The assignments that give back this optimizer's options, in an order in which each
+        one is valid (``precision`` before ``backend="reference"``, say)."""
+        options, todo, steps = dict(self.defaults), dict(changed), []
+        while todo:
+            for o, (old, _) in todo.items():
+                try:
+                    self._validate_options({**options, o: old})
+                except (TypeError, ValueError):
+                    continue
+                break
+            else:  # (no order works one at a time: list them all)
+                o, (old, _) = next(iter(todo.items()))
+            options[o] = old
+            steps.append(f"opt.{o} = {old!r}")
+            del todo[o]
+        return "; ".join(steps)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

@@ -402,8 +402,7 @@ class FGD(StiefelOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _loaded(self) -> None:
         self.__dict__.pop("_last_distance", None)  # (the model is usually reloaded with it)
 
     def orthogonality(self, *, fresh: bool = False) -> dict[str | int, float]:

@@ -257,11 +257,18 @@ def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: s
         got = (
             f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
         )
+        same_shape = isinstance(value, torch.Tensor) and value.shape == p.shape
+        keep = (
+            f"move or cast the entry with it, which keeps it (opt.state[param][{name!r}] = "
+            f"opt.state[param][{name!r}].to(device={str(p.device)!r}, dtype={dtype})), or drop it"
+            if same_shape
+            else "drop the entry"
+        )
         raise ValueError(
             f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}. If the model was "
-            "moved or cast (model.to(...), .double()) after the optimizer stepped, move or cast it before "
-            f"building the optimizer, or drop the entry (opt.state[param].pop({name!r})); if this state was "
-            "loaded, it belongs to another model"
+            f"moved or cast (model.to(...), .double()) after the optimizer stepped, {keep} "
+            f"(opt.state[param].pop({name!r})), or move or cast the model before building the optimizer; "
+            "if this state was loaded, it belongs to another model"
         )
 
 

@@ -498,3 +498,103 @@ def test_a_dcp_load_keeps_16_bit_parameters_float32_momentum_and_checks_it():
     with pytest.raises(ValueError, match="NaN/Inf"):
         set_optimizer_state_dict(model, fresh, bad)
     assert not fresh.state
+
+
+def _bf16_opt(**kw):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all"), lr=0.05, **kw)
+    model.weight.grad = 0.01 * torch.randn_like(model.weight)
+    opt.step()
+    return model, opt
+
+
+def test_load_pre_hooks_choose_what_is_checked_and_loaded():
+    """A review as a torch user: FGD checked the dict it was given, and for a 16-bit parameter wrote
+    that dict's float32 state back after torch's load, so a pre-hook that dropped the state was
+    undone, and one that upgraded an old checkpoint never got to run before the check refused it."""
+    model, opt = _bf16_opt()
+    saved = opt.state_dict()
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05)
+    fresh.register_load_state_dict_pre_hook(lambda o, sd: {**sd, "state": {}})
+    fresh.load_state_dict(saved)
+    assert not fresh.state  # the hook's dict, not the one passed
+
+    old = opt.state_dict()  # a checkpoint without a key this version needs, upgraded by a hook
+    for g in old["param_groups"]:
+        del g["feedback"]
+
+    def upgrade(o, sd):
+        for g in sd["param_groups"]:
+            g.setdefault("feedback", 0.5)
+
+    again = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05)
+    again.register_load_state_dict_pre_hook(upgrade)
+    again.load_state_dict(old)
+    assert again.param_groups[0]["feedback"] == 0.5
+    assert again.state[model.weight]["momentum_buffer"].dtype == torch.float32
+
+
+def test_load_post_hooks_see_the_finished_load():
+    """The same review: post-hooks ran inside torch's load, before FGD restored the options and
+    the float32 state, so a post-hook that set an option back (the load warning's advice) was undone."""
+    model, opt = _bf16_opt()
+    fresh = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference"
+    )
+    seen = {}
+
+    def post(o):
+        seen["dtype"] = o.state[model.weight]["momentum_buffer"].dtype
+        o.precision = "ieee"
+        o.backend = "reference"
+
+    fresh.register_load_state_dict_post_hook(post)
+    with pytest.warns(UserWarning, match="optimizer-wide options replace"):
+        fresh.load_state_dict(opt.state_dict())
+    assert seen["dtype"] == torch.float32
+    assert fresh.backend == "reference" and all(g["backend"] == "reference" for g in fresh.param_groups)
+
+
+def test_the_load_warnings_advice_works_as_written():
+    """The same review: the warning named one assignment (opt.backend = 'reference'), which fails
+    while the loaded precision is tf32x3; it now lists every change, in an order that is valid."""
+    model, opt = _bf16_opt(backend="torch", precision="tf32x3")
+    fresh = fgd_fast.FGD(
+        fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference"
+    )
+    with pytest.warns(UserWarning) as w:
+        fresh.load_state_dict(opt.state_dict())
+    advice = str(w[0].message).split("set them again after loading: ")[1]
+    assert advice == "opt.precision = 'ieee'; opt.backend = 'reference'"
+    exec(advice, {"opt": fresh})  # (what a user pastes)
+    assert (fresh.backend, fresh.precision) == ("reference", "ieee")
+
+
+def test_group_dicts_reused_for_a_second_optimizer_carry_nothing_over():
+    """The same review: torch writes the optimizer's options into the group dicts it is given, so
+    the dicts reused for a second FGD with another backend were refused as giving a group its own."""
+    groups = fgd_fast.stiefel_param_groups(_net(), "all")
+    before = [dict(g) for g in groups]
+    fgd_fast.FGD(groups, lr=0.1)
+    assert groups == before  # (the caller's dicts untouched)
+    second = fgd_fast.FGD(groups, lr=0.2, backend="reference")
+    assert second.backend == "reference" and second.param_groups[0]["lr"] == 0.2
+
+
+def test_a_cast_model_gets_advice_that_keeps_the_momentum():
+    """The same review: after model.double() following a step, the message's only fix dropped the
+    momentum; the cast it now names first keeps it, and the next step runs."""
+    net = _net()
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(net, "paper"), lr=0.01, backend="torch")
+    _loss(net, 0).backward()
+    opt.step()
+    net.double()
+    opt.zero_grad()
+    net(torch.randn(4, 3, 8, 8, dtype=torch.float64)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"\.to\(device='cpu', dtype=torch.float64\)\), or drop it") as exc:
+        opt.step()
+    assert "momentum_buffer" in str(exc.value)
+    for p, st in opt.state.items():
+        st["momentum_buffer"] = st["momentum_buffer"].to(device="cpu", dtype=torch.float64)
+    opt.step()
