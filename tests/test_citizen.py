@@ -539,9 +539,7 @@ def test_load_post_hooks_see_the_finished_load():
     """The same review: post-hooks ran inside torch's load, before FGD restored the options and
     the float32 state, so a post-hook that set an option back (the load warning's advice) was undone."""
     model, opt = _bf16_opt()
-    fresh = fgd_fast.FGD(
-        fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference"
-    )
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference")
     seen = {}
 
     def post(o):
@@ -560,9 +558,7 @@ def test_the_load_warnings_advice_works_as_written():
     """The same review: the warning named one assignment (opt.backend = 'reference'), which fails
     while the loaded precision is tf32x3; it now lists every change, in an order that is valid."""
     model, opt = _bf16_opt(backend="torch", precision="tf32x3")
-    fresh = fgd_fast.FGD(
-        fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference"
-    )
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, "all", orthogonalize=False), lr=0.05, backend="reference")
     with pytest.warns(UserWarning) as w:
         fresh.load_state_dict(opt.state_dict())
     advice = str(w[0].message).split("set them again after loading: ")[1]
@@ -595,6 +591,6 @@ def test_a_cast_model_gets_advice_that_keeps_the_momentum():
     with pytest.raises(ValueError, match=r"\.to\(device='cpu', dtype=torch.float64\)\), or drop it") as exc:
         opt.step()
     assert "momentum_buffer" in str(exc.value)
-    for p, st in opt.state.items():
+    for st in opt.state.values():
         st["momentum_buffer"] = st["momentum_buffer"].to(device="cpu", dtype=torch.float64)
     opt.step()
