@@ -90,11 +90,13 @@ def raise_if_invalid(
     guarded: Sequence[torch.Tensor | None] | None = None,
     tables: Sequence[torch.Tensor | None] | None = None,
     carried: bool = False,
+    fgd: bool = True,
 ) -> list[int] | None:
     """Raise if any layer failed a check; return the guard's per-layer decisions read at the
     same synchronisation (``None`` when no check is on: nothing is read). ``carried``: the step
     may have read θᵀθ carried from the last one (``gram_refresh > 1``): the off-manifold message
-    then names the write that carried blocks cannot see.
+    then names the write that carried blocks cannot see. ``fgd=False``: the messages of a
+    baseline optimizer (no ``reset_parameter``, no guard, no fused backends to name).
 
     ``dist[k]``, ``finite[k]``, … are per-layer device tensors of one backend call whose
     layers are ``index[k]`` (positions into ``labels``). One ``.tolist()`` per device.
@@ -153,6 +155,13 @@ def raise_if_invalid(
         _raise_if_off_manifold(dist_all, labels, max_distance, only_non_finite=True)
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_all) if not ok]
+        if bad and not fgd:
+            raise FloatingPointError(
+                f"non-finite gradient or optimizer state (NaN or Inf) for orthogonal parameter(s) {', '.join(bad)}; "
+                "the step was not applied and no parameter or state changed. Skip this step (torch.amp.GradScaler "
+                "does) or find the overflow; a non-finite state entry is cleared by deleting it "
+                "(opt.state[param].clear()); check_finite=False turns this check off"
+            )
         if bad:
             raise FloatingPointError(
                 f"non-finite gradient or momentum_buffer (NaN or Inf) for orthogonal parameter(s) {', '.join(bad)}; "
@@ -167,9 +176,10 @@ def raise_if_invalid(
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_next_all) if not ok]
         if bad:
+            advice = _RESET_ADVICE if fgd else "Lower the learning rate or clip the gradient"
             raise FloatingPointError(
                 f"this step would write non-finite values (overflow) into orthogonal parameter(s) {', '.join(bad)} "
-                f"or their momentum_buffer; it was not applied and nothing changed. {_RESET_ADVICE}"
+                f"or their optimizer state; it was not applied and nothing changed. {advice}"
             )
     if check_manifold:
         for i, dv in enumerate(dist_next_all):  # a non-finite prediction too (check_finite off: overflow)

@@ -24,6 +24,8 @@ GUARD = "tests/test_guard.py"
 DIST = "tests/test_distributed.py"
 CARRY = "tests/test_gram_carry.py"
 BAD = "tests/test_bad_input.py"
+LANDING = "tests/test_landing.py"
+BASE = "tests/test_baselines.py"
 LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
@@ -153,6 +155,26 @@ MUTANTS = {
     "fgd_tensor_lr_unchecked": (
         "fgd_fast.fgd takes a tensor lr unchecked (a NaN one wrote NaN)",
         ["tests/test_device_lr.py::test_fgd_checks_a_tensor_lr_as_fgd_the_optimizer_does"],
+    ),
+    "landing_buffer_unchecked": (
+        "LandingSGD's finiteness check without the momentum buffer",
+        [f"{LANDING}::test_a_non_finite_momentum_buffer_raises_and_changes_nothing"],
+    ),
+    "landing_pull_uncapped": (
+        "LandingSGD's safe step without the cap 1/(2λ) (the pull overshoots past ε)",
+        [f"{LANDING}::test_the_safe_step_caps_the_pull_at_half_over_lambda"],
+    ),
+    "cayley_overflow_unchecked": (
+        "Cayley SGD/ADAM steps without the finiteness of their coefficients and v (a huge finite G wrote NaN)",
+        [f"{BASE}::test_a_finite_gradient_that_overflows_in_the_step_raises_and_changes_nothing"],
+    ),
+    "cayley_saved_moments_unchecked": (
+        "Cayley ADAM's saved exp_avg_sq and step loaded unchecked",
+        [f"{BASE}::test_cayley_adam_refuses_unusable_saved_moments"],
+    ),
+    "cayley_one_bucket_per_shape": (
+        "Cayley SGD/ADAM stack equal-shape layers whatever their state (step count, buffer)",
+        [f"{BASE}::test_equal_shapes_at_different_step_counts_step_as_separate_groups"],
     ),
     "guard_settings_not_agreed": (
         "the ranks' guard settings (max_distance, guard, trust_radius, variant, check_manifold) not compared",
@@ -337,6 +359,58 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((fgd_fast.FGD, "_check_saved_state", fgd_fast.FGD._check_saved_state))
         fgd_fast.FGD._check_saved_state = StiefelOptimizer._check_saved_state
+    elif name == "landing_buffer_unchecked":
+        from fgd_fast.baselines import landing
+
+        original = landing._finite
+        undo.append((landing, "_finite", original))
+        landing._finite = lambda grad, buf: original(grad, None)
+    elif name == "landing_pull_uncapped":
+        from fgd_fast.baselines import landing
+
+        original = landing.safe_step_size
+
+        def uncapped(d, a, attraction, eps):  # the root alone, as the authors' code has it
+            lam = attraction
+            alpha = -2.0 * d * (lam + a)
+            beta = a * a + lam * lam * d**3 + 2.0 * lam * a * d * d + a * a * d
+            root = (alpha + torch.sqrt(alpha * alpha + 4.0 * beta * (eps - d))) / (2.0 * beta)
+            root = torch.where(beta > 0, root, torch.full_like(root, float("inf")))
+            return torch.where(d < eps, root, torch.full_like(root, float("nan")))
+
+        undo.append((landing, "safe_step_size", original))
+        landing.safe_step_size = uncapped
+    elif name == "cayley_overflow_unchecked":
+        from fgd_fast.baselines._base import CayleyBase
+
+        original = CayleyBase._prepare
+
+        def prepare(self, b):
+            original(self, b)
+            b.finite_next = None
+
+        undo.append((CayleyBase, "_prepare", original))
+        CayleyBase._prepare = prepare
+    elif name == "cayley_saved_moments_unchecked":
+        from fgd_fast._stiefel_optimizer import _check_saved_tensor
+        from fgd_fast.baselines import CayleyADAM
+        from fgd_fast.baselines._base import CayleyBase
+
+        def buffers_only(self, p, group, state, text):
+            for key in ("momentum_buffer", "exp_avg"):
+                if state.get(key) is not None:
+                    _check_saved_tensor(state[key], p, text, key)
+
+        undo.append((CayleyBase, "_check_saved_state", CayleyBase._check_saved_state))
+        undo.append((CayleyADAM, "_check_saved_state", CayleyADAM._check_saved_state))
+        CayleyBase._check_saved_state = buffers_only
+        CayleyADAM._check_saved_state = buffers_only
+    elif name == "cayley_one_bucket_per_shape":
+        from fgd_fast.baselines import CayleyADAM, CayleySGD
+
+        for cls in (CayleySGD, CayleyADAM):
+            undo.append((cls, "_bucket_key", cls._bucket_key))
+            cls._bucket_key = lambda self, group, state: ()
     elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry
 

@@ -92,7 +92,7 @@ def landing_step(w, grad, buf, *, lr, momentum, attraction, eps, dampening=0.0, 
         ψ = skew(G Xᵀ) X,  skew(M) = (M − Mᵀ)/2;  M ← μM + (1 − τ)ψ (M = ψ first);
         Λ = M (or ψ + μM, Nesterov) + λ X (XᵀX − I);  X ← X − η Λ
 
-    η = min(lr, η*) with η* the positive root of β η² − α η − (ε − d) = 0, d = ‖XᵀX − I‖_F,
+    η = min(lr, η*, 1/(2λ)) with η* the positive root of β η² − α η − (ε − d) = 0, d = ‖XᵀX − I‖_F,
     a = ‖M‖_F, α = 2(λd − ad − 2λd), β = a² + λ²d³ + 2λad² + a²d (``eps`` None: η = lr); beyond
     ε the step is X ← X − min(lr, 1/(2λ)) λ X(XᵀX − I). ``buf`` is M in θ form or None.
     """
@@ -115,10 +115,9 @@ def landing_step(w, grad, buf, *, lr, momentum, attraction, eps, dampening=0.0, 
         return from_theta(x - min(lr, 1 / (2 * lam)) * normal, np.shape(w)), new_buf
     alpha = 2 * (lam * d - a * d - 2 * lam * d)
     beta = a**2 + lam**2 * d**3 + 2 * lam * a * d**2 + a**2 * d
-    if beta == 0:
-        eta = lr
-    else:
-        eta = min(lr, max(np.roots([beta, -alpha, -(eps - d)]).real))
+    eta = min(lr, 1 / (2 * lam))  # (past ηλ = ½ the pull overshoots: D → (1 − 2ηλ)D to first order)
+    if beta != 0:
+        eta = min(eta, max(np.roots([beta, -alpha, -(eps - d)]).real))
     return from_theta(x - eta * (direction + normal), np.shape(w)), new_buf
 
 

@@ -441,6 +441,89 @@ def test_state_dict_round_trip_continues_bit_identically(cls, form, dtype):
         assert torch.equal(pa, pb)
 
 
+def test_a_cayley_sgd_state_dict_does_not_load_into_cayley_adam_nor_back():
+    """A review: both held the same group keys, so each loaded the other's state_dict, and every
+    later step raised a bare KeyError ('betas' / 'momentum')."""
+    net = _net(2)
+    for src, dst in ((CayleySGD, CayleyADAM), (CayleyADAM, CayleySGD)):
+        opt = src(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)
+        _train(net, opt, 1)
+        other = dst(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)
+        with pytest.raises(ValueError, match=f"not saved by {dst.__name__}"):
+            other.load_state_dict(opt.state_dict())
+        assert not other.state
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda st: st.update(exp_avg_sq=torch.tensor(float("nan"))), "exp_avg_sq is nan"),
+        (lambda st: st.update(exp_avg_sq=torch.tensor(-5.0)), "exp_avg_sq is -5.0"),
+        (lambda st: st.update(exp_avg_sq=torch.ones(3)), r"exp_avg_sq is \(3,\)"),
+        (lambda st: st.update(step=-1), "step is -1"),
+        (lambda st: st.update(step=1.5), "step is 1.5"),
+        (lambda st: st.pop("exp_avg_sq"), "has taken 2 steps but has no exp_avg_sq"),
+    ],
+    ids=["nan", "negative", "shape", "negative-step", "float-step", "missing"],
+)
+def test_cayley_adam_refuses_unusable_saved_moments(edit, match):
+    """A review: exp_avg_sq and step went in unchecked; a NaN or negative v, or step −1 (a bias
+    correction of 0), put NaN into the parameters at the next step, check_finite on."""
+    net = _net(2)
+    opt = CayleyADAM(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)
+    _train(net, opt, 2)
+    sd = opt.state_dict()
+    edit(sd["state"][0])
+    fresh = CayleyADAM(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd)
+    assert not fresh.state
+
+
+@pytest.mark.parametrize("form", ["lowrank", "dense"])
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+def test_a_finite_gradient_that_overflows_in_the_step_raises_and_changes_nothing(cls, form):
+    """A review: G = 1e20·randn is finite, but its Gram (low-rank form) or ADAM's ‖G‖² overflows
+    float32, and the step wrote NaN into θ while the momentum stayed finite. The coefficients and v
+    now join the step's one finiteness check."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 30)))
+    opt = cls([dict(params=[w], orthogonal=True)], lr=0.1, form=form)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    w.grad = 1e20 * torch.randn_like(w)
+    module = nn.ParameterList([w])
+    snap = snapshot(module, opt)
+    if cls is CayleySGD and form == "dense":  # (W and its norm stay finite: a step that keeps θ finite)
+        opt.step()
+        assert torch.isfinite(w).all()
+        return
+    with pytest.raises(FloatingPointError, match="would write non-finite values"):
+        opt.step()
+    assert_unchanged(module, opt, snap)
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+def test_equal_shapes_at_different_step_counts_step_as_separate_groups(cls):
+    """A review's surviving mutant: one bucket for equal-shape layers whatever their state (ADAM's
+    step count, SGD's buffer) passed every test, yet fails as soon as one layer missed a step."""
+    torch.manual_seed(0)
+    w0 = [fgd_fast.orthogonalize_(torch.randn(6, 20)) for _ in range(2)]
+    one = [nn.Parameter(w.clone()) for w in w0]
+    apart = [nn.Parameter(w.clone()) for w in w0]
+    opt_one = cls([dict(params=one, orthogonal=True)], lr=0.1)
+    opt_apart = cls([dict(params=[apart[0]], orthogonal=True), dict(params=[apart[1]], orthogonal=True)], lr=0.1)
+    for k in range(3):
+        grads = [torch.randn(6, 20) for _ in range(2)]
+        for ps in (one, apart):
+            for i, p in enumerate(ps):
+                p.grad = None if (k == 0 and i == 1) else grads[i].clone()  # layer 1 misses step 0
+        opt_one.step()
+        opt_apart.step()
+    for a, b in zip(one, apart):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "hyper",
     [dict(momentum=0.0), dict(momentum=0.9, dampening=0.2, weight_decay=1e-2), dict(momentum=0.8, nesterov=True)],

@@ -79,6 +79,21 @@ def test_the_safe_step_binds_and_keeps_every_step_inside_the_safe_distance():
         np.testing.assert_allclose(p.detach().numpy(), w, rtol=0, atol=1e-10)
 
 
+def test_the_safe_step_caps_the_pull_at_half_over_lambda():
+    """A review: with a small gradient and a large lr the authors' η* (no cap) is large, and the
+    pull λθD overshot: θ 0.003 off went to 0.55, beyond ε = 0.5, without momentum (where the
+    docstring promises every iterate within ε). η ≤ 1/(2λ) keeps it inside, and contracts D."""
+    torch.manual_seed(0)
+    for lam in (1.0, 3.0, 0.2):
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(20, 1, dtype=torch.float64)) * 1.0014)
+        before = fgd_fast.stiefel_distance(w)
+        assert 0.002 < before < 0.004
+        opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=100.0, momentum=0.0, attraction=lam)
+        w.grad = 1e-4 * torch.randn_like(w)
+        opt.step()
+        assert fgd_fast.stiefel_distance(w) < before  # (0.55 for λ = 1 without the cap)
+
+
 def test_beyond_the_safe_distance_it_lands():
     """A θ already 0.6 off (ε = 0.5): the step is the attraction alone and the distance falls
     quadratically (D → O(D²) at η = 1/(2λ))."""
@@ -119,6 +134,21 @@ def test_a_non_finite_gradient_raises_and_changes_nothing():
     net = torch.nn.ParameterList(params)
     snap = snapshot(net, opt)
     with pytest.raises(FloatingPointError):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+
+
+def test_a_non_finite_momentum_buffer_raises_and_changes_nothing():
+    """The check covers the buffer too (a review's surviving mutant dropped it: no test failed)."""
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s))) for s in [(4, 9), (8, 3)]]
+    opt = LandingSGD([dict(params=params, orthogonal=True)], lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[0]]["momentum_buffer"][0, 0] = float("inf")
+    net = torch.nn.ParameterList(params)
+    snap = snapshot(net, opt)
+    with pytest.raises(FloatingPointError, match="non-finite gradient or optimizer state"):
         opt.step()
     assert_unchanged(net, opt, snap)
 

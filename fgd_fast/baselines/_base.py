@@ -3,7 +3,8 @@
 A step validates every group, refuses unusable gradients, stacks the orthogonal parameters of
 equal shape and equal hyper-parameters into one tensor ``[X | G]`` in the parameters' own
 layout (as FGD's torch backend does), lets the subclass turn ``G`` into the momentum ``M``,
-checks finiteness with one host synchronisation, and only then runs the retraction
+forms the low-rank coefficients, checks the finiteness of M, of the coefficients and of
+ADAM's v with one host synchronisation, and only then runs the retraction
 (:mod:`.retraction`) and writes parameters and state. A step that raises changes nothing.
 """
 
@@ -51,7 +52,7 @@ class Bucket:
     the M block holds the gradient ``G``; the subclass's ``_moments`` turns it into ``M``.
     """
 
-    def __init__(self, idx, params, states, group, qr_due: bool, check_finite: bool):
+    def __init__(self, idx, params, states, group, qr_due: bool):
         first = params[idx[0]]
         n, p, rows = stiefel_shape(first.shape)
         self.idx, self.group, self.qr_due, self.n, self.p, self.rows = idx, group, qr_due, n, p, rows
@@ -66,10 +67,9 @@ class Bucket:
         self.m_blocks = list(m_block.unbind(0))
         torch._foreach_copy_(self.m_blocks, [as_w2(t.grad) for t in self.params])
         self.x, self.m = self.col[:, :, :p], self.col[:, :, p:]
-        # max |G| is NaN/Inf exactly when G has a NaN/Inf
-        self.finite = (
-            torch.isfinite(torch.linalg.vector_norm(self.m, float("inf"), dim=(1, 2))) if check_finite else None
-        )
+        self.finite: torch.Tensor | None = None  # per layer: M finite (set once M is formed)
+        self.finite_next: torch.Tensor | None = None  # per layer: the retraction's inputs finite
+        self.coef: torch.Tensor | None = None  # the low-rank form's Q (:func:`lowrank_coefficients`)
         self.step = [st.get("step", 0) for st in self.states]
         self.scale: torch.Tensor | float = 1.0  # c of W_d = c·W, set by _moments
         self.init: float | None = None  # σ of the start Y₀ = X + tσM (None: projected start)
@@ -117,6 +117,7 @@ class CayleyBase(StiefelOptimizer):
     _OPTIONS = dict(
         form="lowrank", norm="fro", public_code_compat=False, qr_period=0, check_finite=True, maximize=False
     )
+    #: (each subclass adds its own hyper-parameter, so one's state_dict never loads into the other)
     _STATE_DICT_KEYS = ("orthogonal", "q", "s")
     form = option("form", '``"lowrank"`` or ``"dense"`` (optimizer-wide, kept in ``defaults``).')
     norm = option("norm", '``"fro"`` or ``"one"`` (optimizer-wide).')
@@ -129,6 +130,22 @@ class CayleyBase(StiefelOptimizer):
         for name in ("momentum_buffer", "exp_avg"):
             if state.get(name) is not None:
                 _check_saved_tensor(state[name], p, text, name)
+        k = state.get("step")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(
+                f"cannot load this state_dict: parameter {text}'s step is {k!r}, expected a count (an int >= 0); "
+                "nothing was loaded (drop that parameter's entry from state_dict['state'] to restart it)"
+            )
+        v = state.get("exp_avg_sq")
+        if v is not None:
+            usable = isinstance(v, torch.Tensor) and v.shape == () and v.is_floating_point()
+            if not usable or not bool(torch.isfinite(v)) or bool(v < 0):
+                got = f"{v.item() if v.numel() == 1 else tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+                raise ValueError(
+                    f"cannot load this state_dict: parameter {text}'s exp_avg_sq is {got}, expected a finite, "
+                    "non-negative floating 0-d tensor (the average of ‖G‖²); nothing was loaded (drop that "
+                    "parameter's entry from state_dict['state'] to restart its moments)"
+                )
 
     # -- subclass hooks -----------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -203,10 +220,13 @@ class CayleyBase(StiefelOptimizer):
 
         buckets = []
         for key, idx in keys.items():
-            b = Bucket(idx, params, states, *extra[key], check_finite=self.check_finite)
+            b = Bucket(idx, params, states, *extra[key])
             if self.maximize:
                 b.m.neg_()  # ascend: the moments see −G
             b.scale, b.init = self._moments(b)
+            if self.check_finite:  # max |M| is NaN/Inf exactly when M (so G or the old state) has a NaN/Inf
+                b.finite = torch.isfinite(torch.linalg.vector_norm(b.m, float("inf"), dim=(1, 2)))
+            self._prepare(b)
             buckets.append(b)
         raise_if_invalid(  # the one host synchronisation; raises before any write
             [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
@@ -215,6 +235,8 @@ class CayleyBase(StiefelOptimizer):
             labels,
             check_finite=self.check_finite,
             check_manifold=False,
+            finite_next=[b.finite_next for b in buckets],
+            fgd=False,
         )
         for b in buckets:
             self._retract(b)
@@ -223,17 +245,32 @@ class CayleyBase(StiefelOptimizer):
                 self._euclidean(group, [p for p in group["params"] if p.grad is not None])
         return loss
 
-    def _retract(self, b: Bucket) -> None:
-        """Renormalise / QR ``X`` if asked, run the Cayley iteration, write θ and the state."""
-        g, x, p = b.group, b.x, b.p
+    def _prepare(self, b: Bucket) -> None:
+        """Before the check, writing only the bucket's own copy: renormalise / QR ``X`` if
+        asked, and (low-rank form) the coefficients Q from the Gram ``BᵀB``, whose finiteness
+        (a finite M whose Gram overflows gives t = 0 and 0·∞) joins the step's one check."""
+        g, x = b.group, b.x
         if g["renormalize"]:
             x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True).add_(g["eps"]))  # x_j ← x_j / (‖x_j‖ + ε)
         if b.qr_due:
             x.copy_(sign_fixed_q(x))  # X ← Q·sign(diag R)
-        hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
+        flags = []
         if self.form == "lowrank":
             gram = torch.bmm(b.col.transpose(1, 2), b.col)  # BᵀB = [[A, E], [Eᵀ, C]]
-            coef = lowrank_coefficients(gram, b.scale, **hyper)  # Q with B Q = [Y − X | W X]
+            hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
+            b.coef = lowrank_coefficients(gram, b.scale, **hyper)  # Q with B Q = [Y − X | W X]
+            flags.append(torch.isfinite(b.coef).all(dim=2).all(dim=1))
+        v = getattr(b, "v_new", None)  # (CayleyADAM's ‖G‖² average: it overflows past ‖G‖_F ~ 1.8e19)
+        if v is not None:
+            flags.append(torch.isfinite(v))
+        if self.check_finite and flags:
+            b.finite_next = flags[0] if len(flags) == 1 else flags[0] & flags[1]
+
+    def _retract(self, b: Bucket) -> None:
+        """Run the Cayley iteration (from :meth:`_prepare`'s X and Q), write θ and the state."""
+        g, x, p = b.group, b.x, b.p
+        if self.form == "lowrank":
+            coef = b.coef
             if b.rows:
                 out = torch.bmm(coef.transpose(1, 2), b.store)  # (BQ)ᵀ = Qᵀ Bᵀ, rows layout
                 y, wx = out[:, :p, :].add_(b.store[:, :p, :]), out[:, p:, :]  # Yᵀ = Xᵀ + (B d)ᵀ
@@ -241,6 +278,7 @@ class CayleyBase(StiefelOptimizer):
                 out = torch.bmm(b.store, coef)  # B Q
                 y, wx = out[:, :, :p].add_(x), out[:, :, p:]  # Y = X + B d
         else:
+            hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
             y, wx = dense_cayley(x, b.m, b.scale, norm=self.norm, **hyper)
             if b.rows:
                 y, wx = y.transpose(1, 2), wx.transpose(1, 2)

@@ -128,6 +128,8 @@ class CayleySGD(CayleyBase):
             maximize=maximize,
         )
 
+    _STATE_DICT_KEYS = (*CayleyBase._STATE_DICT_KEYS, "momentum")
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         self._validate_common(group)
         check_unit_interval("momentum", group["momentum"], "0.9 is typical")
@@ -176,9 +178,10 @@ class CayleyADAM(CayleyBase):
         Y &= X − t\tilde W X;\quad Y ← X − \tfrac{t}{2}\tilde W (X + Y)\ \ (s\ \text{times});
             \quad X ← Y
 
-    ``form``/``norm`` as in :class:`CayleySGD`. Parameters without ``orthogonal=True`` get what
-    the public code gives them: ``torch.optim.SGD`` with ``momentum = β₁`` (no dampening, no
-    Nesterov) and the group's ``weight_decay``.
+    ``form``/``norm`` as in :class:`CayleySGD`. Parameters without ``orthogonal=True`` get
+    ``torch.optim.SGD`` with ``momentum = β₁`` and the group's ``weight_decay``, as in the public
+    ``AdamG``, without dampening or Nesterov (``AdamG`` reads both from its groups, and its
+    training script turns Nesterov on; this class has neither option).
 
     Args:
         params: parameters or parameter groups; a group may override ``lr, betas, q, s, eps,
@@ -225,6 +228,8 @@ class CayleyADAM(CayleyBase):
             maximize=maximize,
         )
 
+    _STATE_DICT_KEYS = (*CayleyBase._STATE_DICT_KEYS, "betas")
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         self._validate_common(group)
         betas = group["betas"]
@@ -232,6 +237,16 @@ class CayleyADAM(CayleyBase):
             raise ValueError(f"invalid betas={betas!r}: pass a pair (beta1, beta2), e.g. betas=(0.9, 0.99)")
         check_unit_interval("betas[0]", betas[0], "e.g. 0.9")
         check_unit_interval("betas[1]", betas[1], "e.g. 0.99")
+
+    def _check_saved_state(self, p, group, state, text) -> None:
+        super()._check_saved_state(p, group, state, text)
+        missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in state]
+        if state.get("step", 0) > 0 and missing:
+            raise ValueError(
+                f"cannot load this state_dict: parameter {text} has taken {state['step']} steps but has no "
+                f"{' or '.join(missing)}; nothing was loaded (drop that parameter's entry from "
+                "state_dict['state'] to restart its moments)"
+            )
 
     def _bucket_key(self, group, state):
         return (state.get("step", 0),)  # bias corrections need equal step counts

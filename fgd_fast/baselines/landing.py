@@ -9,7 +9,7 @@ a parameter (θᵀθ = I on the manifold), G its gradient, A = θᵀθ and D = A
     ψ &= \\mathrm{skew}(Gθᵀ)\\,θ = ½(G A − θ\\,Gᵀθ)        &&\\text{(relative gradient, never } n × n\\text{)} \\\\
     M &← μ M + (1 − τ) ψ  \\quad (M = ψ \\text{ on the first step})  &&\\text{(momentum on ψ)} \\\\
     Λ &= M + λ\\, θ D                                      &&\\text{(landing field)} \\\\
-    θ &← θ − η\\,Λ,  \\qquad η = \\min(\\mathrm{lr},\\ η^*(d, a))
+    θ &← θ − η\\,Λ,  \\qquad η = \\min(\\mathrm{lr},\\ η^*(d, a),\\ 1/(2λ))
 
 with ``d = ‖D‖_F``, ``a = ‖M‖_F`` and the safe step of the authors' Stiefel code, the largest
 η that keeps the next distance below ``safe_distance`` ε:
@@ -20,7 +20,10 @@ with ``d = ‖D‖_F``, ``a = ‖M‖_F`` and the safe step of the authors' Stie
     β = a² + λ²d³ + 2λa d² + a² d.
 
 ψ is tangent-like (θᵀψ is skew), so it moves θ along the manifold, and λθD pulls θ back;
-without momentum the safe step keeps every iterate within ε. With momentum the direction M
+without momentum the safe step keeps every iterate within ε. The cap 1/(2λ) is part of that:
+to first order the pull maps D to (1 − 2ηλ)D, and past ηλ = ½ it overshoots — with a small
+gradient and a large lr the authors' η* alone (their code has no cap) took θ from 0.003 to 0.55
+beyond ε = 0.5 in one step (a test has that case). With momentum the direction M
 mixes relative gradients of earlier θ and is no longer exactly tangent-like, so ε is a target
 rather than a bound (as in the authors' code; measured: up to 1.39 for ε = 0.5 at μ = 0.9,
 lr = 10 and gradients of norm ~3√(np)). Two
@@ -28,7 +31,8 @@ choices differ from the authors' code, both documented: the momentum buffer star
 ``torch.optim.SGD`` starts at the first direction; their code starts it at μG + ψ), and where
 θ is already beyond ε (where their formula's root turns negative) the step is the pure
 attraction ``θ ← θ − η λ θD`` with ``η = min(lr, 1/(2λ))``, which maps D to O(D²).
-Weight decay, as in the authors' code, is added to G of orthogonal parameters too. Groups
+Weight decay, as in the authors' code, is added to G of orthogonal parameters too, where it
+changes nothing but rounding (G = wd·θ gives ψ = ½wd(θA − θA) = 0). Groups
 without ``orthogonal=True`` get ``torch.optim.SGD``.
 """
 
@@ -59,15 +63,22 @@ _GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "attra
 
 
 def safe_step_size(d: torch.Tensor, a: torch.Tensor, attraction: float, eps: float) -> torch.Tensor:
-    """η* of the module docstring (float64 tensors ``d``, ``a``); ``inf`` where no step can
-    leave the safe region (``a = d = 0``), ``nan`` where ``d ≥ ε`` (outside it)."""
+    """min(η*, 1/(2λ)) of the module docstring (float64 tensors ``d``, ``a``); ``nan`` where
+    ``d ≥ ε`` (outside the safe region)."""
     lam = attraction
     alpha = -2.0 * d * (lam + a)  # α = 2(λd − ad − 2λd)
     beta = a * a + lam * lam * d**3 + 2.0 * lam * a * d * d + a * a * d  # β = a² + λ²d³ + 2λad² + a²d
     disc = alpha * alpha + 4.0 * beta * (eps - d)
     root = (alpha + torch.sqrt(disc)) / (2.0 * beta)  # η* = (α + √(α² + 4β(ε − d)))/(2β)
-    root = torch.where(beta > 0, root, torch.full_like(root, float("inf")))
+    root = torch.where(beta > 0, root, torch.full_like(root, float("inf")))  # (a = d = 0: no step leaves)
+    root = torch.clamp(root, max=0.5 / lam)  # min(η*, 1/(2λ)): past it the pull overshoots
     return torch.where(d < eps, root, torch.full_like(root, float("nan")))
+
+
+def _finite(grad: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d flag: the gradient and the momentum buffer (if any) are finite."""
+    ok = torch.isfinite(grad).all()
+    return ok if buf is None else ok & torch.isfinite(buf).all()
 
 
 class LandingSGD(StiefelOptimizer):
@@ -77,10 +88,12 @@ class LandingSGD(StiefelOptimizer):
         params: parameters or groups; ``orthogonal=True`` marks Stiefel-constrained ones
             (``fgd_fast.stiefel_param_groups(model)`` builds them). A group may override
             ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``, ``attraction``.
-        lr: the step size η (>= 0); the safe step may take a smaller one per layer.
+        lr: the step size η (>= 0); the safe step may take a smaller one per layer (at most
+            1/(2λ)).
         momentum, dampening, nesterov: μ, τ and Nesterov as in ``torch.optim.SGD``, applied
             to the relative gradient ψ of orthogonal parameters.
-        weight_decay: added to the gradient (orthogonal parameters too, as the authors do).
+        weight_decay: added to the gradient (orthogonal parameters too, as the authors do;
+            there its relative gradient is zero, so it does nothing).
         attraction: λ > 0, the weight of the pull towards the manifold (the authors'
             ``lambda_regul``; default 1).
         safe_distance: ε in (0, 1), the distance ‖θᵀθ − I‖_F the safe step keeps θ inside (the
@@ -156,9 +169,7 @@ class LandingSGD(StiefelOptimizer):
             planned.append((p, new_theta, new_buf))
             labels.append(text)
             if self.check_finite:
-                ok = torch.isfinite(p.grad).all()
-                buf = self.state.get(p, {}).get("momentum_buffer")
-                finite.append(ok if buf is None else ok & torch.isfinite(buf).all())
+                finite.append(_finite(p.grad, self.state.get(p, {}).get("momentum_buffer")))
         if planned and self.check_finite:  # the one host synchronisation; raises before any write
             dev = planned[0][0].device
             raise_if_invalid(
@@ -168,6 +179,7 @@ class LandingSGD(StiefelOptimizer):
                 labels,
                 check_finite=True,
                 check_manifold=False,
+                fgd=False,
             )
         for p, new_theta, new_buf in planned:
             p.copy_(new_theta)
@@ -220,7 +232,7 @@ class LandingSGD(StiefelOptimizer):
             size = torch.linalg.matrix_norm(direction).to(torch.float64)
             star = safe_step_size(dist, size, lam, eps)
             inside = dist < eps
-            eta = torch.clamp(torch.nan_to_num(star, nan=0.0), max=lr).to(cdt)  # min(lr, η*)
+            eta = torch.clamp(torch.nan_to_num(star, nan=0.0), max=lr).to(cdt)  # min(lr, η*, 1/(2λ))
             pull = torch.as_tensor(min(lr, 0.5 / lam), dtype=cdt, device=theta.device)  # outside: min(lr, 1/(2λ))
             eta = torch.where(inside, eta, pull)
             step = torch.where(inside, (direction + normal) * eta, normal * eta)  # outside: attraction only
