@@ -40,6 +40,7 @@ def test_a_case_that_aborts_does_not_stop_the_next(tmp_path):
     assert by[("fgd-torch", "exit")]["rc"] == -signal.SIGABRT  # the crash is recorded ...
     assert ("fgd-torch", "time") not in by
     assert by[("sgd", "time")]["median_ms"] > 0  # ... and the next case measured
+    assert by[("sgd", "memory")]["first_step_peak_mib"] >= by[("sgd", "memory")]["peak_extra_mib"] >= 0
     assert by[("sgd", "exit")]["rc"] == 0
     assert (
         "fgd-torch exit"
@@ -141,3 +142,88 @@ def test_the_breakdown_splits_the_torch_step_into_its_parts(tmp_path):
         [sys.executable, *FIRST, str(out), "--report"], env=ENV, capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert "by part of the step: gram: host" in report, report
+
+
+def test_the_gpu_breakdown_counts_kernels_not_the_ranges_on_the_gpu_timeline():
+    """A review: with CUDA activities the profiler also puts each record_function range on the GPU
+    timeline, spanning its whole part of the step; the breakdown added them as kernels (the H200
+    report's profiled GPU time was 2-3x the step). Synthetic events, as a GPU profile has them."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.gpu.first_phase import kernel_times
+
+    def event(name, ms, device=DeviceType.CUDA, annotation=False):
+        fields = dict(name=name, device_type=device, device_time=ms * 1e3, cpu_time=0.0, cpu_parent=None)
+        return SimpleNamespace(**fields, is_user_annotation=annotation)
+
+    events = [
+        event("Optimizer.step#FGD.step", 22.5, annotation=True),
+        event("fgd::gram", 6.0, annotation=True),
+        event("fgd::update", 5.0),  # (a torch without the flag: the name alone)
+        event("_gram_kernel", 4.0),
+        event("_update_kernel_fgd", 3.0),
+        event("sm90_xmma_gemm_f32f32", 2.0),
+        event("aten::mm", 9.0, device=DeviceType.CPU),
+    ]
+    kinds, kernels = kernel_times(events, cuda=True)
+    assert sorted(kernels) == ["_gram_kernel", "_update_kernel_fgd", "sm90_xmma_gemm_f32f32"]
+    assert kinds == {"gram": 4.0, "update": 3.0, "cuBLAS products": 2.0}
+
+
+def _args(tmp_path, **kw):
+    import argparse
+
+    fields = dict(outdir=str(tmp_path / "out"), work=str(tmp_path / "work"), commit="x", tests=None, first_cases=None)
+    fields.update(accuracy_cases=None, probe=True, phases=None, workers=8)
+    return argparse.Namespace(**fields, **kw)
+
+
+def _spend(check, seconds):
+    check.deadline -= seconds  # (a phase that took this long)
+
+
+def test_the_default_budget_runs_every_decisive_phase_in_full(tmp_path):
+    """A review: at the session's budget of 440 s the old plan left the Triton probe 10 s (never
+    run) and the accuracy run ~30 s. Each phase taking its whole allowance, install to bench now
+    get their caps and the probe its minimum."""
+    from benchmarks.gpu import gpu_check
+
+    check = gpu_check.Check(_args(tmp_path, budget=440.0, cpu_dry_run=False, no_install=False))
+    got = {}
+    for phase in gpu_check.PHASES:
+        name = {"probe": "triton-probe"}.get(phase.__name__, phase.__name__)
+        got[name] = check.allowance(name)
+        _spend(check, 5.0 if name == "install" else got[name])
+    for name in ("first", "tests", "accuracy", "bench"):
+        assert got[name] == gpu_check.PLAN[name][0], got
+    assert got["triton-probe"] >= 20, got
+
+
+def test_a_sigterm_during_publish_waits_for_whole_files(tmp_path):
+    """A review: the handler published while an interrupted publish() had its files open, and could
+    leave a torn gpu_check.json or logs.tgz. Inside publish() it now only marks the signal; publish()
+    ends, publishes once more and exits."""
+    import tarfile
+
+    from benchmarks.gpu import gpu_check
+
+    out = tmp_path / "out"
+    check = gpu_check.Check(_args(tmp_path, budget=100.0, cpu_dry_run=True, no_install=True))
+    original, landed = check._publish, []
+
+    def interrupted():
+        if not landed:  # (the signal lands in the middle of the first publish)
+            landed.append(True)
+            check.terminated(signal.SIGTERM, None)
+            assert not (out / "gpu_check.json").read_text(encoding="utf-8").count("terminated")  # deferred
+        original()
+
+    check._publish = interrupted
+    with pytest.raises(SystemExit) as exc:
+        check.publish()
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["terminated"] == f"signal {signal.SIGTERM}"
+    with tarfile.open(out / "logs.tgz") as tar:
+        assert tar.getnames()

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         refs = [r for r in out["results"] if r["workload"] == w.name and r["case"] == "fgd-reference" and "max" in r]
         ref = refs[0] if refs else None
-        if ref is not None and ref["max"] > 0:
+        if ref is not None and ref["max"] > 0 and ref["steps"] == result["steps"]:  # (a case cut short: no ratio)
             result["max_vs_reference"] = result["max"] / ref["max"]
         record(workload=w.name, case=name, **result)
     out["table"] = table(out["results"])

@@ -25,7 +25,8 @@ so a run killed at any point keeps everything measured before. In priority order
   per part of the step as the FGD backends mark it (``phases``: Gram pass, middle, update) the
   GPU time it launched and the host time inside it — the split the kernel names cannot give
   where every product is a cuBLAS kernel (the torch backend);
-- ``memory``: the peak memory one step allocates above what existed before it;
+- ``memory`` (measured first): the peak memory the first and a later step allocate above what
+  existed before each, and what the first step left allocated (state and the backend's buffers);
 - ``distance``: max ‖θᵀθ − I‖_F (float64) over ``--steps`` steps of the benchmark's gradient
   stream (:func:`measure.gradient_pool`, ``lr = measure.LR``), for the cases the precision
   policy is judged by.
@@ -51,19 +52,24 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 WORKLOAD = "wrn-28-10"
 #: (contender, measurements) in priority order: the yardstick, then the candidate defaults
+#: (memory first: the buffers a backend keeps between steps are allocated by that first step)
 CASES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fgd-torch", ("agreement", "time", "graph", "breakdown", "memory", "distance")),
-    ("fgd-triton-tf32x3", ("agreement", "time", "graph", "breakdown", "memory", "distance")),
-    ("fgd-torch-tf32x3", ("agreement", "time", "graph", "breakdown", "memory", "distance")),
-    ("fgd-reference", ("time", "memory", "distance")),  # (the yardstick of the precision default's rule)
-    ("fgd-triton-tf32", ("agreement", "time", "graph", "breakdown", "memory")),
-    ("fgd-triton", ("agreement", "time", "graph", "breakdown", "memory")),
-    ("fgd-torch-tf32", ("agreement", "time", "graph", "memory")),
-    ("sgd", ("time", "graph", "memory")),
-    ("cayley-sgd-lowrank", ("time", "graph", "breakdown", "memory")),
-    ("fgd-cuda", ("agreement", "time", "graph", "breakdown", "memory")),
+    ("fgd-torch", ("memory", "agreement", "time", "graph", "breakdown", "distance")),
+    ("fgd-triton-tf32x3", ("memory", "agreement", "time", "graph", "breakdown", "distance")),
+    ("fgd-torch-tf32x3", ("memory", "agreement", "time", "graph", "breakdown", "distance")),
+    ("fgd-reference", ("memory", "time", "distance")),  # (the yardstick of the precision default's rule)
+    ("fgd-triton-tf32", ("memory", "agreement", "time", "graph", "breakdown")),
+    ("fgd-triton", ("memory", "agreement", "time", "graph", "breakdown")),
+    ("fgd-torch-tf32", ("memory", "agreement", "time", "graph")),
+    ("sgd", ("memory", "time", "graph")),
+    ("cayley-sgd-lowrank", ("memory", "time", "graph", "breakdown")),
+    ("fgd-cuda", ("memory", "agreement", "time", "graph", "breakdown")),
 )
-MEASUREMENTS = ("agreement", "time", "graph", "breakdown", "memory", "distance")
+MEASUREMENTS = ("memory", "agreement", "time", "graph", "breakdown", "distance")
+#: seconds a case gets at least, where its measurements need more than an even share: the
+#: reference form's 1,000-step distance (~37 ms a step on an H200, plus its start) and the
+#: tensor-core step's first compile of its kernels (~15 s with a cold Triton cache)
+MIN_CASE_S = {"fgd-reference": 60.0, "fgd-triton-tf32x3": 50.0}
 
 
 class Sink:
@@ -151,18 +157,7 @@ def _breakdown(case, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - t0)
-    kinds: dict[str, float] = {}
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if device.type == "cuda" and e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if device.type != "cuda":  # on a CPU: the aten ops called from Python (not from another aten op)
-            parent = e.cpu_parent
-            if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
-                continue
-        us = e.device_time if device.type == "cuda" else e.cpu_time
-        kinds[_kind(e.name)] = kinds.get(_kind(e.name), 0.0) + us / 1e3
-        kernels.setdefault(e.name[:90], []).append(us / 1e3)
+    kinds, kernels = kernel_times(prof.events(), device.type == "cuda")
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     return dict(
         profiled_wall_ms=round(wall, 3),
@@ -174,14 +169,43 @@ def _breakdown(case, device) -> dict:
     )
 
 
+def kernel_times(events, cuda: bool) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Milliseconds per kind of kernel and per kernel name, from profiler events: on a GPU the
+    kernels (not the ranges' copies on the GPU timeline, which span whole parts of the step), on
+    a CPU the aten ops called from Python (not from another aten op)."""
+    from torch.autograd import DeviceType
+
+    kinds: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if cuda and (e.device_type != DeviceType.CUDA or _annotation(e)):
+            continue
+        if not cuda:
+            parent = e.cpu_parent
+            if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+                continue
+        ms = (e.device_time if cuda else e.cpu_time) / 1e3
+        kinds[_kind(e.name)] = kinds.get(_kind(e.name), 0.0) + ms
+        kernels.setdefault(e.name[:90], []).append(ms)
+    return kinds, kernels
+
+
+def _annotation(e) -> bool:
+    """A ``record_function`` range, which the profiler also puts on the GPU timeline (its whole
+    span, not a kernel: ``Optimizer.step#FGD.step``, the backends' ``fgd::`` parts)."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(("fgd::", "Optimizer.", "ProfilerStep"))
+
+
 def _phases(prof, device) -> dict:
     """The step's parts as the FGD backends mark them (``fgd::gram``, ``fgd::middle``,
     ``fgd::update``: :func:`fgd_fast.backends.base.phase`): per part the host time inside the
     range and, on a GPU, the kernels' time it launched (children included); empty for a
     contender that marks none."""
     out: dict[str, dict] = {}
-    for e in prof.events():
-        if not e.name.startswith("fgd::"):
+    import torch
+
+    for e in prof.events():  # the host range (its device_time_total: the kernels it launched); not its GPU copy
+        if not e.name.startswith("fgd::") or e.device_type != torch.autograd.DeviceType.CPU:
             continue
         part = out.setdefault(e.name.removeprefix("fgd::"), dict(host_ms=0.0, gpu_ms=0.0, ranges=0))
         part["host_ms"] += e.cpu_time_total / 1e3
@@ -294,7 +318,8 @@ def run_one(args) -> int:
     if os.environ.get("FGD_FIRST_PHASE_ABORT") == args.one:  # rehearsal: a case that dies like a CUDA fault
         os.abort()
     sink = Sink(Path(args.out), args.one)
-    deadline = time.monotonic() + args.case_budget
+    # the driver's deadline counts from before this process started (torch's import included)
+    deadline = time.monotonic() + (args.case_deadline - time.time() if args.case_deadline else args.case_budget)
     device = _device(args.cpu_dry_run)
     scale = "tiny" if args.cpu_dry_run else os.environ.get("FGD_BENCH_SCALE", "full")
     workload = next(w for w in workloads(scale) if w.name == WORKLOAD)
@@ -354,10 +379,18 @@ def run_one(args) -> int:
                 fields = _breakdown(case, device)
             elif what == "memory":
                 case = fresh()
-                case.step()
                 sync()
+                kept = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+                first_peak, method = peak_extra_bytes(case.step, device)  # (compiles, makes state and caches)
+                if kept is not None:
+                    kept = torch.cuda.memory_allocated(device) - kept
                 peak, method = peak_extra_bytes(case.step, device)
-                fields = dict(peak_extra_mib=round(peak / 2**20, 2), method=method)
+                fields = dict(
+                    peak_extra_mib=round(peak / 2**20, 2),
+                    first_step_peak_mib=round(first_peak / 2**20, 2),
+                    kept_mib=None if kept is None else round(kept / 2**20, 2),  # state + the backend's buffers
+                    method=method,
+                )
             else:  # distance
                 fields = _distance(fresh(), pool, device, steps, deadline)
             sink(what, seconds=round(time.monotonic() - t0, 2), **fields)
@@ -394,9 +427,11 @@ def run_all(args) -> int:
             Sink(out, name)("skipped", reason=f"{left:.0f} s of the phase's budget left")
             continue
         share = max(args.min_case_s, left / max(1, len(cases) - i) * 2.5)  # a slow case may take 2.5 shares
+        if not args.cpu_dry_run:
+            share = max(share, MIN_CASE_S.get(name, 0.0))
         share = min(share, left)
         cmd = [sys.executable, "-m", "benchmarks.gpu.first_phase", str(out), "--one", name]
-        cmd += ["--case-budget", str(round(share - 5))]
+        cmd += ["--case-deadline", f"{time.time() + share - 8:.1f}"]  # (8 s for the last checkpoint and exit)
         cmd += ["--reps", str(args.reps), "--steps", str(args.steps), "--measure", *args.measure]
         if args.cpu_dry_run:
             cmd.append("--cpu-dry-run")
@@ -491,14 +526,24 @@ def report(rows: list[dict]) -> str:
                     for k, v in parts.items()
                 )
                 lines.append(f"  - by part of the step: {cells}")
-    lines += ["", "### Distance and memory", "", "| case | steps | max ‖θᵀθ − I‖_F | final | peak extra MiB |"]
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "### Distance and memory",
+        "",
+        "Memory (MiB): *peak extra* is what a step allocates above what existed before it, from the "
+        "second step on; *first step* the same for the first step (state and the backend's buffers "
+        "made); *kept* what the first step left allocated (momentum state and buffers kept between steps).",
+        "",
+        "| case | steps | max ‖θᵀθ − I‖_F | final | peak extra | first step | kept |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         d, m = by.get((c, "distance"), {}), by.get((c, "memory"), {})
         if d or m:
             lines.append(
                 f"| {c} | {d.get('steps', '—')} | {_f(d.get('max'))} | {_f(d.get('final'))} "
-                f"| {_f(m.get('peak_extra_mib'), 4)} |"
+                f"| {_f(m.get('peak_extra_mib'), 4)} | {_f(m.get('first_step_peak_mib'), 4)} "
+                f"| {_f(m.get('kept_mib'), 4)} |"
             )
     problems = [r for r in rows if r["what"] in ("error", "aborted", "unavailable", "skipped")]
     problems += [r for r in rows if r["what"] == "exit" and r.get("rc") != 0]
@@ -523,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="store_true", help="print the Markdown tables of OUT and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--case-budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    ap.add_argument("--case-deadline", type=float, help=argparse.SUPPRESS)  # (epoch seconds; beats --case-budget)
     args = ap.parse_args(argv)
     if args.report:
         print(report(load(Path(args.out))))

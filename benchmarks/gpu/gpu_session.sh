@@ -25,9 +25,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>/dev/nul
 timeout $((budget + 20)) python3 -m benchmarks.gpu.gpu_check "$out" --budget "$budget" --commit "$commit" \
   ${GPU_CHECK_ARGS:-} > /tmp/gpu_check.out 2>&1
 rc=$?
-sed -n '/^| phase/,/^$/p' /tmp/gpu_check.out
+# the phase table from the report gpu_check rewrites after every phase (also after a timeout)
+sed -n '/^| phase/,/^$/p' "$out/report.md" 2>/dev/null
 if [ "$rc" -ne 0 ]; then  # (a crash before the phase table: its traceback comes back in this call's output)
   tail -n 40 /tmp/gpu_check.out
+fi
+if [ -d /tmp/gpu_check ]; then  # gpu_check's own output joins the logs that come back
+  cp /tmp/gpu_check.out /tmp/gpu_check/ 2>/dev/null \
+    && tar -czf "$out/logs.tgz.tmp" -C /tmp gpu_check && mv "$out/logs.tgz.tmp" "$out/logs.tgz"
 fi
 echo "gpu_check exit $rc; files in $out: $(ls "$out" | tr '\n' ' ')"
 exit $rc
