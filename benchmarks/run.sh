@@ -3,7 +3,7 @@
 #   1. the optimizer-step benchmark (benchmarks/test_optimizer_step.py, pytest-benchmark), one
 #      progress line per case, and its report (benchmarks/report.py);
 #   2. a training comparison on scikit-learn's digits (benchmarks/training/train.py: sgd, fgd,
-#      cayley-sgd, cayley-adam, 3 epochs), with a progress bar per optimizer;
+#      cayley-sgd, cayley-adam, landing, 3 epochs), with a progress bar per optimizer;
 # and print a short summary (the full report is in a file).
 #
 #   bash benchmarks/run.sh                   # CPU: the scaled-down workloads; GPU: the full ones

@@ -214,6 +214,14 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
         (["--model", "resnet", "--depth", "20"], "18 or 34"),
         (["--gamma", "0"], "--gamma 0"),
         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
+        (["--set", "fgd.lr=-1"], "fgd: invalid lr=-1.0"),  # (the optimizers' own checks, before any training)
+        (["--set", "sgd.lr=-1"], "sgd: Invalid learning rate"),
+        (["--set", "fgd.feedback=2"], "fgd: invalid feedback"),
+        (["--rule", "foo"], "invalid choice: 'foo'"),
+        (["--seed", "-1"], "--seed -1: must be at least 0"),
+        (["--optimizers", ""], "name at least one"),
+        (["--optimizers", "sgd,sgd"], "sgd named twice"),
+        (["--optimizers", "fgdtorch"], "unknown 'fgdtorch'"),
     ],
 )
 def test_bad_options_fail_with_the_reason(tmp_path, train_main, capsys, args, message):
@@ -227,3 +235,44 @@ def test_bad_options_fail_with_the_reason(tmp_path, train_main, capsys, args, me
     assert message in str(exc.value.code) + err
     if "fgd-cuda" not in args and "cifar10" not in args:
         assert exc.value.code == 2 and message in err.strip().splitlines()[-1]
+
+
+def test_a_diverged_run_is_a_failure_and_train_json_stays_strict(tmp_path, train_main):
+    """A review: lr 1e8 made sgd's weights NaN while its last loss was finite, and the run was
+    reported as a success with NaN in train.json, which strict JSON readers refuse."""
+    rc = train_main(
+        tmp_path, "--epochs", "1", "--steps-per-epoch", "4", "--optimizers", "sgd", "--set", "sgd.lr=1e8", "--no-plot"
+    )
+    text = (tmp_path / "train.json").read_text()
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    result = json.loads(text, parse_constant=refuse)
+    assert rc == 1 and "not finite" in result["optimizers"]["sgd"]["error"]
+
+
+def test_evals_per_epoch_is_the_number_of_points(tmp_path, train_main):
+    """A review: --evals-per-epoch N evaluated N + 1 times an epoch (every steps // N steps and at
+    the epoch's end, two points one step apart); now N points, the last at the epoch's end."""
+    argv = ["--epochs", "2", "--steps-per-epoch", "7", "--evals-per-epoch", "3", "--optimizers", "sgd", "--no-plot"]
+    assert train_main(tmp_path, *argv) == 0
+    result = json.loads((tmp_path / "train.json").read_text())
+    steps = [e["step"] for e in result["optimizers"]["sgd"]["history"]["eval"]]
+    assert steps == [0, 2, 5, 7, 9, 12, 14]
+    assert result["config"]["command"].endswith(" ".join(argv))  # (what was run, not this process's argv)
+
+
+def test_an_unwritable_out_fails_before_the_training(tmp_path, train_main):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match="cannot write there"):
+        train_main(tmp_path / "afile", "--epochs", "1", "--steps-per-epoch", "1000", "--optimizers", "sgd")
+
+
+def test_set_reaches_a_backend_that_all_adds():
+    """A review: with --optimizers all, --set fgd-reference.lr was refused ('no optimizer
+    fgd-reference in this run') although the run trains it."""
+    from benchmarks.training import train
+
+    args = train.parse_args(["--optimizers", "all", "--set", "fgd-reference.lr=0.1", "--no-plot"])
+    assert args.set == ["fgd-reference.lr=0.1"]

@@ -48,7 +48,8 @@ FAMILIES = tuple(SETTINGS)
 
 
 def family(name: str) -> str:
-    return "fgd" if name.startswith("fgd") else name
+    """``fgd`` for ``fgd`` and ``fgd-<backend>``, else the name itself."""
+    return "fgd" if name == "fgd" or name.startswith("fgd-") else name
 
 
 def settings_for(name: str, overrides: dict[str, dict[str, float]]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ CNN, batch 32, the authors' schedule scaled to the run, Euclidean lr 0.05, momen
 
 The second knob is FGD's ``feedback`` α, or LandingSGD's ``attraction`` λ (``--optimizer
 landing``, default grid 0.5,1,2,4). For each (lr, second) it reports the final test accuracy,
-the final max ‖θᵀθ − I‖_F and the peak of that distance during the run (at the ``--evals-per-epoch`` points), next to an
+the final max ‖θᵀθ − I‖_F and the peak of that distance during the run (at train.py's evaluation
+points: the start and four per epoch on digits), next to an
 ``sgd`` run of the same length. Writes a Markdown report (and the raw numbers as ``.json``).
 """
 

@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 # before torch loads OpenMP: idle threads sleep instead of spinning, so a shared machine's
@@ -73,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--depth", type=int, help="wrn: 28 (default); resnet: 18 (default) or 34")
     ap.add_argument("--width", type=float, help="width multiplier (wrn: k; default 10 on a GPU, 1 on a CPU)")
-    ap.add_argument("--rule", default="paper", help="which weights are constrained: paper, official or all")
+    ap.add_argument(
+        "--rule", choices=("paper", "official", "all"), default="paper", help="which weights are constrained"
+    )
     ap.add_argument(
         "--optimizers",
         default=DEFAULT_OPTIMIZERS,
@@ -105,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--threads",
         type=int,
-        default=int(os.environ.get("FGD_BENCH_THREADS", 0)) or None,
+        default=_env_threads(ap),
         help="torch CPU threads (default: FGD_BENCH_THREADS, else 1 for digits on a CPU — its "
         "layers are too small to share — and torch's default otherwise)",
     )
@@ -114,8 +117,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what train.json records as the command)
     check_args(ap, args)
     return args
+
+
+def _env_threads(ap: argparse.ArgumentParser) -> int | None:
+    """``FGD_BENCH_THREADS`` as the default of ``--threads`` (checked like the option)."""
+    text = os.environ.get("FGD_BENCH_THREADS", "")
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        ap.error(f"FGD_BENCH_THREADS={text!r}: expected a number of threads (at least 1), or unset it")
+    if value < 1:
+        ap.error(f"FGD_BENCH_THREADS={value}: expected a number of threads (at least 1), or unset it")
+    return value
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -128,6 +146,10 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--width {args.width}: must be positive")
     if not 0 < args.gamma <= 1:
         ap.error(f"--gamma {args.gamma}: the lr factor at each milestone must be in (0, 1]")
+    if args.seed < 0:
+        ap.error(f"--seed {args.seed}: must be at least 0")
+    if args.width is not None and args.width > 1024:
+        ap.error(f"--width {args.width:g}: at most 1024 (WRN-28-10 is --width 10)")
     if args.depth is not None:
         if args.model == "resnet" and args.depth not in (18, 34):
             ap.error(f"--depth {args.depth}: a CIFAR ResNet is 18 or 34 layers deep")
@@ -143,10 +165,17 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(
             f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
         )
-    names = list(FAMILIES) if args.optimizers == "all" else [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    if names == ["all"]:
+        names = optimizer_names("all", device)[0]  # (what the run will train, every backend this device runs)
     for n in names:
         if family(n) not in FAMILIES:
             ap.error(f"--optimizers: unknown {n!r}; choose from {', '.join(FAMILIES)}, fgd-<backend>, or all")
+    if not names:
+        ap.error(f"--optimizers {args.optimizers!r}: name at least one, from {', '.join(FAMILIES)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        ap.error(f"--optimizers: {', '.join(twice)} named twice (each name is one run)")
     try:
         overrides = parse_overrides(args.set)
     except ValueError as exc:
@@ -154,11 +183,16 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for key in overrides:  # a typo in the optimizer's name would change nothing, silently
         if key not in names and key not in {family(n) for n in names}:
             ap.error(f"--set {key}.…: no optimizer {key!r} in this run (it runs {', '.join(names)})")
+    probe = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))  # (a throwaway model)
     for n in names:
         try:
-            settings_for(n, overrides)
-        except ValueError as exc:
-            ap.error(str(exc))
+            settings = settings_for(n, overrides)
+            with warnings.catch_warnings():  # (the run itself warns, once)
+                warnings.simplefilter("ignore")
+                # the optimizer's own checks of the values (a backend's refusal comes at the run, with its reason)
+                build_optimizer(family(n), probe, args.rule, settings)
+        except (TypeError, ValueError) as exc:
+            ap.error(f"{n}: {exc}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -319,6 +353,8 @@ class Run:
         point = self._evaluate_at(step)
         if not all(math.isfinite(v) for v in values):
             raise FloatingPointError(f"the training loss is not finite at step {step}")
+        if not math.isfinite(point["max_distance"]):  # (a finite last loss does not mean finite weights)
+            raise FloatingPointError(f"the constrained weights are not finite at step {step}: the run diverged")
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"loss {values[-1]:.3f}  acc {100 * point['test_accuracy']:.1f} %  dist {point['max_distance']:.1e}"
@@ -356,6 +392,8 @@ class Run:
         if self.error:
             return {**out, "error": self.error}
         skip = min(5, len(self.timer.step) // 4)  # warm-up steps (allocation, cuDNN autotuning) left out
+        if self.cfg.get("compile") and len(self.timer.step) > 1:
+            skip = max(skip, 1)  # (the first step compiles the model)
         fwd_bwd, step_s = self.timer.fwd_bwd[skip:], self.timer.step[skip:]
         final = self.hist["eval"][-1]
         return {
@@ -385,7 +423,8 @@ def train(
     live = list(runs)
     total = cfg["epochs"] * cfg["steps_per_epoch"]
     gen = torch.Generator().manual_seed(cfg["seed"])
-    every = max(1, cfg["steps_per_epoch"] // cfg["evals_per_epoch"])
+    steps, evals = cfg["steps_per_epoch"], cfg["evals_per_epoch"]
+    points = {round((j + 1) * steps / evals) for j in range(evals)}  # evals_per_epoch points, the last at its end
     memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
     step = 0
     for epoch in range(1, cfg["epochs"] + 1):
@@ -395,12 +434,12 @@ def train(
             for run in live[k:] + live[:k]:
                 try:
                     run.step(x, y)
-                    if (i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]:
+                    if i + 1 in points:
                         run.evaluate(step)
                 except (FloatingPointError, ValueError, RuntimeError) as exc:
                     run.fail(exc)
             live = [r for r in live if r.error is None]
-            if progress and not bars and ((i + 1) % every == 0 or i + 1 == cfg["steps_per_epoch"]):
+            if progress and not bars and i + 1 in points:
                 print(
                     f"step {step}/{total}: "
                     + " | ".join(
@@ -483,7 +522,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, Dataset, nn.Modu
         "torch_threads": torch.get_num_threads(),
         "seed": args.seed,
         "compile": args.compile,
-        "command": "python -m benchmarks.training " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.training " + " ".join(getattr(args, "argv", sys.argv[1:])),
     }
     return names, settings, data, base, cfg
 
@@ -505,7 +544,8 @@ def run(args: argparse.Namespace) -> dict:
     record = machine_record(torch.device(args.device))  # load average at the start ...
     print(
         f"{cfg['model']} on {data.description}; {len(cfg['constrained'])} constrained weights ({args.rule} rule); "
-        f"{cfg['epochs']} epochs × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; device {cfg['device']}, "
+        f"{_count(cfg['epochs'], 'epoch')} × {cfg['steps_per_epoch']} steps of {cfg['batch_size']}; "
+        f"device {cfg['device']}, "
         f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}",
         flush=True,
     )
@@ -519,6 +559,22 @@ def run(args: argparse.Namespace) -> dict:
     return {"optimizers": results, "config": cfg, **record}
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def finite_json(value):
+    """``value`` with every NaN/Inf float as ``None`` (strict JSON has no NaN: a diverged run's
+    history would make the file unreadable to other tools)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def _version(module: str) -> str:
     try:
         return __import__(module).__version__
@@ -528,10 +584,15 @@ def _version(module: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    try:  # found before the training, not after it
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").write_text("")
+        (out / ".write-test").unlink()
+    except OSError as exc:
+        raise SystemExit(f"--out {args.out}: cannot write there ({exc})") from None
+    result = run(args)
+    (out / "train.json").write_text(json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     print("\n".join(summary_lines(result)))
     written = [out / "train.json"]
     if not args.no_plot:
