@@ -66,7 +66,9 @@ class Group:
         # the velocity Gram formed only where the middle's bound asks for it (see middle(uu_later=))
         self.lazy = lazy and b.predict and not self.carry
         self.tensors = self._of("params") + (self._of("bufs") if b.writes_phi else [])
-        self.key = ("carry", self.layout.groups, b.cdt) + tuple(id(t) for t in self.tensors)
+        # the carried blocks' key, only where they are carried (Dynamo of torch 2.11 cannot trace
+        # id() of a tensor made inside a compiled step, e.g. the first step's momentum buffers)
+        self.key = ("carry", self.layout.groups, b.cdt) + tuple(id(t) for t in self.tensors) if self.carry else None
 
     def symmetric_slots(self) -> tuple[int, ...]:
         return self.first.symmetric_slots()
