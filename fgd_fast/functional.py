@@ -10,6 +10,7 @@ writing (:mod:`fgd_fast.guards`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,16 @@ class GuardReport(NamedTuple):
 
 
 _resolved: dict[tuple[str, str, str], tuple[str, Backend]] = {}
+
+
+def on_device(device: torch.device):
+    """The context in which a step's kernels for tensors on ``device`` launch: that GPU (Triton
+    launches on the current device, not the tensors'; a model on ``cuda:1`` while ``cuda:0`` is
+    current is common where a script moves it without ``torch.cuda.set_device``)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index)
 
 
 def _cached_backend(name: str, device_type: str, precision: str = "ieee") -> tuple[str, Backend]:
@@ -222,21 +233,22 @@ def fgd(
             carrying["exact_next"] = False
             bounded.append(len(plans))
         layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
-        plans.append(
-            prepare(
-                pick(params),
-                pick(grads),
-                pick(bufs),
-                pick(fresh),
-                lr=pick(layer_lrs),
-                momentum=pick(betas),
-                feedback=pick(alphas),
-                check_finite=check_finite,
-                precision=precision,
-                **steering,
-                **carrying,
+        with on_device(device):
+            plans.append(
+                prepare(
+                    pick(params),
+                    pick(grads),
+                    pick(bufs),
+                    pick(fresh),
+                    lr=pick(layer_lrs),
+                    momentum=pick(betas),
+                    feedback=pick(alphas),
+                    check_finite=check_finite,
+                    precision=precision,
+                    **steering,
+                    **carrying,
+                )
             )
-        )
         index.append(idx)
     meshes = []  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
     for i in sharded:
@@ -296,8 +308,9 @@ def fgd(
         tables=[pl.checks for pl in plans],
         carried=gram_refresh > 1,
     )
-    for pl in plans:
-        pl.apply()
+    for pl, idx in zip(plans, index):
+        with on_device(params[idx[0]].device):
+            pl.apply()
     for i in range(count):
         if bufs[i] is not None:
             momentum_buffers[i] = bufs[i]

@@ -271,7 +271,7 @@ class FGD(StiefelOptimizer):
             orth["params"].append(p)
             orth["grads"].append(p.grad)
             orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
-            orth["lr"].append(lr if isinstance(lr, torch.Tensor) else float(lr))
+            orth["lr"].append(lr if on_device else float(lr))  # (a CPU tensor, read above: no copy to the GPU)
             orth["momentum"].append(beta)
             orth["feedback"].append(alpha)
             orth["labels"].append(text)

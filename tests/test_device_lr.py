@@ -45,8 +45,9 @@ def test_a_tensor_lr_steps_as_the_float_does(backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_device_backends_read_a_tensor_lr_on_the_device(monkeypatch, backend):
     """The torch and Triton steps (as a GPU runs them) never read the lr tensor on the host: η
-    reaches the middle and the update by device ops (the optimizer's own checks read a CPU
-    tensor's value, where that is free; not counted)."""
+    reaches the middle and the update by device ops. Through the functional API, which hands the
+    backends the tensor as it is (FGD, the optimizer, hands them a CPU tensor's value, read where
+    that is free, and a GPU tensor as it is)."""
     reason = backend_reason(backend, device_for_tests())
     if reason:
         pytest.skip(reason)
@@ -64,14 +65,28 @@ def test_the_device_backends_read_a_tensor_lr_on_the_device(monkeypatch, backend
 
         monkeypatch.setattr(torch.Tensor, name, watched)
     params, grads = stiefel_problem(SHAPES)
-    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=lr, backend=backend)
-    reads.clear()  # (construction reads a CPU tensor once, to check its value)
+    bufs = [None] * len(params)
     for _ in range(2):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
+        with torch.no_grad():  # (as an optimizer's step)
+            fgd_fast.fgd(params, [g.clone() for g in grads], bufs, lr=lr, momentum=0.9, feedback=0.4, backend=backend)
         lr.mul_(0.5)
     assert reads == []
+
+
+def test_fgd_hands_the_backends_a_cpu_tensor_lr_as_its_value(monkeypatch):
+    """A review of the GPU-only paths: FGD read a CPU tensor lr's value (for its checks) and still
+    handed the tensor on, which each fused backend copied to the GPU with a blocking copy every step."""
+    import fgd_fast.optimizer
+
+    seen = []
+    real = fgd_fast.optimizer.fgd
+    monkeypatch.setattr(fgd_fast.optimizer, "fgd", lambda *a, **kw: (seen.append(kw["lr"]), real(*a, **kw))[1])
+    params, grads = stiefel_problem(SHAPES)
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=torch.tensor(0.05), backend="torch")
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    assert seen and all(type(v) is float for v in seen[0]) and seen[0][0] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))

@@ -199,23 +199,32 @@ def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 class _HyperTable:
     """A set of layers' ``(L, 3)`` table ``[η, β, α]`` on the device, rewritten in place when the
-    values change (through a pinned host mirror on CUDA, waiting for its previous copy first)."""
+    values change (through a pinned host mirror on CUDA, waiting for its previous copy first).
+    A change during a CUDA-graph capture copies from a mirror of its own, never rewritten: each
+    replay copies it again, so a replay reuses the captured step's values, and no event of the
+    capture is waited on by a later eager step (CUDA refuses to)."""
 
     def __init__(self, count: int, dtype: torch.dtype, device: torch.device):
         self.table = torch.empty((count, 3), dtype=dtype, device=device)
         self.host = torch.empty((count, 3), dtype=dtype, pin_memory=device.type == "cuda")
         self.values: tuple | None = None
-        self.copied = None  # a CUDA event after the last copy from the host mirror
+        self.copied = None  # a CUDA event after the last (eager) copy from the host mirror
+        self.captured: list[torch.Tensor] = []  # the mirrors captured copies read at each replay
 
     def set(self, values: tuple) -> torch.Tensor:
         if values != self.values:
-            if self.copied is not None:
+            capturing = _capturing()
+            host = self.host
+            if capturing:
+                host = torch.empty_like(self.host, pin_memory=True)
+                self.captured.append(host)
+            elif self.copied is not None:
                 self.copied.synchronize()  # (the mirror is rewritten only after its last copy)
-            self.host.copy_(torch.tensor(values, dtype=self.host.dtype))
-            self.table.copy_(self.host, non_blocking=True)
-            if self.table.device.type == "cuda":
+            host.copy_(torch.tensor(values, dtype=host.dtype))
+            self.table.copy_(host, non_blocking=True)
+            if self.table.device.type == "cuda" and not capturing:
                 self.copied = torch.cuda.Event()
-                self.copied.record()
+                self.copied.record(torch.cuda.current_stream(self.table.device))
             self.values = values
         return self.table
 

@@ -129,8 +129,8 @@ class Group:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if all(v == values[0] for v in values):
             return values[0]
-        per_layer = [v for v, size in zip(values, self.sizes) for _ in range(size)]
-        return torch.tensor(per_layer, dtype=dtype, device=device)
+        # fills, not a table built on the host: its copy to a GPU would synchronise (and fail in a capture)
+        return torch.cat([v_full(v).expand(size) for v, size in zip(values, self.sizes)])
 
     def middle(self, blocks: list[torch.Tensor], scratch: dict[torch.dtype, list[torch.Tensor]]) -> None:
         """One middle over every member's layers (:func:`.algebra.middle`), handed back per member
