@@ -50,6 +50,7 @@ def gram_gather_kernel(
     UPPER: tl.constexpr,
     BT: tl.constexpr,
 ):
+    numel = tl.cast(numel, tl.int64)  # slot·Σp² in 64 bits: past 2³¹ from Σp² ≈ 2.4e8 (an i32 argument)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         w = work_ptr + item * 3
         row = layer_ptr + tl.load(w) * meta.GG_FIELDS

@@ -53,6 +53,7 @@ def mid_prep_kernel(
     HAS_PHI: tl.constexpr,
     BT: tl.constexpr,
 ):
+    numel = tl.cast(numel, tl.int64)  # slot·Σp² in 64 bits: past 2³¹ from Σp² ≈ 2.4e8 (an i32 argument)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         w = work_ptr + item * 3
         layer = tl.load(w)

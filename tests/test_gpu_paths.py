@@ -8,6 +8,7 @@ from __future__ import annotations
 import traceback
 from contextlib import nullcontext
 
+import pytest
 import torch
 
 import fgd_fast
@@ -77,3 +78,19 @@ def test_groups_with_their_own_hyper_parameters_build_no_host_table(monkeypatch)
             _step(o, twin, grads)
     for a, b in zip(params, twin):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("module, kernel", [("middle", "mid_prep_kernel"), ("blocks", "gram_gather_kernel")])
+def test_the_middle_kernels_offset_their_slots_in_64_bits(module, kernel):
+    """A review: these kernels address slot k of the blocks at k·numel (numel = Σp², an i32
+    argument), computed in 32 bits: past 2³¹ — Σp² ≈ 2.4e8, e.g. 60 square 2,048-wide layers — the
+    offsets wrapped negative (silent corruption or a fault, on a GPU only: no CPU test can hold
+    such buffers). Each casts numel to int64 before its first use."""
+    import importlib
+    import inspect
+
+    pytest.importorskip("triton")
+    fn = getattr(importlib.import_module(f"fgd_fast.kernels.{module}"), kernel).fn
+    body = inspect.getsource(fn).split("):\n", 1)[1]
+    first = next(line.strip() for line in body.splitlines() if "numel" in line)
+    assert first.startswith("numel = tl.cast(numel, tl.int64)"), first
