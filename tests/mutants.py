@@ -158,7 +158,7 @@ MUTANTS = {
     ),
     "landing_buffer_unchecked": (
         "LandingSGD's finiteness check without the momentum buffer",
-        [f"{LANDING}::test_a_non_finite_momentum_buffer_raises_and_changes_nothing"],
+        [f"{LANDING}::test_a_non_finite_gradient_or_buffer_raises_and_changes_nothing[momentum_buffer]"],
     ),
     "landing_pull_uncapped": (
         "LandingSGD's safe step without the cap 1/(2λ) (the pull overshoots past ε)",
