@@ -387,11 +387,12 @@ def accuracy(check: Check) -> None:
     cmd = [sys.executable, "-m", "benchmarks.gpu.accuracy", str(check.out / "accuracy.json")]
     cmd += ["--budget", str(round(budget - 10))]
     if check.args.cpu_dry_run:
-        cmd += ["--cpu-dry-run", "--workloads", "wrn-28-10", "--cases", "fgd-reference", "fgd-torch-tf32x3"]
+        cmd += ["--cpu-dry-run", "--workloads", "wrn-28-10"]
+        cases = ("fgd-reference", "fgd-torch-tf32x3")
     else:  # (WRN-28-10's distances come from the first phase, at 1,000 steps)
-        cmd += ["--workloads", *ACCURACY_WORKLOADS, "--steps", "500", "--cases", *ACCURACY_CASES]
-    if check.args.accuracy_cases:
-        cmd += ["--cases", *check.args.accuracy_cases]
+        cmd += ["--workloads", *ACCURACY_WORKLOADS, "--steps", "500"]
+        cases = ACCURACY_CASES
+    cmd += ["--cases", *(check.args.accuracy_cases or cases)]  # (--accuracy-cases replaces the default)
     check.run("accuracy", cmd, budget)
 
 

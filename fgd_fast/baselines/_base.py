@@ -257,8 +257,7 @@ class CayleyBase(StiefelOptimizer):
         flags = []
         if self.form == "lowrank":
             gram = torch.bmm(b.col.transpose(1, 2), b.col)  # BᵀB = [[A, E], [Eᵀ, C]]
-            hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
-            b.coef = lowrank_coefficients(gram, b.scale, **hyper)  # Q with B Q = [Y − X | W X]
+            b.coef = lowrank_coefficients(gram, b.scale, **self._hyper(b))  # Q with B Q = [Y − X | W X]
             flags.append(torch.isfinite(b.coef).all(dim=2).all(dim=1))
         v = getattr(b, "v_new", None)  # (CayleyADAM's ‖G‖² average: it overflows past ‖G‖_F ~ 1.8e19)
         if v is not None:
@@ -266,9 +265,15 @@ class CayleyBase(StiefelOptimizer):
         if self.check_finite and flags:
             b.finite_next = flags[0] if len(flags) == 1 else flags[0] & flags[1]
 
+    @staticmethod
+    def _hyper(b: Bucket) -> dict[str, Any]:
+        """The retraction's hyper-parameters of ``b`` (both forms take the same)."""
+        g = b.group
+        return dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
+
     def _retract(self, b: Bucket) -> None:
         """Run the Cayley iteration (from :meth:`_prepare`'s X and Q), write θ and the state."""
-        g, x, p = b.group, b.x, b.p
+        x, p = b.x, b.p
         if self.form == "lowrank":
             coef = b.coef
             if b.rows:
@@ -278,8 +283,7 @@ class CayleyBase(StiefelOptimizer):
                 out = torch.bmm(b.store, coef)  # B Q
                 y, wx = out[:, :, :p].add_(x), out[:, :, p:]  # Y = X + B d
         else:
-            hyper = dict(lr=g["lr"], q=g["q"], s=g["s"], eps=g["eps"], init=b.init)
-            y, wx = dense_cayley(x, b.m, b.scale, norm=self.norm, **hyper)
+            y, wx = dense_cayley(x, b.m, b.scale, norm=self.norm, **self._hyper(b))
             if b.rows:
                 y, wx = y.transpose(1, 2), wx.transpose(1, 2)
         # copy into the tensors themselves (a reshape of a channels_last weight is a copy)
