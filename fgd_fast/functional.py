@@ -276,22 +276,24 @@ def fgd(
             params[on_mesh[0]].device,
             mesh=mesh,
         )
-    if sharded:
-        for idx, plan in prepare_dtensors(
-            lambda device_type: _cached_backend(backend, device_type, precision)[1],
-            sharded,
-            params,
-            grads,
-            bufs,
-            fresh,
-            lr=host_lrs(),
-            momentum=betas,
-            feedback=alphas,
-            check_finite=check_finite,
-            precision=precision,
-            sharding=sharding,
-            **steering,
-        ):
+    if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
+        with on_device(params[sharded[0]].device):
+            dtensor_plans = prepare_dtensors(
+                lambda device_type: _cached_backend(backend, device_type, precision)[1],
+                sharded,
+                params,
+                grads,
+                bufs,
+                fresh,
+                lr=host_lrs(),
+                momentum=betas,
+                feedback=alphas,
+                check_finite=check_finite,
+                precision=precision,
+                sharding=sharding,
+                **steering,
+            )
+        for idx, plan in dtensor_plans:
             plans.append(plan)
             index.append(idx)
     read = raise_if_invalid(

@@ -36,6 +36,28 @@ def test_the_step_prepares_and_writes_inside_its_devices_context(monkeypatch):
     assert seen == [torch.device("cpu")] * 2
 
 
+def test_a_sharded_step_prepares_inside_its_devices_context(monkeypatch):
+    """The DTensor layers' prepare (FSDP2's Gram pass and middle) ran in whatever device was
+    current; it runs in their device's context too, like the plain layers' (one process, gloo)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, not already initialised")
+    seen = []
+    monkeypatch.setattr(fgd_fast.functional, "on_device", lambda d: (seen.append(d), nullcontext())[1])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        (theta,), (grad,) = stiefel_problem([(12, 5)])
+        p = torch.nn.Parameter(distribute_tensor(theta.detach(), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.05, backend="torch").step()
+    finally:
+        dist.destroy_process_group()
+    assert seen == [torch.device("cpu")] * 2  # (the prepare, then the writes)
+
+
 def test_on_device_enters_another_gpu_only(monkeypatch):
     from fgd_fast.functional import on_device
 

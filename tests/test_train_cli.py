@@ -212,6 +212,8 @@ def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_mai
         (["--steps-per-epoch", "-3"], "--steps-per-epoch -3: must be at least 1"),
         (["--model", "wrn", "--dataset", "synthetic", "--depth", "27"], "e.g. --depth 28"),
         (["--model", "resnet", "--depth", "20"], "18 or 34"),
+        (["--depth", "28"], "the small CNN has a fixed depth"),  # (digits: auto picks the CNN)
+        (["--width", "inf"], "at most 1024"),
         (["--gamma", "0"], "--gamma 0"),
         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
         (["--set", "fgd.lr=-1"], "fgd: invalid lr=-1.0"),  # (the optimizers' own checks, before any training)

@@ -35,7 +35,7 @@ def _rows(result: dict) -> list[list[str]]:
             [
                 label,
                 f"{100 * r['test_accuracy']:.1f} %",
-                f"{r['train_loss']:.3f}",
+                f"{r['train_loss']:.4g}",
                 f"{r['max_distance']:.1e}",
                 f"{r['mean_distance']:.1e}",
                 _ms(r["fwd_bwd_seconds"]),

@@ -151,6 +151,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.width is not None and args.width > 1024:
         ap.error(f"--width {args.width:g}: at most 1024 (WRN-28-10 is --width 10)")
     if args.depth is not None:
+        cnn = args.model == "cnn" or (args.model == "auto" and args.dataset == "digits")
+        if cnn:
+            ap.error(f"--depth {args.depth}: the small CNN has a fixed depth; use --model wrn or resnet to set one")
         if args.model == "resnet" and args.depth not in (18, 34):
             ap.error(f"--depth {args.depth}: a CIFAR ResNet is 18 or 34 layers deep")
         wrn = args.model == "wrn" or (args.model == "auto" and args.dataset != "digits")
