@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
-from .backends import Backend, compute_dtype, resolve_backend
+from .backends import Backend, checked_precision, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
@@ -114,7 +114,7 @@ def fgd(
     check_finite: bool = True,
     check_manifold: bool = True,
     max_distance: float = MAX_DISTANCE,
-    precision: str = "ieee",
+    precision: str | None = None,
     labels: Sequence[str] | None = None,
     guard: bool = True,
     trust_radius: float = TRUST_RADIUS,
@@ -139,6 +139,8 @@ def fgd(
     Returns what the guard did (:class:`GuardReport`). ``variant``: ``"official"`` (the
     authors' code) or ``"paper"`` (Algorithm 1 as printed; see :class:`fgd_fast.FGD`);
     ``sharding``: how row-sharded DTensor layers step (see :class:`fgd_fast.FGD`);
+    ``precision``: the fp32 products' precision, as :class:`fgd_fast.FGD` takes it (``None``:
+    ``"tf32x3"`` for the backends that honour it, ``"ieee"`` for ``"reference"`` and ``"cuda"``);
     ``lr``: one value or one per layer, numbers or one-element tensors (a tensor reaches the
     backends that read η on the device as it is, so a captured step sees it change; the others
     get its value);
@@ -153,6 +155,7 @@ def fgd(
     would take on the full matrices, and the checks raise on every rank alike (see
     :mod:`fgd_fast.distributed`); every rank must then call this with the same layers.
     """
+    precision = checked_precision(precision, backend)  # (FGD passes its own, checked: this returns it)
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
     if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:

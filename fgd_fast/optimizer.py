@@ -10,7 +10,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._stiefel_optimizer import StiefelOptimizer, label, option
-from .backends import BACKENDS, DEFAULT_PRECISION, PRECISION_BACKENDS, PRECISIONS
+from .backends import BACKENDS, PRECISIONS, checked_precision
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, is_dtensor
@@ -174,7 +174,7 @@ class FGD(StiefelOptimizer):
         gram_refresh: int = GRAM_REFRESH,
     ) -> None:
         if precision is None:  # the library's default where the backend honours precision=
-            precision = DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
+            precision = checked_precision(None, backend)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -233,13 +233,12 @@ class FGD(StiefelOptimizer):
         check_bool("maximize", options["maximize"])
         precision, backend = options["precision"], options["backend"]
         check_choice("precision", precision, PRECISIONS)
-        if precision != "ieee" and backend not in PRECISION_BACKENDS:
-            raise ValueError(
-                f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "
-                "computes in full precision: pass precision='ieee' (or none: the default follows the backend) or "
-                "choose one of those backends; on an existing optimizer, whose precision may be the default of its "
-                "first backend, set opt.precision = 'ieee' before opt.backend"
-            )
+        checked_precision(
+            precision,
+            backend,
+            "; on an existing optimizer, whose precision may be the default of its first backend, set "
+            "opt.precision = 'ieee' before opt.backend",
+        )
         check_bool("check_finite", options["check_finite"])
         check_bool("check_manifold", options["check_manifold"])
         check_bool("guard", options["guard"])

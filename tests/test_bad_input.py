@@ -177,6 +177,36 @@ def test_functional_step_rejects_bad_guard_settings(kwargs, match):
     assert torch.equal(p, before) and bufs == [None]
 
 
+@pytest.mark.parametrize(
+    "backend, chosen", [("torch", fgd_fast.backends.DEFAULT_PRECISION), ("reference", "ieee"), ("auto", None)]
+)
+def test_functional_step_takes_precision_as_fgd_does(monkeypatch, backend, chosen):
+    """A review: ``fgd()`` defaulted to ``precision="ieee"`` where ``FGD`` takes the library's
+    default (on a GPU, ``fgd(backend="auto")`` ran the torch backend in IEEE fp32 while ``FGD``
+    ran the tensor-core step), and took ``"tf32x3"`` with a backend that ignores it. Both take
+    it alike now: the default follows the backend, a precision it cannot honour is refused."""
+    opt = fgd_fast.FGD([dict(params=[torch.zeros(6, 3)], orthogonal=True)], lr=0.01, backend=backend)
+    seen = []
+    real = fgd_fast.functional._cached_backend
+    monkeypatch.setattr(fgd_fast.functional, "_cached_backend", lambda *a: (seen.append(a[2]), real(*a))[1])
+    p = fgd_fast.orthogonalize_(torch.randn(6, 3))
+    fgd_fast.fgd([p], [torch.randn(6, 3)], [None], lr=0.01, momentum=0.9, feedback=0.4, backend=backend)
+    assert seen == [opt.precision] and (chosen is None or opt.precision == chosen)
+    if backend == "reference":
+        before, bufs = p.clone(), [None]
+        with pytest.raises(ValueError, match="precision='tf32x3' needs backend='torch', 'triton' or 'auto'"):
+            fgd_fast.fgd(
+                [p],
+                [torch.randn(6, 3)],
+                bufs,
+                lr=0.01,
+                momentum=0.9,
+                feedback=0.4,
+                **dict(backend=backend, precision="tf32x3"),
+            )
+        assert torch.equal(p, before) and bufs == [None]
+
+
 @pytest.mark.parametrize("where", ["orthogonal", "euclidean"])
 @pytest.mark.parametrize("bad", ["shape", "integer"])
 def test_unusable_momentum_buffer_in_state_raises_before_any_write(where, bad):

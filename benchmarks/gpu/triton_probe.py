@@ -163,8 +163,8 @@ def main() -> int:
         ms=ms,
         tflops=sum(2 * s.shape[0] * s.shape[1] * s.shape[2] ** 2 for s in stacks) / ms / 1e9,
     )
-    ms = do_bench(lambda: step("torch"))
-    record(what="step torch", ms=ms, tflops=flops / ms / 1e9)
+    ms = do_bench(lambda: step("torch", precision="ieee"))
+    record(what="step torch ieee", ms=ms, tflops=flops / ms / 1e9)
 
     # 2. phases of the Triton step
     for precision in precisions:

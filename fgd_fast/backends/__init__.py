@@ -22,6 +22,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "StepPlan",
+    "checked_precision",
     "compute_dtype",
     "resolve_backend",
 ]
@@ -33,6 +34,24 @@ BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 #: ``"tf32x3"`` computes exactly what ``"ieee"`` does (a CPU has no TF32).
 DEFAULT_PRECISION = "tf32x3"
 PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
+
+
+def checked_precision(precision: str | None, backend: str, advice: str = "") -> str:
+    """``precision`` for ``backend``: ``None`` is the library's default where the backend
+    honours it (:data:`DEFAULT_PRECISION`), ``"ieee"`` elsewhere; a precision other than
+    ``"ieee"`` with a backend that always computes in full precision is a ``ValueError``
+    (``advice`` is added to its message)."""
+    if precision is None:
+        return DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    if precision != "ieee" and backend not in PRECISION_BACKENDS:
+        raise ValueError(
+            f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "
+            "computes in full precision: pass precision='ieee' (or none: the default follows the backend) or "
+            "choose one of those backends" + advice
+        )
+    return precision
 
 
 def _load_reference() -> Backend:
