@@ -105,7 +105,7 @@ class FGD(StiefelOptimizer):
             (``trust_radius``). One rule in every backend; where it does not bind the update is
             exactly the one above, and with it on no finite input makes a step raise.
             ``guard_stats()`` counts the steps it bound; a warning says so once (at the
-            checks' synchronisation). See :mod:`fgd_fast.backends.algebra`.
+            checks' synchronisation). See :mod:`fgd_fast.backends.guard_rule`.
         trust_radius: ρ (> 0) of the inputs' scaling ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, a
             numerical safety net (default 4, far above training's values:
             ``benchmarks/studies/guard_headroom.py``).

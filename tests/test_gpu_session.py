@@ -129,6 +129,19 @@ def test_a_rerun_clears_only_its_own_work_folder(tmp_path):
     assert (other / "keep.txt").read_text() == "a user's file"
 
 
+@pytest.mark.parametrize("name", ["probe", "triton-probe"])
+def test_the_probe_phase_is_chosen_by_either_name(tmp_path, name):
+    """A review: the README and the report name the phase ``triton-probe``, which ``--phases``
+    refused (argparse exit 2: device time lost on a rerun). Both names choose it."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, *CHECK, str(out), "--work", str(tmp_path / "work"), "--cpu-dry-run", "--no-install"]
+    subprocess.run(
+        [*cmd, "--phases", name, "--no-probe"], env=ENV, check=True, timeout=120, capture_output=True, cwd=ROOT
+    )
+    phases = json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["phases"]
+    assert list(phases) == ["triton-probe"] and "--no-probe" in json.dumps(phases["triton-probe"])
+
+
 def test_the_breakdown_splits_the_torch_step_into_its_parts(tmp_path):
     """The torch backend's products are all cuBLAS kernels on a GPU: the breakdown takes its Gram
     pass, middle and update from the backend's ``fgd::`` ranges instead (host time on a CPU)."""

@@ -563,13 +563,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accuracy-cases", nargs="+", help="cases of the accuracy run (default: accuracy.py's)")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the Triton probe")
     ap.add_argument(
-        "--phases", nargs="+", choices=[p.__name__ for p in PHASES], help="run only these phases (default: all)"
+        "--phases",
+        nargs="+",
+        choices=[p.__name__ for p in PHASES] + ["triton-probe"],  # (the probe's name in the plan and report)
+        help="run only these phases (default: all; the probe is 'probe' or 'triton-probe')",
     )
     ap.add_argument(
         "--workers", type=int, default=8, help="pytest-xdist workers for the tests phase on a GPU (0: none)"
     )
     ap.add_argument("--digest", action="store_true", help="print this checkout's source digest and exit")
     args = ap.parse_args(argv)
+    if args.phases:  # (the function's name from here on)
+        args.phases = [{"triton-probe": "probe"}.get(n, n) for n in args.phases]
     if args.digest:
         print(source_digest(ROOT))
         return 0
