@@ -11,15 +11,27 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import fgd_fast
-from cuda_emulation import EmulatedExtension, build_library, compiler, guards_intact, load_backend, rewrite_launches
+from cuda_emulation import (
+    EmulatedExtension,
+    build_library,
+    compiler,
+    guards_intact,
+    load_backend,
+    poison_shared_arrays,
+    rewrite_launches,
+)
 from cuda_emulation.build import CSRC
 from fgd_fast.backends import compute_dtype
 from fgd_fast.backends.reference import prepare_reference
@@ -33,7 +45,8 @@ def emu_ext(tmp_path_factory) -> EmulatedExtension:
         pytest.skip("the CUDA emulator (fibers, signals, mmap) is Linux-only")
     if compiler() is None:
         pytest.skip("g++ not found: the CUDA kernels cannot be built for the CPU emulator")
-    return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation")))
+    csrc = Path(os.environ.get("FGD_EMU_CSRC", CSRC))  # (another tree: test_emulator_sees_a_dropped_zero_fill)
+    return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation"), csrc))
 
 
 @pytest.fixture(scope="session")
@@ -428,6 +441,45 @@ def test_emulator_catches_barrier_and_memory_errors(emu_ext, switch):
         emu_ext.set_reverse_schedule(False)
 
 
+def test_emulator_poisons_shared_memory_in_every_block(emu_ext):
+    """Shared memory a block has not written reads as NaN (a GPU's holds garbage), in every
+    block: not a static's zeros, nor the last block's values."""
+    for reverse in (False, True):
+        emu_ext.set_reverse_schedule(reverse)
+        rc, _, out = emu_ext.selftest("stale-shared", 3, 64)
+        assert rc == 0 and bool(torch.isnan(out).all()), out
+    emu_ext.set_reverse_schedule(False)
+
+
+def test_emulator_sees_a_dropped_zero_fill(tmp_path):
+    """A review: the update kernel zero-fills its θ tile past p; with the fill dropped for that
+    one operand, the elements past p were a static's zeros or stale finite values in the
+    emulator, met only zeros of M's tile, and every test passed, where a GPU's leftover NaN
+    gives NaN · 0 = NaN in θ₊. Built from a copy of csrc/ with that mutant, the float64 test
+    fails now (shared memory poisoned per block)."""
+    if not sys.platform.startswith("linux") or compiler() is None:
+        pytest.skip("the CUDA emulator needs Linux and g++")
+    mutant = tmp_path / "csrc"
+    shutil.copytree(CSRC, mutant)
+    update = mutant / "fgd_update.cu"
+    fill = "Ts[rr][kk] = k < p ? snap[snap_index(rows_fast, rr, k, p)] : Acc(0);"
+    assert fill in update.read_text(), "the update kernel's θ tile load changed: update this mutant"
+    update.write_text(
+        update.read_text().replace(fill, "if (k < p) Ts[rr][kk] = snap[snap_index(rows_fast, rr, k, p)];")
+    )
+    env = {**os.environ, "FGD_EMU_CSRC": str(mutant)}
+    node = f"{Path(__file__).resolve()}::test_float64_matches_oracle[ragged]"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-3000:]
+
+
 def test_emulated_16_bit_conversions_match_torch(emu_ext):
     """__half2float, __float2half_rn, __bfloat162float and __float2bfloat16_rn of the
     emulator against torch: every 16-bit value, and float32 values at and around every
@@ -471,6 +523,20 @@ def test_emulated_16_bit_conversions_match_torch(emu_ext):
         assert torch.equal(down.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(down[ok].view(torch.int16), want[ok].view(torch.int16)), dtype
+
+
+def test_shared_arrays_are_poisoned_on_their_own_line():
+    src = (
+        "// __shared__ float x[4]; (a comment)\n"
+        "    __shared__ Acc Ts[ROWS][UK + 1];  // tile\n"
+        "    __shared__ float s[1024];\n"
+    )
+    out, count = poison_shared_arrays(src)
+    assert count == 2 and out.count("\n") == src.count("\n")
+    assert "Ts[ROWS][UK + 1]; emu::poison_shared(&Ts, sizeof Ts);  // tile" in out
+    assert "s[1024]; emu::poison_shared(&s, sizeof s);" in out
+    with pytest.raises(ValueError, match="cannot poison"):
+        poison_shared_arrays("__shared__ float scalar;")
 
 
 def test_launch_rewrite_keeps_lines_and_skips_comments():

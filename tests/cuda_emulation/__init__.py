@@ -36,8 +36,10 @@ What it can show (on every CI run, in well under a minute on two cores):
   "illegal address" (kernel, block and thread named) instead of passing silently; a guard
   band before it catches writes before its start (reads there get NaN); outputs and scratch
   are NaN-filled first, so an element never written spreads NaN; the read-only tables must
-  be unchanged. An endless loop fails the launch after a timeout
-  (``FGD_EMU_LAUNCH_TIMEOUT``, default 60 s);
+  be unchanged; shared memory holds NaN where a block has not written it (fresh in each
+  block, as a GPU's holds garbage), so a tile element read but never loaded (a dropped zero
+  fill past an edge) spreads NaN even where it meets a zero. An endless loop fails the
+  launch after a timeout (``FGD_EMU_LAUNCH_TIMEOUT``, default 60 s);
 * determinism, that ``prepare`` writes nothing, the launch count, the binding's checks.
 
 What it cannot show:
@@ -60,7 +62,15 @@ What it cannot show:
   the CUDA runtime: the stand-in reimplements the binding's checks in Python.
 """
 
-from .build import build_library, compiler, rewrite_launches
+from .build import build_library, compiler, poison_shared_arrays, rewrite_launches
 from .stand_in import EmulatedExtension, guards_intact, load_backend
 
-__all__ = ["build_library", "compiler", "rewrite_launches", "EmulatedExtension", "guards_intact", "load_backend"]
+__all__ = [
+    "build_library",
+    "compiler",
+    "poison_shared_arrays",
+    "rewrite_launches",
+    "EmulatedExtension",
+    "guards_intact",
+    "load_backend",
+]

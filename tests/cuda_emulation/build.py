@@ -4,7 +4,9 @@ In a copy of each ``.cu`` file (and of ``glue.cpp``, which launches the emulator
 self-test kernels) every launch ``kernel<<<grid, block, shmem, stream>>>(args)`` is
 rewritten to ``emu_launch("kernel", [&] { kernel(args); }, grid, block, shmem, stream)``,
 keeping the line count, under a ``#line`` directive so compiler messages point at the real
-file. Nothing else is changed. The copies are compiled with ``-include emu.h`` and this
+file, and every ``__shared__`` array declaration is followed, on its line, by
+``emu::poison_shared(&name, sizeof name);`` (fresh garbage in each block, as on a GPU; see
+emu.h). Nothing else is changed. The copies are compiled with ``-include emu.h`` and this
 folder's stand-in CUDA headers (``include/``) into one shared library.
 """
 
@@ -15,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["HERE", "CSRC", "CXXFLAGS", "compiler", "rewrite_launches", "build_library"]
+__all__ = ["HERE", "CSRC", "CXXFLAGS", "compiler", "rewrite_launches", "poison_shared_arrays", "build_library"]
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent.parent / "csrc"
@@ -133,6 +135,29 @@ def rewrite_launches(src: str, name: str = "<source>") -> tuple[str, int]:
     return "".join(out), count
 
 
+_SHARED = re.compile(r"__shared__\s+[\w:<>, ]+?\s+(\w+)\s*(?:\[[^\];]*\]\s*)+;")
+
+
+def poison_shared_arrays(src: str, name: str = "<source>") -> tuple[str, int]:
+    """``(source, number of arrays)`` with ``emu::poison_shared(&a, sizeof a);`` after each
+    ``__shared__`` array declaration ``a`` (on the same line); ValueError on a ``__shared__``
+    it cannot parse (a scalar, an initialiser, ``extern``: the kernels declare none)."""
+    mask = _code_mask(src)
+    out, pos, count = [], 0, 0
+    for m in re.finditer(r"__shared__", src):
+        if not mask[m.start()]:
+            continue
+        decl = _SHARED.match(src, m.start())
+        if decl is None:
+            line = src.count("\n", 0, m.start()) + 1
+            raise ValueError(f"{name}:{line}: cannot poison this __shared__ declaration (an array of fixed size?)")
+        out += [src[pos : decl.end()], f" emu::poison_shared(&{decl[1]}, sizeof {decl[1]});"]
+        pos = decl.end()
+        count += 1
+    out.append(src[pos:])
+    return "".join(out), count
+
+
 def _run(cmd: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -150,6 +175,7 @@ def build_library(out_dir: Path, csrc: Path = CSRC, cxx: str | None = None) -> P
     units = []
     for src in [*sources, HERE / "glue.cpp"]:  # glue.cpp launches the emulator's self-test kernels
         rewritten, _ = rewrite_launches(src.read_text(), src.name)  # a launch left over would not compile
+        rewritten, _ = poison_shared_arrays(rewritten, src.name)
         unit = out_dir / (src.stem + ".emu.cpp")
         unit.write_text(f'#line 1 "{src}"\n' + rewritten)
         units.append(unit)

@@ -23,6 +23,12 @@
 // is tested), resource limits (registers, shared memory size: the nvcc compile test checks
 // those), streams (launches are synchronous) and FMA contraction (built with
 // -ffp-contract=off, so results agree with the GPU's to rounding, not bit for bit).
+//
+// Shared memory starts each block as garbage on a GPU (whatever the SM held last, NaN and Inf
+// patterns included), not as a static's zeros or the last block's values: build.py follows
+// every __shared__ declaration with poison_shared(), which fills the array with 0xFF bytes (a
+// NaN in float and double) once per block, so a read of an element the block never wrote
+// shows (NaN · 0 = NaN, where a zero or a stale finite value times 0 would hide it).
 #pragma once
 
 #include <pthread.h>
@@ -42,7 +48,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <cstring>
 #include <type_traits>
+#include <unordered_map>
 
 #include <cuda_runtime_api.h>
 
@@ -94,6 +102,19 @@ struct Fiber {
 // Launch statistics (read by the tests through glue.cpp).
 inline long long stat_launches = 0, stat_blocks = 0, stat_barriers = 0;
 inline bool reverse_schedule = false;
+
+// Shared memory: a number per block run (emu_launch), and the block that last poisoned each
+// __shared__ array (by address): the first of a block's threads to reach the declaration
+// fills it, the others find it filled (they may have written to it since).
+inline unsigned long long block_serial = 0;
+inline std::unordered_map<const void*, unsigned long long> poisoned_in;
+
+inline void poison_shared(void* array, size_t bytes) {
+    unsigned long long& last = poisoned_in[array];
+    if (last == block_serial) return;
+    std::memset(array, 0xFF, bytes);
+    last = block_serial;
+}
 
 inline bool shadow_stack_active() {
     unsigned long status = 0;
@@ -325,6 +346,7 @@ void emu_launch(const char* kernel, F&& body, dim3 grid, dim3 block, size_t shme
         const unsigned long long b = emu::reverse_schedule ? nblocks - 1 - i : i;
         blockIdx = {(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
         ++emu::stat_blocks;
+        ++emu::block_serial;  // (its shared memory is poisoned afresh)
         if (!emu::run_block(kernel, (unsigned)nthreads)) break;
     }
     emu::running_since = 0;

@@ -313,6 +313,15 @@ __global__ void divergent(float* out) {
     out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
 }
 
+// Each thread reads its element of a shared array before any thread of its block wrote it
+// (then writes it, for the next block to find): garbage, poisoned as NaN in every block.
+__global__ void stale_shared(float* out) {
+    __shared__ float s[1024];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x];
+    __syncthreads();
+    s[threadIdx.x] = 1.0f;
+}
+
 }  // namespace selftest
 
 extern "C" int fgd_emu_selftest(int which, const float* in, float* out, int blocks, int threads) {
@@ -324,6 +333,7 @@ extern "C" int fgd_emu_selftest(int which, const float* in, float* out, int bloc
         case 3: selftest::read_past_end<<<blocks, threads>>>(in, out); break;
         case 4: selftest::write_past_end<<<blocks, threads>>>(in, out); break;
         case 5: selftest::endless<<<blocks, threads>>>(out); break;
+        case 6: selftest::stale_shared<<<blocks, threads>>>(out); break;
         default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();

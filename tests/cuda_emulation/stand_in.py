@@ -214,6 +214,7 @@ class EmulatedExtension(ModuleType):
             "read-past-end": 3,
             "write-past-end": 4,
             "endless-loop": 5,
+            "stale-shared": 6,
         }[which]
         src = self.fenced(torch.arange(blocks * threads, dtype=torch.float32))
         out = self.fenced(torch.zeros(blocks * threads, dtype=torch.float32))
