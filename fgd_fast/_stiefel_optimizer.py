@@ -259,6 +259,14 @@ class StiefelOptimizer(Optimizer):
         options = self._saved_options(saved_groups)
         if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
             for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
+                if saved_group["orthogonal"] != own["orthogonal"]:  # (the state's meaning differs, not a setting)
+                    raise ValueError(
+                        f"cannot load this state_dict: its param_groups[{k}] was saved with orthogonal="
+                        f"{saved_group['orthogonal']!r}, this optimizer's has orthogonal={own['orthogonal']!r} "
+                        f"(a Euclidean group's momentum is in gradient units, an orthogonal one's state is {name}'s "
+                        "own); nothing was loaded. Build the optimizer with the groups the checkpoint was saved with, "
+                        "or load the model's weights only and start the optimizer fresh"
+                    )
                 merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
                 try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
                     self._validate_group(merged)
@@ -292,12 +300,19 @@ class StiefelOptimizer(Optimizer):
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
+        # torch casts every loaded state tensor but "step" to a floating parameter's dtype: integer
+        # state (FGD's guard counters) keeps its own dtype, and the float32 state of a 16-bit
+        # orthogonal parameter stays float32
         for index, (group, p, _) in enumerate(self._keyed()):
-            cdt = compute_dtype(p.dtype)
-            if not isinstance(saved.get(saved_key(index)), dict) or cdt == p.dtype or not group["orthogonal"]:
+            if not isinstance(saved.get(saved_key(index)), dict):
                 continue
+            cdt = compute_dtype(p.dtype) if group["orthogonal"] else p.dtype
             for name, value in saved[saved_key(index)].items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                if not isinstance(value, torch.Tensor) or name == "step":
+                    continue
+                if not value.is_floating_point():
+                    self.state[p][name] = value.to(device=p.device, copy=True)
+                elif cdt != p.dtype:
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
         self._loaded()
         for post_hook in post_hooks.values():

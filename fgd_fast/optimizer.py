@@ -403,6 +403,10 @@ class FGD(StiefelOptimizer):
 
     def _loaded(self) -> None:
         self.__dict__.pop("_last_distance", None)  # (the model is usually reloaded with it)
+        for state in self.state.values():  # (an earlier build saved them as floats after a resume)
+            counts = state.get("guard_count")
+            if isinstance(counts, torch.Tensor) and counts.dtype != torch.int64:
+                state["guard_count"] = counts.to(torch.int64)
 
     def orthogonality(self, *, fresh: bool = False) -> dict[str | int, float]:
         """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed as ``guard_stats``.
@@ -465,7 +469,11 @@ class FGD(StiefelOptimizer):
         super()._check_saved_state(p, group, state, text)
         counts = state.get("guard_count")
         if counts is not None and (
-            not isinstance(counts, torch.Tensor) or counts.shape != (2,) or counts.is_floating_point()
+            not isinstance(counts, torch.Tensor)
+            or counts.shape != (2,)
+            or counts.is_complex()
+            or counts.dtype == torch.bool
+            or (counts.is_floating_point() and not _whole_counts(counts))
         ):
             got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else repr(counts)
             raise ValueError(
@@ -482,6 +490,13 @@ class FGD(StiefelOptimizer):
                 (p.device for g in self.param_groups if g["orthogonal"] for p in g["params"]), torch.device("cpu")
             )
         return backend_for(self.defaults["backend"], device, self.defaults["precision"])
+
+
+def _whole_counts(counts: torch.Tensor) -> bool:
+    """Floating counters that are counts (finite, whole, ≥ 0, below 2⁵³): what a resumed run
+    of an earlier version saved (torch's load had cast them to the parameter's dtype)."""
+    c = counts.detach().double()
+    return bool((torch.isfinite(c) & (c >= 0) & (c == c.round()) & (c < 2.0**53)).all())
 
 
 def _guard_counts(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:

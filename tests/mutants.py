@@ -135,7 +135,7 @@ MUTANTS = {
     ),
     "saved_guard_count_unchecked": (
         "a state_dict's guard_count loaded whatever its shape and dtype",
-        [f"{LOAD}[guard_count_float-guard_count]"],
+        [f"{LOAD}[guard_count_fraction-guard_count]"],
     ),
     "duplicate_orthogonal_unchecked": (
         "a parameter listed twice in an orthogonal group accepted (stepped twice, off the manifold)",

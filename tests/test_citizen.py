@@ -212,7 +212,7 @@ def test_a_state_dict_with_unusable_buffers_is_refused(bad):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        ("guard_count_float", "guard_count"),
+        ("guard_count_fraction", "guard_count"),
         ("guard_count_shape", "guard_count"),
         ("max_distance", "max_distance"),
         ("trust_radius", "trust_radius"),
@@ -228,8 +228,8 @@ def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, matc
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     assert "guard_count" in sd["state"][0]
-    if edit == "guard_count_float":
-        sd["state"][0]["guard_count"] = sd["state"][0]["guard_count"].to(torch.float32)
+    if edit == "guard_count_fraction":
+        sd["state"][0]["guard_count"] = torch.tensor([0.5, 0.0])
     elif edit == "guard_count_shape":
         sd["state"][0]["guard_count"] = torch.zeros(3, dtype=torch.int64)
     elif edit in ("max_distance", "trust_radius"):
@@ -242,6 +242,65 @@ def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, matc
         opt.load_state_dict(sd)
     assert_unchanged(net, opt, snap)
     assert opt.max_distance == 0.3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resumed_run_resumes_again(dtype):
+    """A review: torch's load casts every state tensor but ``step`` to the parameter's dtype,
+    so a resumed run's guard counters were float32 (bfloat16: they stopped counting at 256),
+    and its own next checkpoint was refused ("guard_count ... expected an integer tensor").
+    They load as the int64 they were saved as; counters saved as whole floats by an earlier
+    build load too, as int64."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8)).to(dtype))
+
+    def run(state=None):
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01)
+        if state is not None:
+            opt.load_state_dict(state)
+        w.grad = (0.1 * torch.randn(16, 8)).to(dtype)
+        opt.step()
+        return opt
+
+    first = run()
+    first.state[w]["guard_count"] += torch.tensor([3, 1])  # (counts to carry through)
+    second = run(_saved(first.state_dict()))
+    third = run(_saved(second.state_dict()))
+    assert third.state[w]["guard_count"].dtype == torch.int64
+    assert third.state[w]["guard_count"].tolist() == [3, 1]
+    assert third.state[w]["momentum_buffer"].dtype == torch.float32
+    old = _saved(third.state_dict())
+    old["state"][0]["guard_count"] = old["state"][0]["guard_count"].to(torch.float32)
+    fourth = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01)
+    fourth.load_state_dict(old)
+    assert fourth.state[w]["guard_count"].dtype == torch.int64 and fourth.state[w]["guard_count"].tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("cls", ["FGD", "CayleySGD", "CayleyADAM", "LandingSGD"])
+@pytest.mark.parametrize("saved_orthogonal", [False, True])
+def test_a_state_dict_whose_group_was_the_other_kind_is_refused(cls, saved_orthogonal):
+    """A review: a checkpoint whose group was saved with ``orthogonal=False`` (a warm-up
+    phase, say) loaded into an orthogonal group turned the constraint off without a word (the
+    weight 579 from the manifold 20 steps later); the other way, a plain SGD momentum (gradient
+    units) became FGD's velocity Φ. Refused now, nothing loaded."""
+    make = getattr(fgd_fast, cls, None) or getattr(fgd_fast.baselines, cls)
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8)))
+    saved = make([dict(params=[w], orthogonal=saved_orthogonal)], lr=0.01)
+    w.grad = 0.1 * torch.randn(16, 8)
+    saved.step()
+    opt = make([dict(params=[w], orthogonal=not saved_orthogonal)], lr=0.01)
+    with pytest.raises(ValueError, match=f"saved with orthogonal={saved_orthogonal}"):
+        opt.load_state_dict(saved.state_dict())
+    assert opt.param_groups[0]["orthogonal"] is (not saved_orthogonal) and not opt.state
+
+
+def _saved(state_dict):
+    """``state_dict`` through ``torch.save`` / ``torch.load`` (a checkpoint file)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def test_feedback_near_0_or_1_warns_once():
