@@ -309,7 +309,7 @@ class FGD(StiefelOptimizer):
                 last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
                 for p, d in zip(orth["params"], report.distance or []):  # for orthogonality() on sharded θ
                     if d is not None and is_dtensor(p):
-                        last[p] = d  # (a device tensor: no synchronisation here)
+                        last[p] = (d, _versions(p))  # (d: a device tensor, no synchronisation here)
                     else:
                         last.pop(p, None)
         for p, beta in resting:  # (after the step that could raise: a failed step creates no state)
@@ -416,15 +416,16 @@ class FGD(StiefelOptimizer):
         of the float32 θ₊ before it was stored in 16 bits, a few times below the stored θ's:
         ``fresh=True`` measures that): no collective, so one rank alone may
         call it (``if rank == 0: log(opt.orthogonality())``). ``fresh=True``, or a parameter not
-        stepped with a prediction yet (or only by a compiled step), or one written since
-        outside ``step`` (call ``fresh`` then), measures the whole matrix: a collective, every rank must call it. Other
+        stepped with a prediction yet, or stepped by a compiled step since, or written since in
+        place (a write through ``p.data`` is not seen: call ``fresh`` then), measures the whole
+        matrix: a collective, every rank must call it. Other
         parameters are always measured (locally)."""
         last = self.__dict__.get("_last_distance", {})
         out = {}
         for group, p, key in self._keyed():
-            if group["orthogonal"]:
-                known = not fresh and is_dtensor(p) and p in last
-                out[key] = float(last[p]) if known else stiefel_distance(p)
+            if group["orthogonal"]:  # (a step since, compiled or not, or a write through p moved its versions)
+                known = not fresh and is_dtensor(p) and p in last and last[p][1] == _versions(p)
+                out[key] = float(last[p][0]) if known else stiefel_distance(p)
         return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -490,6 +491,13 @@ class FGD(StiefelOptimizer):
                 (p.device for g in self.param_groups if g["orthogonal"] for p in g["params"]), torch.device("cpu")
             )
         return backend_for(self.defaults["backend"], device, self.defaults["precision"])
+
+
+def _versions(p: torch.Tensor) -> tuple[int, int]:
+    """The version counters of a DTensor and of its local shard: an in-place write through
+    either (a step's, eager or compiled, or the user's) moves one of them."""
+    with torch.no_grad():
+        return p._version, p.to_local()._version
 
 
 def _whole_counts(counts: torch.Tensor) -> bool:

@@ -375,6 +375,41 @@ def test_orthogonality_on_one_rank_needs_no_collective():
     assert results[1]["one"] is None and results[1]["fresh"] == fresh
 
 
+def test_orthogonality_after_compiled_or_outside_writes_is_measured():
+    """A review: a DTensor parameter stepped eagerly once, then by compiled steps, kept
+    reporting the eager step's distance (the compiled step records none). The recorded
+    distance is used only while the parameter's version counters are the step's (one
+    process on gloo: the bookkeeping is per rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(12, 5)), mesh, [Shard(0)]))
+        opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.3, backend="torch")
+
+        def step(run):
+            p.grad = distribute_tensor(torch.randn(12, 5), mesh, [Shard(0)])
+            run()
+            return opt.orthogonality()[0], opt.orthogonality(fresh=True)[0]
+
+        told, fresh = step(opt.step)
+        assert told == pytest.approx(fresh, rel=1e-4)  # (the step's own exact distance)
+        for _ in range(2):
+            told, fresh = step(torch.compile(opt.step))
+            assert told == fresh
+        told, fresh = step(opt.step)
+        with torch.no_grad():
+            p.mul_(1.01)  # a write outside the step
+        assert opt.orthogonality()[0] == opt.orthogonality(fresh=True)[0] != told
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("model_first", [False, True], ids=["optimizer_first", "model_first"])
 def test_fsdp_checkpoint_round_trip(model_first):
     results = run(2, "fsdp_checkpoint", model_first=model_first)
