@@ -123,6 +123,7 @@ def fgd(
     gram_refresh: int = GRAM_REFRESH,
     maximize: bool = False,
     _validated: bool = False,
+    _rest_sharded_at_zero_lr: bool = False,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -150,6 +151,10 @@ def fgd(
     ``maximize``: ascend the objective (the gradients negated, as ``torch.optim.SGD(maximize=True)``).
     ``_validated``: internal, for ``FGD.step``, which checked lr, momentum, feedback,
     ``max_distance`` and ``trust_radius`` this step already (skips checking them again).
+    ``_rest_sharded_at_zero_lr``: internal, for ``FGD.step``: DTensor layers at lr = 0 join
+    the ranks' agreement (a rank whose scheduler alone gave lr = 0 makes every rank raise,
+    where skipping the step left the others waiting in it), get their state, and are not
+    stepped (``FGD`` moves no weight at lr = 0).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -279,6 +284,9 @@ def fgd(
             params[on_mesh[0]].device,
             mesh=mesh,
         )
+    sharded_all = sharded
+    if _rest_sharded_at_zero_lr:  # (agreed above; FGD's lr = 0 moves nothing: only their state is made)
+        sharded = [i for i in sharded if host_lrs()[i] != 0.0]
     if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
         with on_device(params[sharded[0]].device):
             dtensor_plans = prepare_dtensors(
@@ -299,20 +307,27 @@ def fgd(
         for idx, plan in dtensor_plans:
             plans.append(plan)
             index.append(idx)
-    read = raise_if_invalid(
-        [pl.dist for pl in plans],
-        [pl.finite for pl in plans],
-        index,
-        labels,
-        check_finite=check_finite,
-        check_manifold=check_manifold,
-        max_distance=max_distance,
-        dist_next=[pl.dist_next for pl in plans],
-        finite_next=[pl.finite_next for pl in plans],
-        guarded=[pl.guarded for pl in plans],
-        tables=[pl.checks for pl in plans],
-        carried=gram_refresh > 1,
-    )
+    try:
+        read = raise_if_invalid(
+            [pl.dist for pl in plans],
+            [pl.finite for pl in plans],
+            index,
+            labels,
+            check_finite=check_finite,
+            check_manifold=check_manifold,
+            max_distance=max_distance,
+            dist_next=[pl.dist_next for pl in plans],
+            finite_next=[pl.finite_next for pl in plans],
+            guarded=[pl.guarded for pl in plans],
+            tables=[pl.checks for pl in plans],
+            carried=gram_refresh > 1,
+        )
+    except (ValueError, FloatingPointError) as failed:
+        if meshes and by_device:
+            _agree_on_local_checks(False, meshes, params, sharded_all, failed)
+        raise
+    if meshes and by_device:  # (the unsharded layers' checks are this rank's own; the sharded apply is collective)
+        _agree_on_local_checks(True, meshes, params, sharded_all)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):
             pl.apply()
@@ -329,6 +344,25 @@ def fgd(
             for i, t in zip(idx, pl.dist_next.unbind(0)):
                 distance[i] = t
     return GuardReport(per_param, read, distance)
+
+
+def _agree_on_local_checks(
+    passed: bool, meshes: list, params: list, sharded: list[int], failed: Exception | None = None
+) -> None:
+    """With unsharded orthogonal layers beside sharded ones, a check that failed on this rank's
+    unsharded layers alone would leave the other ranks writing theirs, then waiting in the
+    sharded layers' collectives: the ranks of each mesh agree on the verdict first, and every
+    rank raises (this rank its own error) before anything is written."""
+    for mesh in meshes:
+        device = next(params[i].device for i in sharded if params[i].device_mesh == mesh)
+        try:
+            agree_across_ranks(
+                {"whether the unsharded orthogonal parameters passed the checks": passed}, device, mesh=mesh
+            )
+        except ValueError:
+            if failed is not None:
+                raise failed from None
+            raise
 
 
 def sgd(

@@ -264,7 +264,9 @@ class FGD(StiefelOptimizer):
             lr = group["lr"]
             # never read on the host: a GPU tensor (a read synchronises), any tensor in a compiled step
             on_device = isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
-            if not on_device and float(lr) == 0.0:  # lr = 0: θ and Φ stay as they are; only the state is made
+            # lr = 0: θ and Φ stay as they are; only the state is made (a DTensor's in fgd(), after
+            # the ranks' agreement: a rank that skipped it would leave the others waiting there)
+            if not on_device and float(lr) == 0.0 and not is_dtensor(p):
                 resting.append((p, beta))
                 continue
             orth["params"].append(p)
@@ -300,6 +302,7 @@ class FGD(StiefelOptimizer):
                 gram_refresh=opts["gram_refresh"],
                 maximize=opts["maximize"],  # (ascend along g; agreed by the ranks of a sharded step)
                 _validated=True,  # (_run_closure checked the options and every group above)
+                _rest_sharded_at_zero_lr=True,
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

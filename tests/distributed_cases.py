@@ -149,9 +149,10 @@ def _full_state(model, opt):
 
 
 def _local_state(model, opt):
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
     return (
-        {n: p.to_local().clone() for n, p in model.named_parameters()},
-        {n: opt.state[p]["momentum_buffer"].to_local().clone() for n, p in model.named_parameters() if p in opt.state},
+        {n: local(p) for n, p in model.named_parameters()},
+        {n: local(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p in opt.state},
     )
 
 
@@ -408,6 +409,36 @@ def fsdp_partial(rank, world, out, *, steps=3):
     return dict(params={n: full(p) for n, p in model.named_parameters()})
 
 
+def fsdp_plain_check_on_one_rank(rank, world, out):
+    """FSDP2 on ``stem`` only (its default placement: the owner path, whose writes are a
+    collective) and a NaN in an unsharded orthogonal layer's gradient on the last rank: every
+    rank raises (that rank its FloatingPointError), none writes. The other ranks wrote their
+    unsharded layers, then waited in the owner path's exchange until the process group timed out."""
+    import pytest
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = build()
+    fully_shard(model.stem, mesh=_mesh(world))
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for name, p in model.named_parameters():
+        g = full_grad(name, p.shape, 0)
+        if isinstance(p, DTensor):
+            g = DTensor.from_local(
+                _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+            )
+        elif name == "conv.weight" and rank == world - 1:
+            g = g.clone()
+            g.view(-1)[0] = float("nan")
+        p.grad = g
+    before = _local_state(model, opt)
+    with pytest.raises((FloatingPointError, ValueError)) as info:
+        opt.step()
+    return dict(
+        raised=type(info.value).__name__, message=str(info.value), unchanged=_same(before, _local_state(model, opt))
+    )
+
+
 def fsdp_orthogonality_on_one_rank(rank, world, out):
     """``if rank == 0: opt.orthogonality()`` after a step: no collective (it used to abort)."""
     model = _sharded(world)
@@ -422,11 +453,13 @@ def fsdp_orthogonality_on_one_rank(rank, world, out):
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
-    (a rank with another guard setting would take other steps: the weights would drift apart)."""
+    (a rank with another guard setting would take other steps: the weights would drift apart;
+    a rank at lr = 0 skipped the step and left the others waiting in the agreement)."""
 
     messages, unchanged = [], []
     for option, mine, theirs in (
         ("lr", 0.05, 0.1),
+        ("lr", 0.0, 0.1),
         ("feedback", 0.3, 0.4),
         ("momentum", 0.5, 0.9),
         ("check_finite", False, True),
@@ -611,6 +644,7 @@ CASES = {
         fsdp_refusals,
         fsdp_disagreements,
         fsdp_orthogonality_on_one_rank,
+        fsdp_plain_check_on_one_rank,
         fsdp_partial,
         fsdp_checkpoint,
         fsdp_save,

@@ -69,6 +69,10 @@ MUTANTS = {
         "the owner path's checks not summed over the ranks (each rank sees only its own layers')",
         [f"{DIST}::test_fsdp_refusal_is_collective[2]"],
     ),
+    "local_checks_unshared": (
+        "the unsharded layers' check verdict not agreed beside sharded ones (the passing ranks write, then wait)",
+        [f"{DIST}::test_a_check_failing_on_one_ranks_unsharded_layer_stops_every_rank[2]"],
+    ),
     "grad_sq_unsummed": (
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
@@ -202,7 +206,7 @@ def plant(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
-    if name in ("owner_checks_unshared", "grad_sq_unsummed", "guard_settings_not_agreed"):
+    if name in ("owner_checks_unshared", "grad_sq_unsummed", "guard_settings_not_agreed", "local_checks_unshared"):
         os.environ[IN_RANKS] = name
         undo.append((os.environ, IN_RANKS, None))
     elif name == "raise_when_guard_binds":
@@ -446,6 +450,10 @@ def plant_here(name: str) -> None:
 
     if name == "owner_checks_unshared":
         owners._share_checks = lambda checks, group: None
+    elif name == "local_checks_unshared":
+        import fgd_fast.functional as functional
+
+        functional._agree_on_local_checks = lambda *args, **kwargs: None
     elif name == "grad_sq_unsummed":  # the per-layer ‖g‖² are the only 1-D tensors the row path reduces
         summing = distributed.summing_over
 

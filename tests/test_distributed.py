@@ -337,11 +337,12 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
     for res in results:
         assert all(res["unchanged"]), res["unchanged"]
         assert res["messages"] == results[0]["messages"]
-    assert len(results[0]["messages"]) == 13
+    assert len(results[0]["messages"]) == 14
     for msg, what in zip(
         results[0]["messages"],
         (
             "lr",
+            "lr",  # (one rank at lr = 0)
             "feedback",
             "momentum",
             "check_finite",
@@ -357,6 +358,17 @@ def test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging():
         ),
     ):
         assert f"the ranks disagree on {what}" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_check_failing_on_one_ranks_unsharded_layer_stops_every_rank(world):
+    """A review: the ranks whose own checks passed wrote their unsharded layers, then waited in
+    the sharded layers' exchange for the rank that had raised (a hang, and weights apart)."""
+    results = run(world, "fsdp_plain_check_on_one_rank")
+    assert all(res["unchanged"] for res in results)
+    assert results[-1]["raised"] == "FloatingPointError" and "conv.weight" in results[-1]["message"]
+    for res in results[:-1]:
+        assert res["raised"] == "ValueError" and "passed the checks" in res["message"], res["message"]
 
 
 def test_a_group_mixing_dtensor_and_plain_parameters_steps_exactly():
