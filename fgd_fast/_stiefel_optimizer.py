@@ -15,6 +15,7 @@ may not give one a different value.
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -25,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .backends import compute_dtype
 from .functional import sgd
-from .manifold import stiefel_distance
+from .manifold import check_materialised, stiefel_distance
 from .validation import (
     check_grad,
     check_orthogonal_params,
@@ -110,6 +111,7 @@ class StiefelOptimizer(Optimizer):
                 self._check_options([param_group])
             merged = {**self.defaults, **param_group}
             self._validate_group(merged)
+            self._warn_misspelled_keys(param_group)
             if not isinstance(params, set):  # (torch refuses a set itself)
                 tensors = param_tensors(params)
                 check_writable(tensors)
@@ -117,6 +119,22 @@ class StiefelOptimizer(Optimizer):
                     names = param_group.get("param_names") or param_group.get("names")
                     check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
         super().add_param_group(param_group)
+
+    def _warn_misspelled_keys(self, param_group: dict[str, Any]) -> None:
+        """A group key that is no option but close to one (``"orthogonl"``) warns: torch keeps
+        unknown keys (schedulers and loggers add their own), so a typo would silently leave the
+        option at its default — for ``orthogonal``, the constraint off."""
+        options = [*self.defaults, "params"]
+        for key in param_group:
+            if isinstance(key, str) and key not in options:
+                near = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+                if near:
+                    warnings.warn(
+                        f"param group key {key!r} is not an option of {type(self).__name__} (torch keeps it, and it "
+                        f"does nothing); did you mean {near[0]!r}?",
+                        UserWarning,
+                        stacklevel=user_stacklevel(),
+                    )
 
     def _run_closure(self, closure: Callable[[], float] | None) -> float | None:
         """Evaluate ``closure`` with gradients enabled and re-validate every group (a
@@ -128,7 +146,26 @@ class StiefelOptimizer(Optimizer):
         self._check_options(self.param_groups)
         for group in self.param_groups:
             self._validate_group(group)
+        if not torch.compiler.is_compiling():
+            self._warn_if_nothing_orthogonal()
         return loss
+
+    def _warn_if_nothing_orthogonal(self) -> None:
+        """Once per optimizer: a step with no orthogonal group is plain SGD (FGD's default
+        momentum is 0.9, torch's SGD's 0), the mistake of ``FGD(model.parameters(), ...)``."""
+        if "_said_nothing_orthogonal" in self.__dict__ or any(g["orthogonal"] for g in self.param_groups):
+            return
+        self._said_nothing_orthogonal = True
+        name = type(self).__name__
+        momentum = self.defaults.get("momentum")
+        how = f" (momentum {momentum})" if isinstance(momentum, (int, float)) else ""
+        warnings.warn(
+            f"{name} has no orthogonal=True group: every parameter takes the unconstrained step{how}; build "
+            "the groups with fgd_fast.stiefel_param_groups(model) (or mark a group orthogonal=True) to "
+            "constrain the weights",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _check_sgd_state(self, p: torch.Tensor, label: str) -> None:
         """Before any write: a Euclidean parameter's ``momentum_buffer`` must fit it."""
@@ -147,6 +184,8 @@ class StiefelOptimizer(Optimizer):
             check_grad(p, f"parameter {text}")
             if not group["orthogonal"]:
                 self._check_sgd_state(p, f"parameter {text}")
+            else:  # (a Euclidean one steps as torch.optim.SGD would, on the meta device too)
+                check_materialised(p, f"{type(self).__name__}.step (parameter {text})")
             yield group, p, text
 
     def _sgd(

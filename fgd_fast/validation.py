@@ -287,6 +287,11 @@ def check_grad(p: torch.Tensor, label: str) -> None:
             f"{label} is complex ({p.dtype}); fgd_fast optimizers support real parameters only "
             "(split it with torch.view_as_real)"
         )
+    if not p.is_floating_point():  # (torch's SGD raises too, but only after the parameters before it were written)
+        raise ValueError(
+            f"{label} is {p.dtype} and has a gradient; fgd_fast optimizers step floating-point parameters only "
+            "(leave it out of the optimizer's groups, or make it a float tensor)"
+        )
     check_grad_fits(
         p,
         g,

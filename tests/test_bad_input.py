@@ -393,3 +393,30 @@ def test_meta_tensors_are_refused_with_what_to_do():
         p.grad = torch.randn_like(p) * 0.01
     opt.step()
     assert max(opt.orthogonality().values()) < 1e-2  # stepped, on the manifold
+
+
+def test_an_integer_parameter_with_a_gradient_is_refused_before_any_write():
+    """A review: an integer tensor with a ``.grad`` in a plain group (after an orthogonal one)
+    reached torch's SGD after the orthogonal layers were written, which then raised: a failed
+    step that changed the weights. Refused with the others' checks, before any write."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4)))
+    counter = torch.zeros(3, dtype=torch.int64)
+    counter.grad = torch.ones(3, dtype=torch.int64)
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[counter])], lr=0.1)
+    w.grad = torch.randn(8, 4)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="torch.int64 and has a gradient"):
+        opt.step()
+    assert torch.equal(w, before) and not opt.state
+
+
+def test_a_meta_device_orthogonal_parameter_is_refused_at_the_step():
+    """A review: the step failed deep inside with "Cannot copy out of meta tensor"; it says
+    what to do now (a Euclidean one steps as torch.optim.SGD's would)."""
+    m = nn.Conv2d(8, 16, 3, device="meta")
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(m, rule="paper", orthogonalize=False), lr=0.1)
+    m.weight.grad, m.bias.grad = torch.zeros_like(m.weight), torch.zeros_like(m.bias)
+    with pytest.raises(ValueError, match=r"meta device.*model.to_empty"):
+        opt.step()
+    assert not opt.state

@@ -653,3 +653,31 @@ def test_a_cast_model_gets_advice_that_keeps_the_momentum():
     for st in opt.state.values():
         st["momentum_buffer"] = st["momentum_buffer"].to(device="cpu", dtype=torch.float64)
     opt.step()
+
+
+@pytest.mark.parametrize("cls", ["FGD", "CayleySGD", "LandingSGD"])
+def test_a_misspelled_group_key_warns_with_the_option_it_resembles(cls):
+    """A review: ``dict(params=..., orthogonl=True)`` was kept and ignored, as torch keeps
+    unknown keys: the constraint silently off. A key close to an option warns, naming it;
+    keys of other uses (a name, a scheduler's initial_lr, a logger's own) stay silent."""
+    make = getattr(fgd_fast, cls, None) or getattr(fgd_fast.baselines, cls)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4)))
+    with pytest.warns(UserWarning, match="'orthogonl' is not an option.*did you mean 'orthogonal'"):
+        make([dict(params=[w], orthogonl=True)], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make([dict(params=[w], orthogonal=True, name="w", names=["w"], initial_lr=0.1, lr_scale=2.0)], lr=0.1)
+
+
+def test_a_step_with_nothing_orthogonal_warns_once():
+    """A review: ``FGD(model.parameters(), lr=...)`` (the torch.optim habit) is plain SGD with
+    FGD's momentum 0.9, silently. The first step says so, once."""
+    net = _net()
+    opt = fgd_fast.FGD(net.parameters(), lr=0.01)
+    _loss(net, 0).backward()
+    with pytest.warns(UserWarning, match="no orthogonal=True group.*stiefel_param_groups"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01).step()
