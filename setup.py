@@ -41,7 +41,9 @@ def _cuda_extension() -> dict:
         reason = f"torch is not importable ({exc}); install with --no-build-isolation"
     else:
         reason = None
-        if torch.version.cuda is None:
+        if getattr(torch.version, "hip", None):
+            reason = f"torch {torch.__version__} is a ROCm (HIP) build; the extension is for NVIDIA GPUs"
+        elif torch.version.cuda is None:
             reason = f"torch {torch.__version__} is a CPU-only build"
         elif CUDA_HOME is None:
             reason = "no CUDA toolkit found (set CUDA_HOME)"

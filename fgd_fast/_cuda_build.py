@@ -64,6 +64,11 @@ def _last_lines(text: str, count: int = 25) -> str:
 
 
 def _try_load() -> ModuleType | str:
+    if getattr(torch.version, "hip", None):  # (a ROCm build: torch.version.cuda is None, devices say "cuda")
+        return (
+            f"torch {torch.__version__} is a ROCm (HIP) build; the fgd_fast CUDA extension is for NVIDIA GPUs "
+            "(use backend='triton' or 'torch')"
+        )
     if torch.version.cuda is None:
         return (
             f"torch {torch.__version__} is a CPU-only build; the fgd_fast CUDA extension needs a CUDA build "

@@ -262,6 +262,8 @@ def fgd(
     for i in sharded:
         if params[i].device_mesh not in meshes:
             meshes.append(params[i].device_mesh)
+    # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
+    # other collectives than on the others)
     for mesh in meshes:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         on_mesh = [i for i in sharded if params[i].device_mesh == mesh]
         agree_across_ranks(
@@ -271,7 +273,7 @@ def fgd(
                 "momentum": tuple(betas[i] for i in on_mesh),
                 "feedback": tuple(alphas[i] for i in on_mesh),
                 "maximize": maximize,
-                "backend": backend,
+                "backend": (backend, _cached_backend(backend, params[on_mesh[0]].device.type, precision)[0]),
                 "precision": precision,
                 "variant": variant,
                 "sharding": sharding,

@@ -477,6 +477,20 @@ def fsdp_disagreements(rank, world, out):
         opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **kwargs)
         _set_grads(model, 0)
         _record_refusal(model, opt, ValueError, messages, unchanged)
+    # backend="auto" resolved to another backend on one rank (Triton loads on some ranks only)
+    import fgd_fast.functional as functional
+    from fgd_fast.backends.reference import prepare_reference
+
+    resolved = dict(functional._resolved)
+    if rank == world - 1:
+        functional._resolved[("auto", "cpu", "tf32x3")] = ("reference", prepare_reference)
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **dict(HYPER, backend="auto"))
+    assert opt.precision == "tf32x3"  # (the key above)
+    _set_grads(model, 0)
+    _record_refusal(model, opt, ValueError, messages, unchanged)
+    functional._resolved.clear()
+    functional._resolved.update(resolved)
     # per-layer lrs that differ while the former weighted sum Σ(k+1)·lr_k agreed (a + 14b = 2 on every rank)
     model = _sharded(world)
     orth, plain = sorted(fgd_fast.stiefel_param_groups(model, rule), key=lambda g: not g.get("orthogonal"))

@@ -94,6 +94,39 @@ def test_cuda_backend_with_cpu_only_torch_says_why():
         _cuda_build.load()
 
 
+def test_a_rocm_torch_is_named_as_such(monkeypatch):
+    """A review: a ROCm build of torch (``version.cuda`` None, devices named "cuda") was called
+    a CPU-only build; the extension and setup.py name it."""
+    from fgd_fast import _cuda_build
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    monkeypatch.setattr(_cuda_build, "_result", None)
+    with pytest.raises(ImportError, match=r"ROCm \(HIP\) build.*backend='triton'"):
+        _cuda_build.load()
+    monkeypatch.setattr(_cuda_build, "_result", None)  # (not cached past this test)
+    script = (
+        "import runpy, sys, torch; torch.version.cuda, torch.version.hip = None, '6.2'; "
+        "sys.argv = ['setup.py', '--version']; runpy.run_path('setup.py', run_name='__main__')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FGD_FAST_BUILD_CUDA"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert run.returncode == 0 and "ROCm (HIP) build" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_fused_backend_refuses_tensors_of_two_gpus():
+    """A review: one launch reads every layer through one device's pointers; a direct call with
+    layers on two GPUs would read the other's memory. Refused (fgd() and FGD group per device)."""
+    from types import SimpleNamespace
+
+    from fgd_fast.backends.base import needs_cuda
+
+    on = lambda i: SimpleNamespace(device=torch.device("cuda", i))  # noqa: E731
+    needs_cuda("cuda", [on(1), on(1)])
+    with pytest.raises(ValueError, match="cuda:0, cuda:1; call it per device"):
+        needs_cuda("cuda", [on(0), on(1)])
+
+
 def _setup_py(env_value: str | None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("FGD_FAST_BUILD_CUDA", None)

@@ -363,6 +363,12 @@ def needs_cuda(backend: str, params: Sequence[torch.Tensor], *, allow: bool = Fa
             f"backend={backend!r} needs CUDA tensors, got tensors on {', '.join(bad)}; use backend='torch'"
             + (" (or TRITON_INTERPRET=1 before importing fgd_fast, for CPU testing)" if backend == "triton" else "")
         )
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:  # (one launch reads every layer through one device's pointers)
+        raise ValueError(
+            f"backend={backend!r} steps one device's tensors per call, got {', '.join(devices)}; call it per "
+            "device (fgd_fast.fgd and FGD group the layers so)"
+        )
 
 
 def layer_classes(count: int, key: Callable[[int], Hashable]) -> dict[Hashable, list[int]]:
