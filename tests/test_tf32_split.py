@@ -175,15 +175,17 @@ def test_torch_tf32x3_on_gpu():
 
 @pytest.mark.parametrize("default", ["ieee", "tf32x3"])
 def test_default_precision_is_one_setting(monkeypatch, default):
-    """The default precision is ``fgd_fast.backends.DEFAULT_PRECISION`` ("ieee" until a GPU run
-    shows "tf32x3" at fp32-level accuracy): changing that one line changes it for the backends
-    that honour precision, while "reference" and "cuda" keep IEEE fp32 and still construct."""
-    import fgd_fast.optimizer as optimizer
+    """The default precision is ``fgd_fast.backends.DEFAULT_PRECISION`` (set by the GPU
+    measurements): changing that one line changes it for the backends that honour precision,
+    in ``FGD`` and in ``fgd()`` alike, while "reference" and "cuda" keep IEEE fp32 and still
+    construct."""
+    import fgd_fast.backends as backends
 
-    monkeypatch.setattr(optimizer, "DEFAULT_PRECISION", default)
+    monkeypatch.setattr(backends, "DEFAULT_PRECISION", default)
     param = torch.nn.Parameter(torch.eye(3))
     for backend in ("auto", "torch", "triton"):
         assert fgd_fast.FGD([param], lr=0.1, backend=backend).precision == default
+        assert backends.checked_precision(None, backend) == default  # (what fgd() takes)
     for backend in ("reference", "cuda"):
         assert fgd_fast.FGD([param], lr=0.1, backend=backend).precision == "ieee"
 
