@@ -125,9 +125,9 @@ class StiefelOptimizer(Optimizer):
         unknown keys (schedulers and loggers add their own), so a typo would silently leave the
         option at its default — for ``orthogonal``, the constraint off."""
         options = [*self.defaults, "params"]
-        for key in param_group:
-            if isinstance(key, str) and key not in options:
-                near = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        for key in param_group:  # (a key holding an option's name, max_momentum or lr0, extends it: no typo)
+            if isinstance(key, str) and key not in options and not any(o in key for o in options):
+                near = difflib.get_close_matches(key, options, n=1, cutoff=0.85)
                 if near:
                     warnings.warn(
                         f"param group key {key!r} is not an option of {type(self).__name__} (torch keeps it, and it "

@@ -124,6 +124,7 @@ def fgd(
     maximize: bool = False,
     _validated: bool = False,
     _rest_sharded_at_zero_lr: bool = False,
+    _unsharded_beside_sharded: bool | None = None,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -154,7 +155,10 @@ def fgd(
     ``_rest_sharded_at_zero_lr``: internal, for ``FGD.step``: DTensor layers at lr = 0 join
     the ranks' agreement (a rank whose scheduler alone gave lr = 0 makes every rank raise,
     where skipping the step left the others waiting in it), get their state, and are not
-    stepped (``FGD`` moves no weight at lr = 0).
+    stepped (``FGD`` moves no weight at lr = 0). ``_unsharded_beside_sharded``: internal, whether
+    plain orthogonal layers step beside DTensor ones, the same on every rank (``FGD`` knows it
+    from its groups; default: whether ``params`` mixes both kinds), so the ranks agree on the
+    plain layers' checks even where only some ranks have gradients for them.
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -287,6 +291,9 @@ def fgd(
             mesh=mesh,
         )
     sharded_all = sharded
+    beside = _unsharded_beside_sharded
+    if beside is None:  # (a direct call: its layers, which every rank passes alike)
+        beside = bool(sharded) and any(not is_dtensor(p) for p in params)
     if _rest_sharded_at_zero_lr:  # (agreed above; FGD's lr = 0 moves nothing: only their state is made)
         sharded = [i for i in sharded if host_lrs()[i] != 0.0]
     if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
@@ -325,10 +332,10 @@ def fgd(
             carried=gram_refresh > 1,
         )
     except (ValueError, FloatingPointError) as failed:
-        if meshes and by_device:
+        if meshes and beside:
             _agree_on_local_checks(False, meshes, params, sharded_all, failed)
         raise
-    if meshes and by_device:  # (the unsharded layers' checks are this rank's own; the sharded apply is collective)
+    if meshes and beside:  # (the unsharded layers' checks are this rank's own; the sharded apply is collective)
         _agree_on_local_checks(True, meshes, params, sharded_all)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):

@@ -282,6 +282,9 @@ class FGD(StiefelOptimizer):
             if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
                 check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
             opts = self.defaults
+            # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
+            # every rank, not from which of them have a gradient on this one)
+            beside = self._unsharded_beside_sharded()
             report = fgd(
                 orth["params"],
                 orth["grads"],
@@ -303,17 +306,24 @@ class FGD(StiefelOptimizer):
                 maximize=opts["maximize"],  # (ascend along g; agreed by the ranks of a sharded step)
                 _validated=True,  # (_run_closure checked the options and every group above)
                 _rest_sharded_at_zero_lr=True,
+                _unsharded_beside_sharded=beside,
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:
                     self.state[p]["momentum_buffer"] = buf
             self._count_guarded(orth["params"], report)
+            # DTensors at lr = 0 (fgd() agreed on them and stepped nothing): the state a step makes
+            rested = [not isinstance(lr, torch.Tensor) and lr == 0.0 for lr in orth["lr"]]
+            for p, beta, rest in zip(orth["params"], orth["momentum"], rested):
+                if rest:
+                    self._make_state(p, beta)
             if not torch.compiler.is_compiling() and any(is_dtensor(p) for p in orth["params"]):
                 last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
-                for p, d in zip(orth["params"], report.distance or []):  # for orthogonality() on sharded θ
+                distances = report.distance or [None] * len(orth["params"])
+                for p, d, rest in zip(orth["params"], distances, rested):  # for orthogonality() on sharded θ
                     if d is not None and is_dtensor(p):
                         last[p] = (d, _versions(p))  # (d: a device tensor, no synchronisation here)
-                    else:
+                    elif not rest:  # (a layer at rest did not move: its distance stands)
                         last.pop(p, None)
         for p, beta in resting:  # (after the step that could raise: a failed step creates no state)
             self._make_state(p, beta)
@@ -326,6 +336,12 @@ class FGD(StiefelOptimizer):
                 nesterov=group["nesterov"],
             )
         return loss
+
+    def _unsharded_beside_sharded(self) -> bool:
+        """Whether the orthogonal groups hold both DTensors and plain tensors (the ranks then
+        agree on the plain ones' checks each step)."""
+        kinds = {is_dtensor(p) for g in self.param_groups if g["orthogonal"] for p in g["params"]}
+        return len(kinds) == 2
 
     def _make_state(self, p: torch.Tensor, beta: float) -> None:
         """The state a step creates (Φ = 0, the guard's counters), without stepping: what a

@@ -440,14 +440,43 @@ def fsdp_plain_check_on_one_rank(rank, world, out):
 
 
 def fsdp_orthogonality_on_one_rank(rank, world, out):
-    """``if rank == 0: opt.orthogonality()`` after a step: no collective (it used to abort)."""
+    """``if rank == 0: opt.orthogonality()`` after a step: no collective (it used to abort);
+    also after a step at lr = 0 (the end of a schedule), which moves nothing (the distances
+    were dropped: rank 0 alone entered a collective)."""
     model = _sharded(world)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
     _set_grads(model, 0)
     opt.step()
     one = opt.orthogonality() if rank == 0 else None  # the other ranks go on
     fresh = opt.orthogonality(fresh=True)  # a collective: every rank
-    return dict(one=one, fresh=fresh)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    _set_grads(model, 1)
+    opt.step()
+    rested = opt.orthogonality() if rank == 0 else None
+    return dict(one=one, fresh=fresh, rested=rested, after_rest=opt.orthogonality(fresh=True))
+
+
+def fsdp_grad_on_one_rank(rank, world, out, *, steps=3):
+    """An unsharded orthogonal layer beside a sharded one, with a gradient on rank 0 only (a
+    layer the others did not use): the ranks' agreement on its checks is called by every rank
+    (it was called by the ranks with such gradients only: mismatched collectives)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 32)).double()
+    for layer in m:
+        fgd_fast.orthogonalize_(layer.weight.data)
+    fully_shard(m[1], mesh=_mesh(world))
+    opt = fgd_fast.FGD([dict(params=[m[0].weight, m[1].weight], orthogonal=True)], lr=0.05, backend="torch")
+    w = m[1].weight
+    for _ in range(steps):
+        local = torch.full((w.to_local().shape[0], 16), 0.01, dtype=torch.float64)
+        w.grad = DTensor.from_local(local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride())
+        m[0].weight.grad = torch.full((16, 8), 0.01, dtype=torch.float64) if rank == 0 else None
+        opt.step()
+    return dict(distance=opt.orthogonality(fresh=True))
 
 
 def fsdp_disagreements(rank, world, out):
@@ -550,6 +579,8 @@ def fsdp_checkpoint(rank, world, out, *, before=3, after=3, model_first=False):
     for step in range(before):
         _set_grads(model, step)
         opt.step()
+    for p in [p for g in opt.param_groups if g["orthogonal"] for p in g["params"]]:
+        opt.state[p]["guard_count"] += torch.tensor([3, 1])  # (counts the checkpoint must carry)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     for step in range(before, before + after):
         _set_grads(model, step)
@@ -572,7 +603,11 @@ def fsdp_checkpoint(rank, world, out, *, before=3, after=3, model_first=False):
         _set_grads(model2, step)
         opt2.step()
     resumed = _local_state(model2, opt2)
-    return dict(identical=_same(straight, resumed), names=sorted(resumed[1]))
+    return dict(
+        identical=_same(straight, resumed),
+        names=sorted(resumed[1]),
+        counts=(opt.guard_stats(), opt2.guard_stats()),  # (DCP loads only the keys the fresh state has)
+    )
 
 
 def fsdp_save(rank, world, out, *, path, before=3, after=3):
@@ -659,6 +694,7 @@ CASES = {
         fsdp_disagreements,
         fsdp_orthogonality_on_one_rank,
         fsdp_plain_check_on_one_rank,
+        fsdp_grad_on_one_rank,
         fsdp_partial,
         fsdp_checkpoint,
         fsdp_save,

@@ -386,6 +386,16 @@ def test_orthogonality_on_one_rank_needs_no_collective():
     for name in one:  # the step's exact distance against a fresh measurement of the stored θ
         assert abs(one[name] - fresh[name]) <= 1e-12
     assert results[1]["one"] is None and results[1]["fresh"] == fresh
+    rested = results[0]["rested"]  # (after a step at lr = 0: still no collective, nothing moved)
+    assert rested == one and results[0]["after_rest"] == fresh
+
+
+def test_a_gradient_on_one_rank_only_of_an_unsharded_layer_steps():
+    """A review of the check-verdict agreement: a rank without gradients for the unsharded
+    layers skipped it, mismatching the others' collectives (gloo: "collective mismatch")."""
+    results = run(2, "fsdp_grad_on_one_rank")
+    assert results[0]["distance"][1] == results[1]["distance"][1]  # (the sharded layer; the other is each rank's own)
+    assert results[0]["distance"][0] != results[1]["distance"][0]  # (stepped on rank 0 only)
 
 
 def test_orthogonality_after_compiled_or_outside_writes_is_measured():
@@ -431,6 +441,8 @@ def test_fsdp_checkpoint_round_trip(model_first):
         assert res["names"] == sorted(
             cases.ORTHOGONAL + ("fc2.weight",) + tuple(f"{m}.bias" for m in ("stem", "conv", "expand", "fc1", "fc2"))
         )
+        straight, resumed = res["counts"]  # (the guard's counters: the resumed state had lost them)
+        assert resumed == straight and all(c == {"scaled": 3, "reset": 1} for c in straight.values()), res["counts"]
 
 
 def test_fsdp_checkpoint_saved_on_2_ranks_resumes_on_4(tmp_path):
