@@ -282,9 +282,10 @@ class FGD(StiefelOptimizer):
             if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
                 check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
             opts = self.defaults
+            sharded_step = any(is_dtensor(p) for p in orth["params"])  # (no DTensor: nothing more to scan)
             # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
             # every rank, not from which of them have a gradient on this one)
-            beside = self._unsharded_beside_sharded()
+            beside = sharded_step and self._unsharded_beside_sharded()
             report = fgd(
                 orth["params"],
                 orth["grads"],
@@ -317,7 +318,7 @@ class FGD(StiefelOptimizer):
             for p, beta, rest in zip(orth["params"], orth["momentum"], rested):
                 if rest:
                     self._make_state(p, beta)
-            if not torch.compiler.is_compiling() and any(is_dtensor(p) for p in orth["params"]):
+            if not torch.compiler.is_compiling() and sharded_step:
                 last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
                 distances = report.distance or [None] * len(orth["params"])
                 for p, d, rest in zip(orth["params"], distances, rested):  # for orthogonality() on sharded θ
