@@ -184,6 +184,13 @@ MUTANTS = {
         "the ranks' guard settings (max_distance, guard, trust_radius, variant, check_manifold) not compared",
         [f"{DIST}::test_ranks_that_disagree_raise_alike_instead_of_diverging_or_hanging"],
     ),
+    "velocity_overflow_kept": (
+        "the torch backend keeps a scaled velocity Gram that overflowed float32 (a huge finite g reset)",
+        [
+            f"{GUARD}::test_a_huge_finite_gradient_is_scaled_as_the_reference_scales_it[1e+20-0.9-1]",
+            f"{GUARD}::test_a_huge_finite_gradient_is_scaled_as_the_reference_scales_it[1e+20-0.0-2]",
+        ],
+    ),
 }
 
 
@@ -247,6 +254,11 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((fgd_fast.FGD, "step", original))
         fgd_fast.FGD.step = step
+    elif name == "velocity_overflow_kept":
+        from fgd_fast.backends import algebra
+
+        undo.append((algebra, "_unless_overflowed", algebra._unless_overflowed))
+        algebra._unless_overflowed = lambda uu, gg, *rest: (uu, gg)
     elif name == "drop_velocity_gram":
         _replace("velocity_gram", lambda c, h, gg, beta, lr, layout=None: torch.zeros_like(gg), undo)
     elif name == "velocity_bound_dropped":

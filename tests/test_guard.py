@@ -111,6 +111,39 @@ def test_huge_finite_gradient_never_writes_non_finite(backend):
     assert torch.equal(w, before)
 
 
+@pytest.mark.parametrize("gram_refresh", [1, 2])  # the velocity Gram formed later (1) or in the Gram pass (2)
+@pytest.mark.parametrize("momentum", [0.9, 0.0])  # UᵀU with Φ, G = gᵀg without
+@pytest.mark.parametrize("spike", [1e20, 1e36])
+def test_a_huge_finite_gradient_is_scaled_as_the_reference_scales_it(spike, momentum, gram_refresh):
+    """Review: the torch backend formed the guard's velocity Gram (UᵀU, or gᵀg) in float32 from
+    the unscaled U, so a finite gradient with ‖ηg‖ > ~1.8e19 overflowed it and the layer was
+    reset (Φ₊ = 0), where the reference scales Φ and g into the safety radius and steps. Now the
+    scaled layers' Gram is formed from sU: the same step, the same decisions."""
+    runs = {}
+    for backend in ("reference", "torch"):
+        torch.manual_seed(0)
+        ws = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(24, 6))) for _ in range(3)]
+        opt = fgd_fast.FGD(
+            [dict(params=ws, orthogonal=True)], lr=0.5, momentum=momentum, backend=backend, gram_refresh=gram_refresh
+        )
+        for k in range(3):
+            for i, w in enumerate(ws):  # the middle layer stays calm: a batch of scaled and unscaled layers
+                w.grad = torch.randn(w.shape) * (spike if k == 1 and i != 1 else 0.01)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+        runs[backend] = (ws, opt)
+    (ref, ref_opt), (got, opt) = runs["reference"], runs["torch"]
+    assert opt.guard_stats() == ref_opt.guard_stats()
+    assert [s["reset"] for s in opt.guard_stats().values()] == [0, 0, 0]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+        if momentum:
+            torch.testing.assert_close(
+                opt.state[b]["momentum_buffer"], ref_opt.state[a]["momentum_buffer"], atol=1e-6, rtol=0
+            )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_manifold_alone_refuses_an_overflowing_step(backend):
     """Issue: guard=False, check_finite=False and g = 1e30 wrote θ at distance 2.6e57 —

@@ -260,11 +260,16 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
     assert torch.equal(first.guarded, blended.guarded) and torch.equal(first.finite_next, blended.finite_next)
 
 
+@pytest.mark.parametrize("host_reads", [True, False], ids=["cpu", "as-on-a-gpu"])
 @pytest.mark.parametrize("scale", [1e18, 1e20])
-def test_where_the_torch_backends_guard_differs_from_the_references(scale):
-    """The README's one exception to "one rule in every backend": a float32 gradient whose Gram
-    overflows (entries past ~1e19) is reset by the torch backend, scaled by the reference (which
-    scales g before its products); below that they decide alike. Both store θ within max_distance."""
+def test_where_the_torch_backends_guard_differs_from_the_references(scale, host_reads, monkeypatch):
+    """The README's exception to "one rule in every backend": a float32 gradient whose Gram
+    overflows (entries past ~1e19) is reset by the torch backend where it cannot read the step's
+    values on the host (a GPU), scaled by the reference (which scales g before its products);
+    on a CPU the torch backend forms that Gram from the scaled step and decides as the reference;
+    below ~1e19 they decide alike everywhere. Both store θ within max_distance."""
+    if not host_reads:
+        monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
     decided = {}
     for backend in ("reference", "torch"):
         gen = torch.Generator().manual_seed(0)
@@ -275,7 +280,7 @@ def test_where_the_torch_backends_guard_differs_from_the_references(scale):
         opt.step()
         assert fgd_fast.stiefel_distance(p) <= 0.5
         decided[backend] = opt.guard_stats()[0]
-    if scale < 1e19:
+    if scale < 1e19 or host_reads:
         assert decided["torch"] == decided["reference"] == {"scaled": 1, "reset": 0}
     else:
         assert decided == {"reference": {"scaled": 1, "reset": 0}, "torch": {"scaled": 0, "reset": 1}}

@@ -112,6 +112,16 @@ def _ahead(carry: int, d_full, a_minus_i, m, m_phi, t, w, eye, lay: Layout) -> t
     return next_grams(d_full, a_minus_i, m, m_phi, t, w, eye, lay) if carry == 3 else (d_full + eye,)
 
 
+def _unless_overflowed(uu, gg, finite, scale, uu_later, lay: Layout):
+    """The scaled velocity block (``s²UᵀU``, or ``s²G`` without Φ), or where it is not finite for a
+    layer whose inputs are (rare: a finite U too large for its float32 Gram, ‖U‖ > ~1.8e19),
+    ``(sU)ᵀ(sU)`` formed again from sU, as the reference forms it (a host read: a CPU)."""
+    formed = uu if uu is not None else gg
+    if formed is None or not bool((finite & ~all_finite(formed, lay)).any()):
+        return uu, gg
+    return uu_later(scale), None
+
+
 def middle(
     a,
     b,
@@ -151,17 +161,21 @@ def middle(
     ``(L, p, p)`` batch); ``lr``, ``beta``, ``alpha``: floats or ``L`` per-layer values.
     ``blend_kernels``: where the guard blends, do it by this function's launches
     (:func:`.guard_blend.blend`, the Triton backend's) instead of torch ops: the same rule.
-    ``uu_later``: instead of ``uu``/``gg``, a callable that forms the velocity block (``UᵀU``, or
-    ``G = gᵀg`` without Φ; unscaled) when called. Where a host read is free and nothing is
-    carried, the full step's distance is then first bounded without it (:func:`.guard_rule.velocity_bound`),
-    from norms alone (:func:`.guard_rule.step_bound`) and, where that leaves the target, with the exact rest
-    (:func:`.guard_rule.step_distance`); the block is formed only if some layer's bound still leaves the
-    target: the same decisions, and ``dist_next`` is the bound where it stayed within (an exact
+    ``uu_later``: a callable that forms the velocity block when called: ``UᵀU``, or ``G = gᵀg``
+    without Φ, unscaled; given the trust scales s, ``(sU)ᵀ(sU)`` with Φ or without. Where the
+    blocks are scaled and a host read is free, it replaces a ``uu``/``gg`` that overflowed float32
+    for a finite input (‖U‖ > ~1.8e19: the reference's sU does not). Given instead of ``uu``/``gg``
+    (both None), where a host read is free and nothing is carried, the full step's distance is
+    then first bounded without it (:func:`.guard_rule.velocity_bound`), from norms alone
+    (:func:`.guard_rule.step_bound`) and, where that leaves the target, with the exact rest
+    (:func:`.guard_rule.step_distance`); the block is formed only if some layer's bound still
+    leaves the target: the same decisions, and ``dist_next`` is the bound where it stayed within (an exact
     value otherwise). ``phi_sq_later``: a callable giving ``‖Φ‖²`` per layer in float64 from Φ
     itself, called (where a host read is free) only if ``tr C`` is not finite: a finite Φ whose
     float32 Gram overflows is then a huge input, which the guard resets, not a non-finite one.
     """
     lay = layout or Layout.of(a)
+    lazy = uu_later is not None and uu is None and gg is None  # the velocity block not formed yet
     p = lay.groups[0][1] if lay.single else lay.p_per_layer()  # the guard's margin and range depend on p
     eye = lay.eye(a.dtype)
     a_minus_i = a - eye  # D = A − I  (N = 2I − A = I − D: NX = X − DX)
@@ -196,6 +210,8 @@ def middle(
             if b is not None:
                 b, c = b.mul_(s), c.mul_(s2)  # B → sB, C → s²C
                 h = h.mul_(s2) if h is not None else None  # H → s²H
+            if not lazy and uu_later is not None and host:
+                uu, gg = _unless_overflowed(uu, gg, finite, scale, uu_later, lay)
     if b is None:
         inner = (e + lay.t(e)).mul_(0.5 * lr_)  # η sym(E)
     else:
@@ -226,7 +242,7 @@ def middle(
     # (per layer with several p: kept with the layout, keyed on the rule itself)
     target = guard_target(limit, p, unit) if lay.single else lay.memo((guard_target, limit, unit), p)
     d_full = None
-    if uu_later is not None and host and not carry:  # bound s²UᵀU first; form it only where that leaves the target
+    if lazy and host and not carry:  # bound s²UᵀU first; form it only where that leaves the target
         velocity = velocity_bound(phi_norm, g_norm, beta, lr, scale)
         bound = step_bound(dist, m_theta, t, lay) + velocity if _NORM_BOUND_FIRST else None  # no product
         if bound is None or not full_steps_fit(bound, finite, target):  # the two products without s²UᵀU
@@ -240,6 +256,8 @@ def middle(
         formed = uu_later()  # the Gram pass's velocity block after all: UᵀU, or G = gᵀg without Φ
         formed = formed.mul_(scaled) if scaled is not None else formed  # → s²UᵀU or s²G, as the blocks
         uu, gg = (formed, gg) if b is not None else (None, formed)
+        if scaled is not None:
+            uu, gg = _unless_overflowed(uu, gg, finite, scale, uu_later, lay)
     # s²UᵀU (the blocks are scaled); the blend kernels form it from its parts where no host check needs it first
     w = uu if uu is not None or (blend_kernels is not None and not host) else velocity_gram(c, h, gg, beta_, lr_, lay)
     d_full = d_full.add_(w) if d_full is not None else None  # (bounded above: now exact)

@@ -206,24 +206,41 @@ class Bucket:
             if velocity:
                 self._velocity(scratch, ch, grad, phi, blocks[-1][k])
 
-    def _velocity(self, scratch, ch: Chunk, grad, phi, out: torch.Tensor) -> None:
+    def _velocity(self, scratch, ch: Chunk, grad, phi, out: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """``out`` = the guard's ``UᵀU`` of a GEMM chunk (``U = βΦ − ηg`` formed in the g slot: one
         Gram instead of ``gᵀg`` and ``Φᵀg``; g itself is read again by the update), or without Φ
-        ``G = gᵀg`` (U = −ηg)."""
-        if phi is None:
+        ``G = gᵀg`` (U = −ηg). With ``scale`` (the chunk's trust scales s, ``(c,)``): ``(sU)ᵀ(sU)``,
+        with Φ or without: a finite U too large for its float32 Gram (‖U‖ > ~1.8e19) gives the
+        scaled velocity the reference forms from sΦ and sg, not an overflow."""
+        if phi is None and scale is None:
             self._gram(grad, grad, out)  # G = gᵀg
             return
         u = scratch[2][: (ch.e - ch.s) * self.numel].view(grad.shape)
-        torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)
-        self._gram(u, u, out)  # UᵀU
+        if scale is None:
+            torch.mul(grad, -self.lr, out=u).add_(phi, alpha=self.beta)  # U = βΦ − ηg
+        else:
+            s = scale.to(self.cdt).view(-1, 1, 1)
+            torch.mul(grad, s * -self.lr, out=u)  # sU = −sηg …
+            if phi is not None:
+                u.addcmul_(phi, s * self.beta)  # … + sβΦ
+        self._gram(u, u, out)  # UᵀU (or (sU)ᵀ(sU))
 
-    def velocity_grams(self, scratch: list[torch.Tensor], gemm_chunks: list[Chunk], out: torch.Tensor) -> None:
+    def velocity_grams(
+        self,
+        scratch: list[torch.Tensor],
+        gemm_chunks: list[Chunk],
+        out: torch.Tensor,
+        scale: torch.Tensor | None = None,
+    ) -> None:
         """Into ``out`` (``(c, p, p)``): the velocity Grams of a middle chunk alone, in a pass of their
-        own (where the middle asks for them after all: :meth:`.torch_groups.Group.middle`)."""
-        for ch, part in zip(gemm_chunks, parts(out, [ch.e - ch.s for ch in gemm_chunks])):
+        own (where the middle asks for them after all: :meth:`.torch_groups.Group.middle`); with
+        ``scale`` (``(c,)``), those of sU (:meth:`_velocity`)."""
+        sizes = [ch.e - ch.s for ch in gemm_chunks]
+        scales = parts(scale, sizes) if scale is not None else [None] * len(sizes)
+        for ch, part, s in zip(gemm_chunks, parts(out, sizes), scales):
             grad = self._operand(scratch[2], self.grads, ch)
             phi = self._operand(scratch[1], self.bufs, ch) if self.reads_phi else None
-            self._velocity(scratch, ch, grad, phi, part)
+            self._velocity(scratch, ch, grad, phi, part, s)
 
     def symmetric_slots(self) -> tuple[int, ...]:
         """Positions of the symmetric blocks (A, C, UᵀU or G) in what :meth:`grams` returns."""

@@ -44,8 +44,11 @@ class Group:
     their p's: one ``(L, p, p)`` batch, or several p in one flat buffer) and one middle call
     serves them all (per-layer η, β, α where the buckets differ)."""
 
-    def __init__(self, members: list[tuple[Bucket, list[Chunk]]], refresh: int = 1, lazy: bool = False):
+    def __init__(
+        self, members: list[tuple[Bucket, list[Chunk]]], refresh: int = 1, lazy: bool = False, local: bool = True
+    ):
         self.members = members
+        self.local = local  # whole layers (not row shards whose Grams are summed across ranks)
         self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
         self.first = b = members[0][0]
         runs: list[list[int]] = []  # [p, layers] of consecutive members with one p
@@ -148,7 +151,9 @@ class Group:
         if b.predict and b.reads_phi:  # ‖Φ‖² from Φ, where its float32 Gram overflowed
             extra.update(phi_sq_later=lambda: grad_sq(self._of("bufs")))
         if self.lazy:  # UᵀU only if the middle's bound leaves the target
-            extra.update(gg=None, uu=None, uu_later=lambda: self.velocity_grams(lay.empty(b.cdt), scratch))
+            extra.update(gg=None, uu=None)
+        if b.predict and self.local:  # (also s²UᵀU from sU, where the unscaled Gram overflowed float32)
+            extra.update(uu_later=lambda scale=None: self.velocity_grams(lay.empty(b.cdt), scratch, scale))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
         # the update's coefficients [sβ, −sη] of every layer (s = 1 without a guard), in the compute dtype
@@ -171,11 +176,15 @@ class Group:
             per_layer = (_rows(f, s, e) if f is not None else None for f in mid[3:])
             member.take(gemm_chunks, Middle(*blocks_of, *per_layer), _rows(coef, s, e), no_reset)
 
-    def velocity_grams(self, out: torch.Tensor, scratch: dict[torch.dtype, list[torch.Tensor]]) -> torch.Tensor:
+    def velocity_grams(
+        self, out: torch.Tensor, scratch: dict[torch.dtype, list[torch.Tensor]], scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``out`` = every member's velocity block of :meth:`grams` (``UᵀU``, ``U = βΦ − ηg``;
-        without Φ ``gᵀg``) in the layout, in a pass of its own."""
+        without Φ ``gᵀg``) in the layout, in a pass of its own; with ``scale`` (``(L,)``, the trust
+        scales s) ``(sU)ᵀ(sU)`` with Φ or without."""
         for member, gemm_chunks, s, e in self._spans():
-            member.velocity_grams(scratch[member.cdt], gemm_chunks, self.layout.layers(out, s, e))
+            part = scale[s:e] if scale is not None else None
+            member.velocity_grams(scratch[member.cdt], gemm_chunks, self.layout.layers(out, s, e), part)
         return out
 
 
@@ -194,7 +203,7 @@ def middle_groups(
     # a middle chunk's live elements (its layers' blocks)
     numel = lambda member: (member[1][-1].e - member[1][0].s) * MIDDLE_BLOCKS * member[0].p ** 2  # noqa: E731
     return [
-        Group(run, refresh, lazy)
+        Group(run, refresh, lazy, local=not by_p)
         for members in by_layout.values()
         for run in packed(sorted(members, key=lambda m: m[0].p), numel, max(1, middle_numel))
     ]
