@@ -25,6 +25,7 @@ from torch.optim.optimizer import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .backends import compute_dtype
+from .distributed import is_dtensor
 from .functional import sgd
 from .manifold import check_materialised, stiefel_distance
 from .validation import (
@@ -173,12 +174,17 @@ class StiefelOptimizer(Optimizer):
         if buf is not None:
             check_state_tensor(buf, p, p.dtype, label, "momentum_buffer")
 
-    def _params_with_grads(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str]]:
+    def _params_with_grads(
+        self, idle: list[torch.Tensor] | None = None
+    ) -> Iterator[tuple[dict[str, Any], torch.Tensor, str]]:
         """``(group, param, label)`` of every parameter with a gradient, in ``state_dict``
         order; raises (before any write) on a gradient no optimizer here can use and on a
-        Euclidean ``momentum_buffer`` that does not fit its parameter."""
+        Euclidean ``momentum_buffer`` that does not fit its parameter. ``idle``: a list that
+        collects the orthogonal DTensor parameters without a gradient (their ranks' agreement)."""
         for group, p, key in self._keyed():
             if p.grad is None:
+                if idle is not None and group["orthogonal"] and is_dtensor(p):
+                    idle.append(p)
                 continue
             text = label(key)
             check_grad(p, f"parameter {text}")

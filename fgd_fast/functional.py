@@ -125,6 +125,7 @@ def fgd(
     _validated: bool = False,
     _rest_sharded_at_zero_lr: bool = False,
     _unsharded_beside_sharded: bool | None = None,
+    _idle_dtensors: Sequence[torch.Tensor] = (),
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -158,7 +159,10 @@ def fgd(
     stepped (``FGD`` moves no weight at lr = 0). ``_unsharded_beside_sharded``: internal, whether
     plain orthogonal layers step beside DTensor ones, the same on every rank (``FGD`` knows it
     from its groups; default: whether ``params`` mixes both kinds), so the ranks agree on the
-    plain layers' checks even where only some ranks have gradients for them.
+    plain layers' checks even where only some ranks have gradients for them. ``_idle_dtensors``:
+    internal, ``FGD``'s orthogonal DTensor parameters without a gradient on this rank: their
+    meshes join the ranks' agreement (a rank whose DTensor gradients were all None skipped it and
+    left the others waiting; now every rank raises that they disagree on the layer count).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -262,10 +266,11 @@ def fgd(
                 )
             )
         index.append(idx)
-    meshes = []  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
-    for i in sharded:
-        if params[i].device_mesh not in meshes:
-            meshes.append(params[i].device_mesh)
+    meshes, mesh_device = [], {}  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
+    for t in [params[i] for i in sharded] + list(_idle_dtensors):
+        if t.device_mesh not in meshes:
+            meshes.append(t.device_mesh)
+            mesh_device[t.device_mesh] = t.device
     # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
     # other collectives than on the others)
     for mesh in meshes:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
@@ -277,7 +282,7 @@ def fgd(
                 "momentum": tuple(betas[i] for i in on_mesh),
                 "feedback": tuple(alphas[i] for i in on_mesh),
                 "maximize": maximize,
-                "backend": (backend, _cached_backend(backend, params[on_mesh[0]].device.type, precision)[0]),
+                "backend": (backend, _cached_backend(backend, mesh_device[mesh].type, precision)[0]),
                 "precision": precision,
                 "variant": variant,
                 "sharding": sharding,
@@ -287,10 +292,9 @@ def fgd(
                 "guard": guard,
                 "trust_radius": trust_radius,
             },
-            params[on_mesh[0]].device,
+            mesh_device[mesh],
             mesh=mesh,
         )
-    sharded_all = sharded
     beside = _unsharded_beside_sharded
     if beside is None:  # (a direct call: its layers, which every rank passes alike)
         beside = bool(sharded) and any(not is_dtensor(p) for p in params)
@@ -333,10 +337,10 @@ def fgd(
         )
     except (ValueError, FloatingPointError) as failed:
         if meshes and beside:
-            _agree_on_local_checks(False, meshes, params, sharded_all, failed)
+            _agree_on_local_checks(False, meshes, mesh_device, failed)
         raise
     if meshes and beside:  # (the unsharded layers' checks are this rank's own; the sharded apply is collective)
-        _agree_on_local_checks(True, meshes, params, sharded_all)
+        _agree_on_local_checks(True, meshes, mesh_device)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):
             pl.apply()
@@ -355,18 +359,15 @@ def fgd(
     return GuardReport(per_param, read, distance)
 
 
-def _agree_on_local_checks(
-    passed: bool, meshes: list, params: list, sharded: list[int], failed: Exception | None = None
-) -> None:
+def _agree_on_local_checks(passed: bool, meshes: list, mesh_device: dict, failed: Exception | None = None) -> None:
     """With unsharded orthogonal layers beside sharded ones, a check that failed on this rank's
     unsharded layers alone would leave the other ranks writing theirs, then waiting in the
     sharded layers' collectives: the ranks of each mesh agree on the verdict first, and every
     rank raises (this rank its own error) before anything is written."""
     for mesh in meshes:
-        device = next(params[i].device for i in sharded if params[i].device_mesh == mesh)
         try:
             agree_across_ranks(
-                {"whether the unsharded orthogonal parameters passed the checks": passed}, device, mesh=mesh
+                {"whether the unsharded orthogonal parameters passed the checks": passed}, mesh_device[mesh], mesh=mesh
             )
         except ValueError:
             if failed is not None:

@@ -253,7 +253,10 @@ class FGD(StiefelOptimizer):
         orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
         eucl: list[tuple[dict[str, Any], list[torch.Tensor]]] = []  # (a group's parameters come together)
         resting: list[tuple[torch.Tensor, float]] = []  # lr = 0: only their state is made, after the checks
-        for group, p, text in self._params_with_grads():  # the one collection pass (checks the gradients)
+        # orthogonal DTensors without a gradient on this rank: their meshes join the ranks' agreement (a
+        # rank that skipped it, its layers' gradients all None, left the others waiting there)
+        idle: list[torch.Tensor] = []
+        for group, p, text in self._params_with_grads(idle):  # the one collection pass (checks the gradients)
             if not group["orthogonal"]:
                 if not eucl or eucl[-1][0] is not group:  # (no id(): torch 2.11's Dynamo cannot trace it on a dict)
                     eucl.append((group, []))
@@ -277,12 +280,12 @@ class FGD(StiefelOptimizer):
             orth["feedback"].append(alpha)
             orth["labels"].append(text)
 
-        if orth["params"]:
+        if orth["params"] or idle:
             # a parameter appended to a group's list after it was added (so never checked) may repeat
             if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
                 check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
             opts = self.defaults
-            sharded_step = any(is_dtensor(p) for p in orth["params"])  # (no DTensor: nothing more to scan)
+            sharded_step = bool(idle) or any(is_dtensor(p) for p in orth["params"])  # (else nothing more to scan)
             # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
             # every rank, not from which of them have a gradient on this one)
             beside = sharded_step and self._unsharded_beside_sharded()
@@ -308,6 +311,7 @@ class FGD(StiefelOptimizer):
                 _validated=True,  # (_run_closure checked the options and every group above)
                 _rest_sharded_at_zero_lr=True,
                 _unsharded_beside_sharded=beside,
+                _idle_dtensors=idle,
             )
             for p, buf in zip(orth["params"], orth["bufs"]):
                 if buf is not None:

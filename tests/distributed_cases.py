@@ -479,6 +479,35 @@ def fsdp_grad_on_one_rank(rank, world, out, *, steps=3):
     return dict(distance=opt.orthogonality(fresh=True))
 
 
+def fsdp_dtensor_grads_none_on_one_rank(rank, world, out):
+    """A review: a rank whose orthogonal DTensors all had ``grad=None`` (the others' had
+    gradients) skipped the step, and the others waited in the ranks' agreement for ever. Now
+    it joins the agreement: every rank raises, naming the layer count, and nothing changes; a
+    step where no rank has such gradients (a frozen sharded layer) is a no-op that raises on
+    none (the other layers step)."""
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    _set_grads(model, 0)
+    opt.step()
+    messages, unchanged = [], []
+    _set_grads(model, 1)
+    if rank == world - 1:
+        for name, p in model.named_parameters():
+            if name in ORTHOGONAL:
+                p.grad = None
+    _record_refusal(model, opt, ValueError, messages, unchanged)
+    # every rank without them: the orthogonal layers rest, the plain ones step
+    for name, p in model.named_parameters():
+        if name in ORTHOGONAL:
+            p.grad = None
+    before = _local_state(model, opt)
+    opt.step()
+    after = _local_state(model, opt)
+    rested = all(torch.equal(before[0][n], after[0][n]) for n in ORTHOGONAL)
+    moved = any(not torch.equal(before[0][n], after[0][n]) for n in before[0] if n not in ORTHOGONAL)
+    return dict(messages=messages, unchanged=unchanged, rested=rested, moved=moved)
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
@@ -695,6 +724,7 @@ CASES = {
         fsdp_orthogonality_on_one_rank,
         fsdp_plain_check_on_one_rank,
         fsdp_grad_on_one_rank,
+        fsdp_dtensor_grads_none_on_one_rank,
         fsdp_partial,
         fsdp_checkpoint,
         fsdp_save,

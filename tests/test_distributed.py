@@ -398,6 +398,17 @@ def test_a_gradient_on_one_rank_only_of_an_unsharded_layer_steps():
     assert results[0]["distance"][0] != results[1]["distance"][0]  # (stepped on rank 0 only)
 
 
+def test_a_rank_without_gradients_for_its_sharded_layers_raises_with_the_others():
+    """A review: a rank whose orthogonal DTensors all had grad=None skipped the ranks'
+    agreement and the others hung in it; now every rank raises the same error (the layer
+    count) before writing, and a step where every rank lacks them rests those layers."""
+    results = run(2, "fsdp_dtensor_grads_none_on_one_rank")
+    for r in results:
+        assert len(r["messages"]) == 1 and "the number of sharded orthogonal parameters" in r["messages"][0]
+        assert r["unchanged"] == [True] and r["rested"] and r["moved"]
+    assert results[0]["messages"] == results[1]["messages"]
+
+
 def test_orthogonality_after_compiled_or_outside_writes_is_measured():
     """A review: a DTensor parameter stepped eagerly once, then by compiled steps, kept
     reporting the eager step's distance (the compiled step records none). The recorded
