@@ -18,10 +18,11 @@ namespace fgd {
 constexpr int TILE = FGD_GRAM_TILE, BK = FGD_GRAM_BK, NT = FGD_GRAM_THREADS;
 static_assert(TILE == 64 && NT == 256, "the 16 × 16 thread grid computes 4 × 4 outputs each");
 
-// (ti, tj) with ti <= tj of the t-th tile of an nt × nt upper triangle, row by row.
+// (ti, tj) with ti <= tj of the t-th tile of an nt × nt upper triangle, row by row
+// (t < nt(nt + 1)/2, checked by the caller; the loop is bounded by nt all the same).
 __device__ __forceinline__ void upper_tile(long long t, long long nt, long long& ti, long long& tj) {
     long long i = 0;
-    while (t >= nt - i) {
+    while (i < nt && t >= nt - i) {
         t -= nt - i;
         ++i;
     }
@@ -47,6 +48,10 @@ __global__ void __launch_bounds__(NT) fgd_gram_kernel(const long long* meta, int
     // which block (slot) and which tile of it
     const long long nt = (p + TILE - 1) / TILE, nsym = nt * (nt + 1) / 2, nfull = nt * nt;
     long long local = tile - m[FGD_M_FIRST_TILE], ti, tj;
+    // a grid larger than the layers' tiles (an inconsistent count from the host): the extra blocks
+    // write nothing (whole blocks return, before any barrier), where they looped or read a missing Φ
+    const bool reads_phi = (m[FGD_M_FLAGS] & FGD_READS_PHI) != 0;
+    if (local < 0 || local >= (nsym + nfull) * (reads_phi ? 2 : 1)) return;
     int slot;
     if (local < nsym) {
         slot = FGD_SLOT_A;

@@ -333,6 +333,27 @@ def test_non_finite_gradient_is_flagged_and_nothing_written(cuda, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", ["ragged", "rows-p130"])  # the last layer without Φ / reading Φ
+def test_a_gram_grid_larger_than_the_tiles_writes_nothing_more(cuda, monkeypatch, case):
+    """A review: with more Gram blocks than the layers' tiles (an inconsistent count from the
+    host), the extra blocks, all mapped to the last layer, looped for ever in ``upper_tile``
+    (a layer reading Φ) or read the absent Φ (one without). Each block now checks its tile
+    against its layer's count and returns: the step is bit-identical."""
+    layers, _ = _setup(cuda, monkeypatch, case)
+    want = _run(cuda, layers, torch.float64, 2, oracle=False)
+    real = cuda._launch
+
+    def launch(name, fn, *args):
+        if name == "gram":  # (meta, partial, gram_total, total_tiles, …): 37 blocks too many
+            args = (*args[:3], args[3] + 37, *args[4:])
+        real(name, fn, *args)
+
+    monkeypatch.setattr(cuda, "_launch", launch)
+    got = _run(cuda, layers, torch.float64, 2, oracle=False)
+    for a, b in zip(want[0] + [x for x in want[1] if x is not None], got[0] + [x for x in got[1] if x is not None]):
+        assert torch.equal(a, b)
+
+
 def test_launch_count_does_not_grow_with_layers(cuda, monkeypatch):
     monkeypatch.setattr(cuda, "force_splits", 2)  # gram + sum_splits + update
 
