@@ -64,7 +64,8 @@ def _cuda_extension() -> dict:
         "fgd_fast._C",
         sources=[f"csrc/{name}" for name in cb.SOURCES],
         include_dirs=cb.extra_include_dirs(CUDA_HOME),
-        extra_compile_args={"cxx": ["-O3"], "nvcc": cb.NVCC_FLAGS},
+        # (the sources' hash: a prebuilt _C older than edited csrc/ is then not used, fgd_fast/_cuda_build.py)
+        extra_compile_args={"cxx": ["-O3", *cb.hash_define()], "nvcc": cb.NVCC_FLAGS + cb.hash_define()},
         optional=mode != "1",  # an automatic build that fails leaves a working pure-Python install
     )
     return dict(ext_modules=[ext], cmdclass={"build_ext": BuildExtension})

@@ -136,6 +136,7 @@ py::dict constants() {
     d["F64"] = (int)FGD_F64;
     d["READS_PHI"] = (int)FGD_READS_PHI;
     d["WRITES_PHI"] = (int)FGD_WRITES_PHI;
+    d["SOURCE_HASH"] = (long long)FGD_SOURCE_HASH;
     return d;
 }
 

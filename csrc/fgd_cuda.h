@@ -23,6 +23,12 @@
 #define FGD_UPD_BK 32        /* update: K step over the p columns of θ */
 #define FGD_UPD_THREADS 256  /* 16 × 16 threads, 2 × 4 outputs of θ₊ and of Φ₊ each */
 
+/* ---- which sources built this: a hash of csrc/ (fgd_fast/_cuda_build.py passes it; -1 when not
+ * given), exported by constants() so that a prebuilt fgd_fast._C older than edited sources is not used */
+#ifndef FGD_SOURCE_HASH
+#define FGD_SOURCE_HASH (-1LL)
+#endif
+
 /* ---- parameter dtype codes (the accumulation type follows: double for F64, else float) ---- */
 enum { FGD_F32 = 0, FGD_F16 = 1, FGD_BF16 = 2, FGD_F64 = 3 };
 

@@ -14,6 +14,7 @@ overrides the build directory; ``FGD_FAST_BUILD_VERBOSE=1`` shows the compiler's
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -21,16 +22,36 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["CSRC", "SOURCES", "build_directory", "extra_include_dirs", "load"]
+__all__ = ["CSRC", "SOURCES", "build_directory", "extra_include_dirs", "hash_define", "load", "source_hash"]
 
 #: the kernel sources: ``fgd_fast/csrc`` in an installed wheel, ``csrc/`` beside the package
 #: in a source checkout or editable install
 _HERE = Path(__file__).resolve().parent
 CSRC = _HERE / "csrc" if (_HERE / "csrc").is_dir() else _HERE.parent / "csrc"
 SOURCES = ("fgd_binding.cpp", "fgd_gram.cu", "fgd_update.cu")
+HEADERS = ("fgd_cuda.h", "fgd_device.cuh")
 NVCC_FLAGS = ["-O3", "-std=c++17"]  # no --use_fast_math: A's rounding sets the distance floor
 
 _result: ModuleType | str | None = None  # the module, or the reason it cannot be loaded
+
+
+def source_hash(csrc: Path = CSRC) -> int | None:
+    """A 60-bit hash of the kernel sources and headers in ``csrc`` (None where one is missing):
+    built into the extension (:func:`hash_define`, ``constants()["SOURCE_HASH"]``), so that a
+    prebuilt ``fgd_fast._C`` older than edited sources (an editable install) is not used."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        path = csrc / name
+        if not path.is_file():
+            return None
+        digest.update(name.encode() + b"\0" + path.read_bytes())
+    return int(digest.hexdigest()[:15], 16)
+
+
+def hash_define(csrc: Path = CSRC) -> list[str]:
+    """The compiler flag carrying :func:`source_hash` (a number: no quoting through ninja's shell)."""
+    value = source_hash(csrc)
+    return [] if value is None else [f"-DFGD_SOURCE_HASH={value}LL"]
 
 
 def build_directory() -> Path:
@@ -77,7 +98,13 @@ def _try_load() -> ModuleType | str:
     try:
         from fgd_fast import _C  # built by setup.py
 
-        return _C
+        here = source_hash()
+        if here is None or _C.constants().get("SOURCE_HASH") == here:
+            return _C
+        prebuilt = (
+            f"fgd_fast._C was built from other sources than {CSRC} (edited since it was built: rebuild it with "
+            "`pip install -e . --no-build-isolation`)"
+        )
     except (ImportError, OSError) as exc:
         prebuilt = f"fgd_fast._C is not built or does not load ({exc})"
     if os.environ.get("FGD_FAST_JIT", "1") == "0":
@@ -96,8 +123,8 @@ def _try_load() -> ModuleType | str:
             name="fgd_fast_cuda",
             sources=[str(CSRC / s) for s in SOURCES],
             extra_include_paths=extra_include_dirs(cpp_extension.CUDA_HOME),
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=NVCC_FLAGS,
+            extra_cflags=["-O3", *hash_define()],
+            extra_cuda_cflags=NVCC_FLAGS + hash_define(),
             build_directory=str(out),
             verbose=os.environ.get("FGD_FAST_BUILD_VERBOSE", "0") not in ("", "0"),
         )

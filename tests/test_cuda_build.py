@@ -114,6 +114,52 @@ def test_a_rocm_torch_is_named_as_such(monkeypatch):
     assert run.returncode == 0 and "ROCm (HIP) build" in run.stdout, run.stdout + run.stderr
 
 
+def test_a_prebuilt_extension_older_than_the_sources_is_not_used(monkeypatch, tmp_path):
+    """A review: an editable install loaded the ``fgd_fast._C`` built by ``setup.py`` even after
+    ``csrc/`` was edited (the kernels run were not the sources'). The build now carries a hash of
+    the sources (``constants()["SOURCE_HASH"]``, one define for both compilers) and a ``_C``
+    with another is passed over for the just-in-time build (here: no toolkit, so the message)."""
+    import types
+
+    from fgd_fast import _cuda_build
+
+    here = _cuda_build.source_hash()
+    assert isinstance(here, int) and 0 <= here < 2**60
+    assert _cuda_build.hash_define() == [f"-DFGD_SOURCE_HASH={here}LL"]
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    assert _cuda_build.source_hash(copy) == here
+    (copy / "fgd_gram.cu").write_text((copy / "fgd_gram.cu").read_text() + "\n// edited\n")
+    assert _cuda_build.source_hash(copy) != here
+    (copy / "fgd_cuda.h").unlink()
+    assert _cuda_build.source_hash(copy) is None and _cuda_build.hash_define(copy) == []
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    for built, used in ((here, True), (here + 1, False), (None, False)):  # (None: built before the hash)
+        fake = types.ModuleType("fgd_fast._C")
+        fake.constants = lambda built=built: {} if built is None else {"SOURCE_HASH": built}
+        monkeypatch.setitem(sys.modules, "fgd_fast._C", fake)
+        monkeypatch.setattr(fgd_fast, "_C", fake, raising=False)
+        monkeypatch.setattr(_cuda_build, "_result", None)
+        if used:
+            assert _cuda_build.load() is fake
+            continue
+        with pytest.raises(ImportError, match=r"built from other sources.*no CUDA toolkit"):
+            _cuda_build.load()
+    monkeypatch.setattr(_cuda_build, "_result", None)  # (not cached past this test)
+
+
+def test_binding_and_build_share_the_source_hash_define():
+    """The binding exports the define the build passes, and the header gives it a default."""
+    assert 'd["SOURCE_HASH"] = (long long)FGD_SOURCE_HASH;' in (CSRC / "fgd_binding.cpp").read_text()
+    assert "#ifndef FGD_SOURCE_HASH" in (CSRC / "fgd_cuda.h").read_text()
+    setup = (ROOT / "setup.py").read_text()
+    assert '"cxx": ["-O3", *cb.hash_define()]' in setup and "cb.NVCC_FLAGS + cb.hash_define()" in setup
+
+
 def test_a_fused_backend_refuses_tensors_of_two_gpus():
     """A review: one launch reads every layer through one device's pointers; a direct call with
     layers on two GPUs would read the other's memory. Refused (fgd() and FGD group per device)."""

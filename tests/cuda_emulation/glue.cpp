@@ -195,7 +195,7 @@ const char* fgd_emu_constants_json() {
                kv("M_PHI", FGD_SLOT_M_PHI) + "}, " + kv("GRAM_TILE", FGD_GRAM_TILE) + ", " + kv("GRAM_BK", FGD_GRAM_BK) +
                ", " + kv("UPD_ROWS", FGD_UPD_ROWS) + ", " + kv("F32", FGD_F32) + ", " + kv("F16", FGD_F16) + ", " +
                kv("BF16", FGD_BF16) + ", " + kv("F64", FGD_F64) + ", " + kv("READS_PHI", FGD_READS_PHI) + ", " +
-               kv("WRITES_PHI", FGD_WRITES_PHI) + "}";
+               kv("WRITES_PHI", FGD_WRITES_PHI) + ", " + kv("SOURCE_HASH", FGD_SOURCE_HASH) + "}";
     }
     return json.c_str();
 }
