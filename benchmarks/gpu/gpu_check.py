@@ -73,6 +73,8 @@ PLAN = {
     "train": (40, 0),
     "build": (200, 0),
 }
+#: a phase whose name in the plan and the report is not its function's (``--phases`` takes either)
+PLAN_NAME = {"probe": "triton-probe"}
 #: the accuracy phase: the workloads the first phase does not run, and the precision candidates
 ACCURACY_WORKLOADS = ("resnet-50", "transformer")
 ACCURACY_CASES = ("fgd-reference", "fgd-auto", "fgd-torch-tf32x3", "fgd-triton-tf32x3")
@@ -127,7 +129,7 @@ class Check:
         else:
             self.env.setdefault("FGD_BENCH_SCALE", "full")
         chosen = args.phases or [p.__name__ for p in PHASES]
-        self.selected = [{"probe": "triton-probe"}.get(n, n) for n in chosen]
+        self.selected = [PLAN_NAME.get(n, n) for n in chosen]
         self.result: dict = {"args": vars(args), "source_digest": source_digest(ROOT), "phases": {}}
         self.save()
 
@@ -565,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--phases",
         nargs="+",
-        choices=[p.__name__ for p in PHASES] + ["triton-probe"],  # (the probe's name in the plan and report)
+        choices=[p.__name__ for p in PHASES] + list(PLAN_NAME.values()),  # (names in the plan and report too)
         help="run only these phases (default: all; the probe is 'probe' or 'triton-probe')",
     )
     ap.add_argument(
@@ -574,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--digest", action="store_true", help="print this checkout's source digest and exit")
     args = ap.parse_args(argv)
     if args.phases:  # (the function's name from here on)
-        args.phases = [{"triton-probe": "probe"}.get(n, n) for n in args.phases]
+        function = {v: k for k, v in PLAN_NAME.items()}
+        args.phases = [function.get(n, n) for n in args.phases]
     if args.digest:
         print(source_digest(ROOT))
         return 0
