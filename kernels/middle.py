@@ -94,25 +94,27 @@ def mid_prep_kernel(
             tl.store(coef + meta.GB_C_TARGET, tl.load(rule + meta.MP_RULE_TARGET))
             tl.store(coef + meta.GB_C_LR, eta.to(tl.float64))
             tl.store(coef + meta.GB_C_BETA, beta.to(tl.float64))
-        s = s64.to(tl.float32)
-        s2 = s * s
+        s = s64.to(tl.float32)  # (applied twice, never s² formed: it underflows float32 below s ~ 1e-19)
         eye = (ri[:, None] == cj[None, :]).to(tl.float32)
         tl.store(a_blk + at, _tile(a_blk, ri, cj, p, m) - eye, mask=m)  # D = A − I (in A's place)
         e = s * _tile(e_blk, ri, cj, p, m)  # sE
         q = (0.5 * eta) * (e + s * _tile_t(e_blk, ri, cj, p, m))  # η sym(sE)
         t = -eta * e  # T = −ηsE (+ βsB)
-        w_blk = (eta * eta) * _tile(g_blk, ri, cj, p, m)  # η²G
+        # W = s²UᵀU from (sη) and (sβ): η²G alone overflows float32 for a huge η where s²η²G does not
+        s_eta = s * eta
+        w_blk = s_eta * (s_eta * _tile(g_blk, ri, cj, p, m))  # (sη)²G
         out = blocks_ptr + off + at
         if HAS_PHI:
             b = s * _tile(b_blk, ri, cj, p, m)  # B' = sB
             sb = 0.5 * (b + s * _tile_t(b_blk, ri, cj, p, m))  # S' = sym(sB)
             c = _tile(c_blk, ri, cj, p, m)
-            q = q - s2 * c - (beta - 1.0) * sb - alpha * b  # Q = η sym(sE) − s²C − (β−1)S' − αB'
+            q = q - s * (s * c) - (beta - 1.0) * sb - alpha * b  # Q = η sym(sE) − s²C − (β−1)S' − αB'
             t += beta * b  # T = βsB − ηsE
             hh = _tile(h_blk, ri, cj, p, m) + _tile_t(h_blk, ri, cj, p, m)
-            w_blk += (beta * beta) * c - (beta * eta) * hh  # + β²C − βη(H + Hᵀ)
+            s_beta = s * beta
+            w_blk += s_beta * (s_beta * c) - s_beta * (s_eta * hh)  # + (sβ)²C − (sβ)(sη)(H + Hᵀ)
             tl.store(out + meta.MP_B * numel, b, mask=m)
             tl.store(out + meta.MP_S * numel, sb, mask=m)
         tl.store(out + meta.MP_Q * numel, q, mask=m)
         tl.store(out + meta.MP_T * numel, t, mask=m)
-        tl.store(g_blk + at, s2 * w_blk, mask=m)  # W = s²UᵀU (in G's place)
+        tl.store(g_blk + at, w_blk, mask=m)  # W = s²UᵀU (in G's place)

@@ -145,6 +145,54 @@ def test_a_huge_finite_gradient_is_scaled_as_the_reference_scales_it(spike, mome
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("lr", [1e4, 2e4])
+def test_a_trust_scale_below_float32s_square_root_range_still_counts_the_velocity(backend, momentum, lr):
+    """A guard fuzz: with ‖g‖ = 1.5e19 and a huge lr the trust scale s = ρ/(η‖g‖) fell below
+    ~1e-19, where s² is subnormal (lr 1e4: another decision) or 0 in float32 (lr 2e4: the
+    velocity term dropped out of the guard's exact distance, and θ was stored 3.4 off the
+    manifold, counted as scaled). s is now applied twice, never squared: the reference's step."""
+    stored = {}
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 24)))
+        opt = fgd_fast.FGD(  # (IEEE fp32 products: differences are the guard's, not TF32's)
+            [dict(params=[w], orthogonal=True)], lr=lr, momentum=momentum, backend=name, precision="ieee"
+        )
+        g = torch.randn(6, 24, generator=torch.Generator().manual_seed(1))
+        w.grad = g / g.norm() * 1.5e19
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        stored[name] = (fgd_fast.stiefel_distance(w), opt.guard_stats()[0], w.detach().clone())
+    (d_ref, stats_ref, w_ref), (d, stats, w) = stored["reference"], stored[backend]
+    assert d <= MAX_DISTANCE and stats == stats_ref, (d, stats, stats_ref)
+    assert abs(d - d_ref) <= 1e-5 and torch.allclose(w, w_ref, atol=1e-5, rtol=0), (d, d_ref)
+
+
+@pytest.mark.parametrize("shape", [(24, 6), (6, 24)])
+def test_carried_grams_after_a_normal_gradient_do_not_reset(shape):
+    """A guard fuzz: with ``gram_refresh=2`` a gradient normal to the manifold (g = θ: Φ₊ ≈ 0)
+    left a carried C₊ = W + sym(M_Φᵀ(Y + T)) whose trace rounded below zero; ‖Φ‖ = √tr C was NaN
+    and the guard reset the next steps (momentum lost). The trace is clamped at 0 now: the
+    reference's decisions and step."""
+    runs = {}
+    for backend, refresh in (("reference", 1), ("torch", 2)):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape)))
+        opt = fgd_fast.FGD(
+            [dict(params=[w], orthogonal=True)], lr=0.05, momentum=0.9, backend=backend, gram_refresh=refresh
+        )
+        gen = torch.Generator().manual_seed(2)
+        for k in range(3):
+            w.grad = w.detach().clone() if k == 0 else 0.1 * torch.randn(shape, generator=gen)
+            opt.step()
+        runs[backend] = (opt.guard_stats()[0], w.detach().clone())
+    assert runs["torch"][0] == runs["reference"][0] == {"scaled": 0, "reset": 0}
+    torch.testing.assert_close(runs["torch"][1], runs["reference"][1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_check_manifold_alone_refuses_an_overflowing_step(backend):
     """Issue: guard=False, check_finite=False and g = 1e30 wrote θ at distance 2.6e57 —
     check_manifold only refused a *finite* predicted distance above the limit."""

@@ -183,12 +183,14 @@ def middle(
     lr_, beta_, alpha_ = (lay.col(v) for v in (lr, beta, alpha))  # per-layer values broadcast to the blocks
     predict = radius is not None or limit is not None
     host = host_reads_free(a.device)  # (a CPU: skip what a host read shows is not needed)
-    scale = scaled = None  # scaled: s² where the blocks were scaled
+    scale = scaled = None  # scaled: s (a column) where the blocks were scaled
     if not predict:
         finite = all_finite(e, lay)  # E = θᵀg finite (without a prediction: the plain check)
     else:
         g_norm = g_sq.reshape(g_sq.shape[0], -1).sum(-1).sqrt()  # ‖g‖_F (float64)
         phi_sq = lay.trace(c).to(torch.float64) if b is not None else torch.zeros_like(g_norm)
+        if carry and b is not None:  # a carried C₊ is a difference: its trace may round below 0 where Φ₊ ≈ 0
+            phi_sq = phi_sq.clamp_min_(0.0)  # (whose square root, NaN, made the guard reset the step)
         g_finite = finite_of(g_norm)
         finite = g_finite & finite_of(phi_sq) if host else None  # (with every ‖g‖ finite, E's check is not needed)
         if host and not bool(finite.all()):  # (rare) a non-finite input, or an overflowing ΦᵀΦ
@@ -203,13 +205,13 @@ def middle(
         if scale is not None and not (host and float(scale.min()) == 1.0):  # s = 1 everywhere: nothing to scale
             # (in place: the callers' blocks are scratch of this step)
             s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
-            s2 = s * s
-            scaled = s2
+            scaled = s  # (s applied twice, never s² formed: below ~1e-19 it is subnormal, below ~4e-23 zero
+            # in float32, and the velocity term would drop out of the guard's distance)
             e = e.mul_(s)  # E → sE (exact when s = 1)
-            gg, uu = (m.mul_(s2) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
+            gg, uu = (m.mul_(s).mul_(s) if m is not None else None for m in (gg, uu))  # G → s²G, UᵀU → s²UᵀU
             if b is not None:
-                b, c = b.mul_(s), c.mul_(s2)  # B → sB, C → s²C
-                h = h.mul_(s2) if h is not None else None  # H → s²H
+                b, c = b.mul_(s), c.mul_(s).mul_(s)  # B → sB, C → s²C
+                h = h.mul_(s).mul_(s) if h is not None else None  # H → s²H
             if not lazy and uu_later is not None and host:
                 uu, gg = _unless_overflowed(uu, gg, finite, scale, uu_later, lay)
     if b is None:
@@ -254,7 +256,7 @@ def middle(
                 return Middle(m_theta, m_phi, feedback, dist, finite, None, bound, fits & all_finite(m_phi, lay))
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, bound, fits, guard_codes(scale))
         formed = uu_later()  # the Gram pass's velocity block after all: UᵀU, or G = gᵀg without Φ
-        formed = formed.mul_(scaled) if scaled is not None else formed  # → s²UᵀU or s²G, as the blocks
+        formed = formed.mul_(scaled).mul_(scaled) if scaled is not None else formed  # → s²UᵀU or s²G, as the blocks
         uu, gg = (formed, gg) if b is not None else (None, formed)
         if scaled is not None:
             uu, gg = _unless_overflowed(uu, gg, finite, scale, uu_later, lay)
