@@ -10,7 +10,7 @@ writing (:mod:`fgd_fast.guards`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -76,11 +76,21 @@ def backend_for(name: str, device: torch.device | str, precision: str = "ieee") 
     return _cached_backend(name, torch.device(device).type, precision)[0]
 
 
+def outside_inference_mode() -> AbstractContextManager:
+    """Where a step makes state that later steps update in place (Φ, the guard's counters):
+    outside ``torch.inference_mode`` even in a step taken inside it (an inference tensor cannot
+    be written in place by a step outside it: the next step raised after writing some layers)."""
+    if torch.compiler.is_compiling():  # (Dynamo cannot trace the mode's query; a compiled step is not in it)
+        return nullcontext()
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
+
+
 def zero_momentum(p: torch.Tensor) -> torch.Tensor:
     """A first step's Φ = 0 for ``p``: float32 for float16/bfloat16 parameters, else ``p``'s
-    dtype; a DTensor parameter's Φ is a DTensor with its placement."""
+    dtype; a DTensor parameter's Φ is a DTensor with its placement. Never an inference tensor."""
     cdt = compute_dtype(p.dtype)
-    return _zero_dtensor(p, cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
+    with outside_inference_mode():
+        return _zero_dtensor(p, cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
 
 
 @torch.compiler.disable  # traced, zeros_like gave an uneven shard the even shards' local shape

@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fgd_fast
 from fgd_fast.baselines import CayleyADAM, CayleySGD
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, backend_params, snapshot
 
 
 def _net(seed=0):
@@ -683,3 +683,25 @@ def test_a_step_with_nothing_orthogonal_warns_once():
         warnings.simplefilter("error")
         opt.step()
         fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01).step()
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+def test_a_first_step_in_inference_mode_makes_state_later_steps_can_update(backend):
+    """A review: a step under ``torch.inference_mode`` made Φ (and the guard's counters) as
+    inference tensors; the next step outside it raised "Inplace update to inference tensor" with
+    the reference backend after writing the first layer (and any backend on a spike, where the
+    counters are updated). The state is made outside inference mode: both steps run, the second
+    one guarded, and nothing is an inference tensor."""
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s))) for s in [(8, 24), (16, 3, 3, 3), (3, 1)]]
+    opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], lr=0.1, backend=backend)
+    for w in ws:
+        w.grad = 0.01 * torch.randn(w.shape)
+    with torch.inference_mode():
+        opt.step()
+    assert not any(t.is_inference() for w in ws for t in opt.state[w].values())
+    for w in ws:
+        w.grad = 1e3 * torch.randn(w.shape)  # a spike: the guard binds and its counters are added to
+    with pytest.warns(RuntimeWarning, match="guard bound"):
+        opt.step()
+    assert sum(s["scaled"] + s["reset"] for s in opt.guard_stats().values()) >= 1
