@@ -16,6 +16,7 @@ may not give one a different value.
 from __future__ import annotations
 
 import difflib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .backends import compute_dtype
 from .distributed import is_dtensor
-from .functional import sgd
+from .functional import outside_inference_mode, sgd
 from .manifold import check_materialised, stiefel_distance
 from .validation import (
     check_grad,
@@ -72,6 +73,19 @@ def option(name: str, doc: str = "") -> property:
             group[name] = value
 
     return property(get, set, doc=doc or f"The optimizer-wide option ``{name}`` (kept in ``defaults``).")
+
+
+def state_outside_inference_mode(step: Callable) -> Callable:
+    """Run an optimizer's ``step`` outside ``torch.inference_mode`` (still under ``no_grad``): the
+    state it makes (momentum buffers, moments, counters) is then no inference tensor, which a later
+    step outside the mode could not update in place (it raised after writing some parameters)."""
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        with outside_inference_mode(), torch.no_grad():  # (leaving inference mode turns grad mode back on)
+            return step(*args, **kwargs)
+
+    return wrapper
 
 
 class StiefelOptimizer(Optimizer):

@@ -281,30 +281,39 @@ def fgd(
         if t.device_mesh not in meshes:
             meshes.append(t.device_mesh)
             mesh_device[t.device_mesh] = t.device
+    if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
+        meshes = _in_rank_independent_order(meshes)
     # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
     # other collectives than on the others)
+    # (a disagreement on one mesh is carried into the later, wider meshes' agreements: the ranks
+    # outside the first mesh raise too instead of waiting for the ranks that raised)
+    disagreed: ValueError | None = None
     for mesh in meshes:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         on_mesh = [i for i in sharded if params[i].device_mesh == mesh]
-        agree_across_ranks(
-            {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
-                "the number of sharded orthogonal parameters": len(on_mesh),
-                "lr": tuple(host_lrs()[i] for i in on_mesh),
-                "momentum": tuple(betas[i] for i in on_mesh),
-                "feedback": tuple(alphas[i] for i in on_mesh),
-                "maximize": maximize,
-                "backend": (backend, _cached_backend(backend, mesh_device[mesh].type, precision)[0]),
-                "precision": precision,
-                "variant": variant,
-                "sharding": sharding,
-                "check_finite": check_finite,
-                "check_manifold": check_manifold,
-                "max_distance": max_distance,
-                "guard": guard,
-                "trust_radius": trust_radius,
-            },
-            mesh_device[mesh],
-            mesh=mesh,
-        )
+        settings = {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
+            "the number of sharded orthogonal parameters": len(on_mesh),
+            "the sharded orthogonal parameters": tuple(labels[i] for i in on_mesh),
+            "lr": tuple(host_lrs()[i] for i in on_mesh),
+            "momentum": tuple(betas[i] for i in on_mesh),
+            "feedback": tuple(alphas[i] for i in on_mesh),
+            "maximize": maximize,
+            "backend": (backend, _cached_backend(backend, mesh_device[mesh].type, precision)[0]),
+            "precision": precision,
+            "variant": variant,
+            "sharding": sharding,
+            "check_finite": check_finite,
+            "check_manifold": check_manifold,
+            "max_distance": max_distance,
+            "guard": guard,
+            "trust_radius": trust_radius,
+            "whether the ranks of another device mesh disagreed": disagreed is not None,
+        }
+        try:
+            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
+        except ValueError as error:
+            disagreed = disagreed or error
+    if disagreed is not None:
+        raise disagreed
     beside = _unsharded_beside_sharded
     if beside is None:  # (a direct call: its layers, which every rank passes alike)
         beside = bool(sharded) and any(not is_dtensor(p) for p in params)
@@ -367,6 +376,14 @@ def fgd(
             for i, t in zip(idx, pl.dist_next.unbind(0)):
                 distance[i] = t
     return GuardReport(per_param, read, distance)
+
+
+@torch.compiler.disable
+def _in_rank_independent_order(meshes: list) -> list:
+    """The device meshes in one order on every rank, the smaller first (by their ranks): the ranks'
+    agreements on them are collectives, which every rank must call in the same order, and a
+    disagreement on a sub-mesh reaches the wider meshes after it."""
+    return sorted(meshes, key=lambda m: (m.mesh.numel(), tuple(m.mesh.shape), m.mesh.flatten().tolist()))
 
 
 def _agree_on_local_checks(passed: bool, meshes: list, mesh_device: dict, failed: Exception | None = None) -> None:

@@ -508,6 +508,44 @@ def fsdp_dtensor_grads_none_on_one_rank(rank, world, out):
     return dict(messages=messages, unchanged=unchanged, rested=rested, moved=moved)
 
 
+def fsdp_mismatched_gradients(rank, world, out, *, kind):
+    """A diff review: ``case="swap"`` (2 ranks): rank 0 has a gradient for layer 1 only, rank 1
+    for layer 0 only — the agreement compared the layer count alone and the ranks summed different
+    layers' Grams; ``kind="submesh"`` (4 ranks): layer 0 on 2-rank sub-meshes, layer 1 on all 4,
+    the last rank without layer 0's gradient — the ranks agreed on the meshes in different orders
+    and, once they did not, the other sub-mesh's ranks waited on the whole mesh for the ranks that
+    raised. Every rank must raise (returns the message) and nothing must change."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    whole = init_device_mesh("cpu", (world,))
+    first = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))["shard"]
+    meshes = (first, whole) if kind == "submesh" else (whole, whole)
+    ps = [
+        torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), m, [Shard(0)]))
+        for m in meshes
+    ]
+    opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, momentum=0.9)
+    for step in range(2):
+        for i, p in enumerate(ps):
+            g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i), dtype=DTYPE)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        if step == 0:
+            opt.step()
+    if kind == "swap":
+        ps[rank].grad = None
+    elif rank == world - 1:
+        ps[0].grad = None
+    before = [p.to_local().clone() for p in ps]
+    try:
+        opt.step()
+        message = None
+    except ValueError as error:
+        message = str(error)
+    return dict(message=message, unchanged=all(torch.equal(b, p.to_local()) for b, p in zip(before, ps)))
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
@@ -725,6 +763,7 @@ CASES = {
         fsdp_plain_check_on_one_rank,
         fsdp_grad_on_one_rank,
         fsdp_dtensor_grads_none_on_one_rank,
+        fsdp_mismatched_gradients,
         fsdp_partial,
         fsdp_checkpoint,
         fsdp_save,

@@ -705,3 +705,20 @@ def test_a_first_step_in_inference_mode_makes_state_later_steps_can_update(backe
     with pytest.warns(RuntimeWarning, match="guard bound"):
         opt.step()
     assert sum(s["scaled"] + s["reset"] for s in opt.guard_stats().values()) >= 1
+
+
+@pytest.mark.parametrize("cls", [fgd_fast.FGD, CayleySGD, CayleyADAM])
+def test_plain_groups_and_baselines_after_a_step_in_inference_mode(cls):
+    """A diff review: the plain groups' momentum (torch's SGD, inside the mode) and the Cayley
+    baselines' moments were still inference tensors; the next step outside the mode raised after
+    writing the orthogonal layers. Every step runs outside inference mode now (under no_grad)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(8, 4))
+    opt = cls(fgd_fast.stiefel_param_groups(net), lr=0.01)
+    for step in range(2):
+        for p in net.parameters():
+            p.grad = 0.01 * torch.randn(p.shape)
+        with torch.inference_mode(step == 0):
+            opt.step()
+        assert not any(t.is_inference() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    assert all(p.requires_grad and not p.is_inference() for p in net.parameters())

@@ -409,6 +409,19 @@ def test_a_rank_without_gradients_for_its_sharded_layers_raises_with_the_others(
     assert results[0]["messages"] == results[1]["messages"]
 
 
+@pytest.mark.parametrize("world, kind", [(2, "swap"), (4, "submesh")])
+def test_ranks_with_gradients_for_different_sharded_layers_raise_alike(world, kind):
+    """A diff review: ranks stepping different sharded layers (the same count) passed the
+    agreement and summed different layers' Grams; ranks on several meshes agreed on them in
+    different orders, or waited on a wider mesh for ranks that had raised on a sub-mesh (a hang).
+    Every rank raises now, before writing."""
+    results = run(world, "fsdp_mismatched_gradients", kind=kind)
+    for r in results:
+        assert r["message"] is not None and r["unchanged"], r
+    named = [r for r in results if "the sharded orthogonal parameters" in r["message"]]
+    assert named and all("disagree" in r["message"] for r in results)
+
+
 def test_orthogonality_after_compiled_or_outside_writes_is_measured():
     """A review: a DTensor parameter stepped eagerly once, then by compiled steps, kept
     reporting the eager step's distance (the compiled step records none). The recorded
