@@ -276,11 +276,10 @@ def fgd(
                 )
             )
         index.append(idx)
-    meshes, mesh_device = [], {}  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
+    mesh_device: dict = {}  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
     for t in [params[i] for i in sharded] + list(_idle_dtensors):
-        if t.device_mesh not in meshes:
-            meshes.append(t.device_mesh)
-            mesh_device[t.device_mesh] = t.device
+        mesh_device.setdefault(t.device_mesh, t.device)
+    meshes = list(mesh_device)
     if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
         meshes = _in_rank_independent_order(meshes)
     # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take

@@ -14,7 +14,7 @@ from .backends import BACKENDS, PRECISIONS, checked_precision
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, is_dtensor
-from .functional import GuardReport, backend_for, fgd, outside_inference_mode, zero_momentum
+from .functional import GuardReport, backend_for, fgd, zero_momentum
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
 from .manifold import orthogonalize_, stiefel_distance
 from .validation import (
@@ -534,9 +534,8 @@ def _whole_counts(counts: torch.Tensor) -> bool:
 
 def _guard_counts(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
     """``state["guard_count"]`` = [scaled, reset] steps of ``p``, created at zero if missing."""
-    if "guard_count" not in state:
-        with outside_inference_mode():  # (updated in place by later steps)
-            state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
+    if "guard_count" not in state:  # (made in FGD.step, which runs outside torch.inference_mode)
+        state["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
     return state["guard_count"]
 
 
