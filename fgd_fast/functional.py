@@ -389,16 +389,23 @@ def _agree_on_local_checks(passed: bool, meshes: list, mesh_device: dict, failed
     """With unsharded orthogonal layers beside sharded ones, a check that failed on this rank's
     unsharded layers alone would leave the other ranks writing theirs, then waiting in the
     sharded layers' collectives: the ranks of each mesh agree on the verdict first, and every
-    rank raises (this rank its own error) before anything is written."""
+    rank raises (this rank its own error) before anything is written. A disagreement on one
+    mesh is carried into the later, wider meshes' agreements (as in the step's own agreement):
+    the ranks outside the first mesh raise too instead of waiting."""
+    disagreed: ValueError | None = None
     for mesh in meshes:
+        settings = {
+            "whether the unsharded orthogonal parameters passed the checks": passed,
+            "whether the ranks of another device mesh disagreed": disagreed is not None,
+        }
         try:
-            agree_across_ranks(
-                {"whether the unsharded orthogonal parameters passed the checks": passed}, mesh_device[mesh], mesh=mesh
-            )
-        except ValueError:
-            if failed is not None:
-                raise failed from None
-            raise
+            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
+        except ValueError as error:
+            disagreed = disagreed or error
+    if disagreed is not None:
+        if failed is not None:
+            raise failed from None
+        raise disagreed
 
 
 def sgd(

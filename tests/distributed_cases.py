@@ -546,6 +546,38 @@ def fsdp_mismatched_gradients(rank, world, out, *, kind):
     return dict(message=message, unchanged=all(torch.equal(b, p.to_local()) for b, p in zip(before, ps)))
 
 
+def fsdp_local_check_on_a_submesh(rank, world, out):
+    """A review (4 ranks): an unsharded orthogonal layer beside sharded layers on a 2-rank
+    sub-mesh and on the whole mesh, the last rank's unsharded gradient NaN. The ranks agreed on
+    the local checks mesh by mesh and raised at the first disagreement: the last rank's sub-mesh
+    raised, the other sub-mesh's ranks waited on the whole mesh for them (a hang). Now every rank
+    raises before writing (the last rank its own error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    whole = init_device_mesh("cpu", (world,))
+    first = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))["shard"]
+    ps = [
+        torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), m, [Shard(0)]))
+        for m in (first, whole)
+    ]
+    plain = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, dtype=DTYPE)))
+    opt = fgd_fast.FGD([dict(params=[*ps, plain], orthogonal=True)], lr=0.05, momentum=0.9)
+    for p in ps:
+        g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+    plain.grad = torch.full_like(plain, float("nan") if rank == world - 1 else 0.01)
+    before = [p.to_local().clone() for p in ps] + [plain.detach().clone()]
+    try:
+        opt.step()
+        message = None
+    except (ValueError, FloatingPointError) as error:
+        message = f"{type(error).__name__}: {error}"
+    after = [p.to_local() for p in ps] + [plain.detach()]
+    return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)))
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
@@ -771,6 +803,7 @@ CASES = {
         ddp_train,
         zero_steps,
         fsdp_submesh,
+        fsdp_local_check_on_a_submesh,
     )
 }
 

@@ -422,6 +422,18 @@ def test_ranks_with_gradients_for_different_sharded_layers_raise_alike(world, ki
     assert named and all("disagree" in r["message"] for r in results)
 
 
+def test_a_local_check_failing_on_a_submesh_rank_raises_on_every_rank():
+    """A review: the ranks' agreement on the unsharded layers' checks raised at the first
+    mesh that disagreed, so the ranks of another sub-mesh waited on the whole mesh (a hang);
+    the disagreement is carried into the wider mesh now. Every rank raises, nothing is written;
+    the rank whose gradient was NaN raises its own error."""
+    results = run(4, "fsdp_local_check_on_a_submesh")
+    for r in results:
+        assert r["message"] is not None and r["unchanged"], r
+    assert "FloatingPointError" in results[-1]["message"] or "finite" in results[-1]["message"], results[-1]
+    assert all("disagree" in r["message"] for r in results[:-1]), results
+
+
 def test_orthogonality_after_compiled_or_outside_writes_is_measured():
     """A review: a DTensor parameter stepped eagerly once, then by compiled steps, kept
     reporting the eager step's distance (the compiled step records none). The recorded
