@@ -25,10 +25,10 @@ import torch
 from torch.optim.optimizer import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .backends import compute_dtype
 from .distributed import is_dtensor
 from .functional import outside_inference_mode, sgd
 from .manifold import check_materialised, stiefel_distance
+from .saved_state import agree_on_saved_state, check_saved_structure, check_saved_tensor, state_dtype
 from .validation import (
     check_grad,
     check_orthogonal_params,
@@ -266,7 +266,7 @@ class StiefelOptimizer(Optimizer):
         """Refuse saved state of ``p`` that cannot be this optimizer's (subclasses add keys)."""
         buf = state.get("momentum_buffer")
         if buf is not None:
-            _check_saved_tensor(buf, p, text, "momentum_buffer")
+            check_saved_tensor(buf, p, text, "momentum_buffer", state_dtype(p, group))
 
     def _saved_options(self, saved_groups: list[dict[str, Any]]) -> dict[str, Any]:
         """The optimizer-wide options a state_dict's groups bring (those it has), checked: the
@@ -293,12 +293,17 @@ class StiefelOptimizer(Optimizer):
         loading to keep this optimizer's. The floating state of float16/bfloat16 orthogonal parameters stays float32
         (``Optimizer.load_state_dict`` casts it to the parameter's dtype). Load pre-hooks run
         first, and what they return is what is checked and loaded; post-hooks run last, after
-        the options and the float32 state are in place."""
+        the options and the float32 state are in place. With sharded (DTensor) parameters the
+        ranks agree on the checks' verdict (one small all-reduce per device mesh): every rank
+        loads, or every rank raises. As ``torch.optim``, a loaded state tensor already of its
+        parameter's dtype and device is the state_dict's own, not a copy (a later step updates
+        it in place): load a ``copy.deepcopy`` to keep a checkpoint held in memory unchanged."""
         state_dict = state_dict.copy()  # (as torch: a hook may edit or replace it)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        check_saved_structure(state_dict)
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         # the saved state's key of each parameter, in order: what the groups list (flat indices in a
@@ -326,6 +331,16 @@ class StiefelOptimizer(Optimizer):
                         "own); nothing was loaded. Build the optimizer with the groups the checkpoint was saved with, "
                         "or load the model's weights only and start the optimizer fresh"
                     )
+                # (torch installs the saved group whole: a hyper-parameter it lacks would be missing at
+                # every later step; the optimizer-wide options are set from the saved ones)
+                lacking = [key for key in self.defaults if key not in saved_group and key not in self._OPTIONS]
+                if lacking:
+                    raise ValueError(
+                        f"cannot load this state_dict: its param_groups[{k}] has no {', '.join(map(repr, lacking))}; "
+                        "nothing was loaded. Put the saved value back (e.g. "
+                        f"state_dict['param_groups'][{k}][{lacking[0]!r}] = opt.param_groups[{k}][{lacking[0]!r}]), "
+                        "or load the model's weights only and start the optimizer fresh"
+                    )
                 merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
                 try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
                     self._validate_group(merged)
@@ -335,9 +350,24 @@ class StiefelOptimizer(Optimizer):
                     raise ValueError(
                         f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
                     ) from exc
-            for index, (group, p, key) in enumerate(self._keyed()):
-                if isinstance(saved.get(saved_key(index)), dict):
-                    self._check_saved_state(p, group, saved[saved_key(index)], label(key))
+            listed = {saved_key(index) for index in range(len(keys))}
+            stray = [k for k in saved if k not in listed]
+            if stray:
+                raise ValueError(
+                    f"cannot load this state_dict: state_dict['state'] has entries for {stray[:3]!r}"
+                    f"{' …' if len(stray) > 3 else ''}, which its param_groups do not list (their state would be "
+                    "dropped); nothing was loaded. Was it saved for another model, or were its keys edited?"
+                )
+            failed: ValueError | None = None
+            try:
+                for index, (group, p, key) in enumerate(self._keyed()):
+                    if saved_key(index) in saved:
+                        self._check_saved_state(p, group, saved[saved_key(index)], label(key))
+            except ValueError as error:
+                failed = error
+            # (a sharded state tensor is checked on each rank's shard: the ranks agree on the verdict,
+            # so that none loads while another refuses)
+            agree_on_saved_state(failed, [p for _, p, _ in self._keyed()])
         changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
         pre_hooks, post_hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()  # (ran above; the post-hooks run at the end)
@@ -351,21 +381,13 @@ class StiefelOptimizer(Optimizer):
             for o in self._OPTIONS:
                 group[o] = options.get(o, self.defaults[o])
         self.defaults.update(options)
-        if changed:  # (a constructor's explicit choice replaced without a word is a surprise)
-            what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
-            warnings.warn(
-                f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
-                f"to keep this optimizer's, set them again after loading: {self._restore_order(changed)}",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
         # torch casts every loaded state tensor but "step" to a floating parameter's dtype: integer
         # state (FGD's guard counters) keeps its own dtype, and the float32 state of a 16-bit
         # orthogonal parameter stays float32
         for index, (group, p, _) in enumerate(self._keyed()):
             if not isinstance(saved.get(saved_key(index)), dict):
                 continue
-            cdt = compute_dtype(p.dtype) if group["orthogonal"] else p.dtype
+            cdt = state_dtype(p, group)
             for name, value in saved[saved_key(index)].items():
                 if not isinstance(value, torch.Tensor) or name == "step":
                     continue
@@ -374,6 +396,15 @@ class StiefelOptimizer(Optimizer):
                 elif cdt != p.dtype:
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
         self._loaded()
+        if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once
+            # the load is complete: a warning raised as an error leaves a whole, usable optimizer)
+            what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
+            warnings.warn(
+                f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
+                f"to keep this optimizer's, set them again after loading: {self._restore_order(changed)}",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         for post_hook in post_hooks.values():
             post_hook(self)
 
@@ -410,19 +441,3 @@ class StiefelOptimizer(Optimizer):
         group has ``names`` (``stiefel_param_groups`` sets them) or torch's ``param_names``,
         else by the parameter's flat index (the index ``state_dict`` uses)."""
         return {key: stiefel_distance(p) for group, p, key in self._keyed() if group["orthogonal"]}
-
-
-def _check_saved_tensor(value: Any, p: torch.Tensor, text: str, name: str) -> None:
-    """A saved floating state tensor of ``p``: its shape, floating, finite (it is cast to the
-    parameter's dtype and device by ``load_state_dict``)."""
-    if not isinstance(value, torch.Tensor) or value.shape != p.shape or not value.is_floating_point():
-        got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
-        raise ValueError(
-            f"cannot load this state_dict: parameter {text}'s {name} is {got}, expected a floating tensor of shape "
-            f"{tuple(p.shape)}; was it saved for another model? Nothing was loaded"
-        )
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(
-            f"cannot load this state_dict: parameter {text}'s {name} has NaN/Inf values; nothing was loaded "
-            "(drop that entry from state_dict['state'] to restart its momentum)"
-        )

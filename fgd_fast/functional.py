@@ -385,7 +385,14 @@ def _in_rank_independent_order(meshes: list) -> list:
     return sorted(meshes, key=lambda m: (m.mesh.numel(), tuple(m.mesh.shape), m.mesh.flatten().tolist()))
 
 
-def _agree_on_local_checks(passed: bool, meshes: list, mesh_device: dict, failed: Exception | None = None) -> None:
+def _agree_on_local_checks(
+    passed: bool,
+    meshes: list,
+    mesh_device: dict,
+    failed: Exception | None = None,
+    *,
+    what: str = "the unsharded orthogonal parameters passed the checks",
+) -> None:
     """With unsharded orthogonal layers beside sharded ones, a check that failed on this rank's
     unsharded layers alone would leave the other ranks writing theirs, then waiting in the
     sharded layers' collectives: the ranks of each mesh agree on the verdict first, and every
@@ -395,7 +402,7 @@ def _agree_on_local_checks(passed: bool, meshes: list, mesh_device: dict, failed
     disagreed: ValueError | None = None
     for mesh in meshes:
         settings = {
-            "whether the unsharded orthogonal parameters passed the checks": passed,
+            f"whether {what}": passed,
             "whether the ranks of another device mesh disagreed": disagreed is not None,
         }
         try:

@@ -499,12 +499,14 @@ class FGD(StiefelOptimizer):
             or counts.shape != (2,)
             or counts.is_complex()
             or counts.dtype == torch.bool
+            or counts.is_meta
             or (counts.is_floating_point() and not _whole_counts(counts))
+            or (not counts.is_floating_point() and bool((counts < 0).any()))
         ):
             got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else repr(counts)
             raise ValueError(
-                f"cannot load this state_dict: parameter {text}'s guard_count is {got}, expected an integer "
-                "tensor of shape (2,); nothing was loaded. Delete that entry to restart the counts"
+                f"cannot load this state_dict: parameter {text}'s guard_count is {got}, expected a tensor of "
+                "two counts (whole numbers >= 0); nothing was loaded. Delete that entry to restart the counts"
             )
 
     # -- introspection ----------------------------------------------------------------------

@@ -578,6 +578,35 @@ def fsdp_local_check_on_a_submesh(rank, world, out):
     return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)))
 
 
+def dcp_load_with_a_nan_in_one_shard(rank, world, out):
+    """A checkpoint review: a DCP optimizer state with a NaN in rank 0's shard of one Φ only.
+    The load's finiteness check read each rank's own shard: rank 0 refused, rank 1 loaded (its
+    next step would wait in collectives rank 0 never calls). The ranks agree on the verdict now:
+    every rank raises, none loads; the clean checkpoint then loads on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(2):
+        _set_grads(model, step)
+        opt.step()
+    sd = get_optimizer_state_dict(model, opt)
+    phi = sd["state"]["conv.weight"]["momentum_buffer"]
+    kept = phi.to_local().clone()
+    if rank == 0:
+        phi.to_local().view(-1)[0] = float("nan")
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False), **HYPER)
+    try:
+        set_optimizer_state_dict(model, fresh, sd)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    refused_whole = len(fresh.state) == 0
+    phi.to_local().copy_(kept)
+    set_optimizer_state_dict(model, fresh, sd)
+    return dict(message=message, refused_whole=refused_whole, loaded_after=len(fresh.state) == len(opt.state))
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
@@ -804,6 +833,7 @@ CASES = {
         zero_steps,
         fsdp_submesh,
         fsdp_local_check_on_a_submesh,
+        dcp_load_with_a_nan_in_one_shard,
     )
 }
 

@@ -434,6 +434,16 @@ def test_a_local_check_failing_on_a_submesh_rank_raises_on_every_rank():
     assert all("disagree" in r["message"] for r in results[:-1]), results
 
 
+def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
+    """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
+    finiteness check read the local shard); every rank refuses now, naming the cause on the rank
+    that holds it, and none loads anything."""
+    results = run(2, "dcp_load_with_a_nan_in_one_shard")
+    assert "NaN/Inf" in results[0]["message"], results[0]
+    assert "another rank refused" in results[1]["message"], results[1]
+    assert all(r["refused_whole"] and r["loaded_after"] for r in results), results
+
+
 def test_orthogonality_after_compiled_or_outside_writes_is_measured():
     """A review: a DTensor parameter stepped eagerly once, then by compiled steps, kept
     reporting the eager step's distance (the compiled step records none). The recorded

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from .._matrix import as_w2, stiefel_shape
-from .._stiefel_optimizer import StiefelOptimizer, _check_saved_tensor, option, state_outside_inference_mode
+from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode
 from ..backends import compute_dtype
 from ..guards import raise_if_invalid
 from ..manifold import sign_fixed_q
+from ..saved_state import check_saved_tensor, state_dtype
 from ..validation import (
     check_bool,
     check_choice,
@@ -129,7 +130,7 @@ class CayleyBase(StiefelOptimizer):
     def _check_saved_state(self, p, group, state, text) -> None:
         for name in ("momentum_buffer", "exp_avg"):
             if state.get(name) is not None:
-                _check_saved_tensor(state[name], p, text, name)
+                check_saved_tensor(state[name], p, text, name, state_dtype(p, group))
         k = state.get("step")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(
