@@ -27,6 +27,7 @@ BAD = "tests/test_bad_input.py"
 LANDING = "tests/test_landing.py"
 BASE = "tests/test_baselines.py"
 LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
+SAVED = "tests/test_checkpoint_load.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -191,6 +192,18 @@ MUTANTS = {
             f"{GUARD}::test_a_huge_finite_gradient_is_scaled_as_the_reference_scales_it[1e+20-0.0-2]",
         ],
     ),
+    "saved_state_unshared": (
+        "load_state_dict's verdict on sharded state not agreed across the ranks (one refuses, the others load)",
+        [f"{DIST}::test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank"],
+    ),
+    "saved_finite_before_cast": (
+        "a saved buffer checked finite in its own dtype, not the one it is cast to (Inf in a float16 weight)",
+        [f"{SAVED}::test_a_buffer_that_overflows_the_parameters_dtype_is_refused[FGD]"],
+    ),
+    "saved_structure_unchecked": (
+        "a state_dict's outline (state entries as dicts, groups with params) taken as given",
+        [f"{SAVED}::test_a_malformed_state_dict_is_refused_with_the_reason[entry_not_a_dict]"],
+    ),
 }
 
 
@@ -213,7 +226,13 @@ def plant(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
-    if name in ("owner_checks_unshared", "grad_sq_unsummed", "guard_settings_not_agreed", "local_checks_unshared"):
+    if name in (
+        "owner_checks_unshared",
+        "grad_sq_unsummed",
+        "guard_settings_not_agreed",
+        "local_checks_unshared",
+        "saved_state_unshared",
+    ):
         os.environ[IN_RANKS] = name
         undo.append((os.environ, IN_RANKS, None))
     elif name == "raise_when_guard_binds":
@@ -370,6 +389,19 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((StiefelOptimizer, "_saved_options", original))
         StiefelOptimizer._saved_options = saved_options
+    elif name in ("saved_finite_before_cast", "saved_structure_unchecked"):
+        from fgd_fast import saved_state
+
+        if name == "saved_finite_before_cast":
+            original = saved_state.check_saved_tensor
+            new = lambda value, p, text, what, dtype: original(value, p, text, what, value.dtype)  # noqa: E731
+            attr = "check_saved_tensor"
+        else:
+            new, attr = (lambda state_dict: None), "check_saved_structure"
+        for module in list(sys.modules.values()):
+            if module is not None and module.__name__.startswith("fgd_fast") and hasattr(module, attr):
+                undo.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, new)
     elif name == "saved_guard_count_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 
@@ -466,6 +498,14 @@ def plant_here(name: str) -> None:
         import fgd_fast.functional as functional
 
         functional._agree_on_local_checks = lambda *args, **kwargs: None
+    elif name == "saved_state_unshared":
+        import fgd_fast._stiefel_optimizer as stiefel
+
+        def unshared(failed, params):
+            if failed is not None:
+                raise failed
+
+        stiefel.agree_on_saved_state = unshared
     elif name == "grad_sq_unsummed":  # the per-layer ‖g‖² are the only 1-D tensors the row path reduces
         summing = distributed.summing_over
 

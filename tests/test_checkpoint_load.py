@@ -48,21 +48,21 @@ def test_a_group_without_a_hyper_parameter_is_refused(name, key):
     _refused(net, opt, sd, rf"param_groups\[0\] has no '{key}'")
 
 
-@pytest.mark.parametrize(
-    "edit, match",
-    [
-        ("state_not_a_dict", "its 'state' is a list"),
-        ("entry_not_a_dict", r"state_dict\['state'\]\[0\] is a Tensor"),
-        ("entry_none", r"state_dict\['state'\]\[0\] is a NoneType"),
-        ("no_state", "expected a dict with 'state' and 'param_groups'"),
-        ("group_without_params", "each with 'params'"),
-        ("stray_key", "which its param_groups do not list"),
-        ("meta_buffer", "meta device"),
-        ("negative_count", "guard_count"),
-        ("meta_count", "guard_count"),
-    ],
-)
-def test_a_malformed_state_dict_is_refused_with_the_reason(edit, match):
+MALFORMED = {  # edit → what the refusal says
+    "state_not_a_dict": "its 'state' is a list",
+    "entry_not_a_dict": r"state_dict\['state'\]\[0\] is a Tensor",
+    "entry_none": r"state_dict\['state'\]\[0\] is a NoneType",
+    "no_state": "expected a dict with 'state' and 'param_groups'",
+    "group_without_params": "each with 'params'",
+    "stray_key": "which its param_groups do not list",
+    "meta_buffer": "meta device",
+    "negative_count": "guard_count",
+    "meta_count": "guard_count",
+}
+
+
+@pytest.mark.parametrize("edit", list(MALFORMED))
+def test_a_malformed_state_dict_is_refused_with_the_reason(edit):
     """Each failed half-way (AttributeError/KeyError after torch had installed part of it, or
     RuntimeError on a meta tensor) or loaded what no step can use (a stray key's entry, negative
     guard counts, which ``guard_stats`` then reported)."""
@@ -86,7 +86,7 @@ def test_a_malformed_state_dict_is_refused_with_the_reason(edit, match):
         sd["state"][0]["guard_count"] = torch.tensor([-7, -1])
     else:
         sd["state"][0]["guard_count"] = torch.zeros(2, dtype=torch.int64, device="meta")
-    _refused(net, opt, sd, match)
+    _refused(net, opt, sd, MALFORMED[edit])
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
