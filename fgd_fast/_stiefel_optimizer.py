@@ -350,7 +350,7 @@ class StiefelOptimizer(Optimizer):
                     raise ValueError(
                         f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
                     ) from exc
-            listed = {saved_key(index) for index in range(len(keys))}
+            listed = set(keys)
             stray = [k for k in saved if k not in listed]
             if stray:
                 raise ValueError(
