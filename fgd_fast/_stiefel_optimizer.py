@@ -188,12 +188,17 @@ class StiefelOptimizer(Optimizer):
         if buf is not None:
             check_state_tensor(buf, p, p.dtype, label, "momentum_buffer")
 
+    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
+        """Before any write: the state of orthogonal ``p`` that the step reads must fit it
+        (subclasses whose step does not check its own state; FGD's step checks Φ itself)."""
+
     def _params_with_grads(
         self, idle: list[torch.Tensor] | None = None
     ) -> Iterator[tuple[dict[str, Any], torch.Tensor, str]]:
         """``(group, param, label)`` of every parameter with a gradient, in ``state_dict``
-        order; raises (before any write) on a gradient no optimizer here can use and on a
-        Euclidean ``momentum_buffer`` that does not fit its parameter. ``idle``: a list that
+        order; raises (before any write) on a gradient no optimizer here can use and on state
+        that does not fit its parameter (a Euclidean ``momentum_buffer``; an orthogonal one's, as
+        the subclass checks it). ``idle``: a list that
         collects the orthogonal DTensor parameters without a gradient (their ranks' agreement)."""
         for group, p, key in self._keyed():
             if p.grad is None:
@@ -206,6 +211,7 @@ class StiefelOptimizer(Optimizer):
                 self._check_sgd_state(p, f"parameter {text}")
             else:  # (a Euclidean one steps as torch.optim.SGD would, on the meta device too)
                 check_materialised(p, f"{type(self).__name__}.step (parameter {text})")
+                self._check_orthogonal_state(p, group, f"parameter {text}")
             yield group, p, text
 
     def _sgd(
@@ -280,7 +286,12 @@ class StiefelOptimizer(Optimizer):
                         f"param_groups[0], {group.get(o)!r} in another); "
                         "it cannot be one optimizer's: load the model's weights only and start the optimizer fresh"
                     )
-        self._validate_options({**self.defaults, **options})
+        try:
+            self._validate_options({**self.defaults, **options})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load this state_dict: its optimizer-wide options: {exc}; nothing was loaded"
+            ) from exc
         return options
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -333,7 +344,7 @@ class StiefelOptimizer(Optimizer):
                     )
                 # (torch installs the saved group whole: a hyper-parameter it lacks would be missing at
                 # every later step; the optimizer-wide options are set from the saved ones)
-                lacking = [key for key in self.defaults if key not in saved_group and key not in self._OPTIONS]
+                lacking = [k for k in self.defaults if k in own and k not in saved_group and k not in self._OPTIONS]
                 if lacking:
                     raise ValueError(
                         f"cannot load this state_dict: its param_groups[{k}] has no {', '.join(map(repr, lacking))}; "

@@ -28,6 +28,7 @@ LANDING = "tests/test_landing.py"
 BASE = "tests/test_baselines.py"
 LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
 SAVED = "tests/test_checkpoint_load.py"
+BASE_STATE = "tests/test_baselines_state.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -203,6 +204,14 @@ MUTANTS = {
     "saved_structure_unchecked": (
         "a state_dict's outline (state entries as dicts, groups with params) taken as given",
         [f"{SAVED}::test_a_malformed_state_dict_is_refused_with_the_reason[entry_not_a_dict]"],
+    ),
+    "landing_step_overflow_unchecked": (
+        "LandingSGD's finiteness check without the new θ and buffer (a finite g that overflows writes NaN)",
+        [f"{BASE_STATE}::test_a_finite_gradient_whose_landing_step_overflows_raises_and_changes_nothing[None]"],
+    ),
+    "baseline_state_unchecked": (
+        "the baselines' orthogonal state used without checking it fits (Landing wrote θ, then failed)",
+        [f"{BASE_STATE}::test_state_that_does_not_fit_an_orthogonal_parameter_is_refused_before_any_write[LandingSGD]"],
     ),
 }
 
@@ -402,6 +411,18 @@ def plant(name: str) -> Callable[[], None]:
             if module is not None and module.__name__.startswith("fgd_fast") and hasattr(module, attr):
                 undo.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, new)
+    elif name == "landing_step_overflow_unchecked":
+        from fgd_fast.baselines import landing
+
+        original = landing.raise_if_invalid
+        undo.append((landing, "raise_if_invalid", original))
+        landing.raise_if_invalid = lambda *args, finite_next=None, **kwargs: original(*args, **kwargs)
+    elif name == "baseline_state_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+        from fgd_fast.baselines import LandingSGD
+
+        undo.append((LandingSGD, "_check_orthogonal_state", LandingSGD._check_orthogonal_state))
+        LandingSGD._check_orthogonal_state = StiefelOptimizer._check_orthogonal_state
     elif name == "saved_guard_count_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 

@@ -28,6 +28,7 @@ from ..validation import (
     check_int_at_least,
     check_nonnegative,
     check_positive,
+    check_state_tensor,
 )
 from .retraction import NORMS, dense_cayley, lowrank_coefficients
 
@@ -122,7 +123,11 @@ class CayleyBase(StiefelOptimizer):
     _STATE_DICT_KEYS = ("orthogonal", "q", "s")
     form = option("form", '``"lowrank"`` or ``"dense"`` (optimizer-wide, kept in ``defaults``).')
     norm = option("norm", '``"fro"`` or ``"one"`` (optimizer-wide).')
-    public_code_compat = option("public_code_compat", "Reproduce the public code (optimizer-wide).")
+    public_code_compat = option(
+        "public_code_compat",
+        "Reproduce the public code (optimizer-wide): set later, it changes β and the start Y₀ only; "
+        "its defaults of s, form, norm, renormalize and qr_period are chosen at construction.",
+    )
     qr_period = option("qr_period", "QR re-orthonormalisation period, 0 for never (optimizer-wide).")
     check_finite = option("check_finite", "Raise on a non-finite gradient (optimizer-wide).")
     maximize = option("maximize", "Maximise the objective: the gradient negated (optimizer-wide).")
@@ -147,6 +152,12 @@ class CayleyBase(StiefelOptimizer):
                     "non-negative floating 0-d tensor (the average of ‖G‖²); nothing was loaded (drop that "
                     "parameter's entry from state_dict['state'] to restart its moments)"
                 )
+
+    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
+        state = self.state.get(p, {})
+        for name in ("momentum_buffer", "exp_avg"):  # (None: none yet)
+            if state.get(name) is not None:
+                check_state_tensor(state[name], p, state_dtype(p, group), label, name)
 
     # -- subclass hooks -----------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any]) -> None:

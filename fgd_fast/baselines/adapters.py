@@ -74,7 +74,17 @@ def _reparametrize(
     chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
-    for name, _ in chosen:  # every weight checked before any is parametrized (a failure changes nothing)
+    owners: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(n)
+    for name, p in chosen:  # every weight checked before any is parametrized (a failure changes nothing)
+        tied = owners.get(id(p), [])
+        if len(tied) > 1:  # (a parametrization replaces the weight on one owner: the others keep a stale copy)
+            raise ValueError(
+                f"{name} is one tensor shared by {', '.join(tied)} (tied weights): a parametrization would "
+                "replace it on one of them only and untie them. Constrain it with fgd_fast.FGD "
+                "(stiefel_param_groups keeps tied weights tied), or leave it out of the rule"
+            )
         module, attr = _owner(model, name)
         if parametrize.is_parametrized(module, attr) or isinstance(module, parametrize.ParametrizationList):
             raise ValueError(f"{name} is already parametrized; build the contender on a fresh model")

@@ -141,12 +141,12 @@ class CayleySGD(CayleyBase):
         return 0.0 if self.public_code_compat else group["momentum"]
 
     def _bucket_key(self, group, state):
-        return ("momentum_buffer" in state and self._beta(group) > 0,)
+        return (state.get("momentum_buffer") is not None and self._beta(group) > 0,)
 
     def _moments(self, b: Bucket):
         b.m.neg_()  # −G
         beta = self._beta(b.group)
-        if beta > 0 and "momentum_buffer" in b.states[0]:
+        if beta > 0 and b.states[0].get("momentum_buffer") is not None:
             torch._foreach_add_(b.m_blocks, [as_w2(st["momentum_buffer"]) for st in b.states], alpha=beta)  # M = βM − G
         return 1.0, (1.0 if self.public_code_compat else None)  # W_d = W; compat start Y₀ = X + tM
 
@@ -238,9 +238,23 @@ class CayleyADAM(CayleyBase):
         check_unit_interval("betas[0]", betas[0], "e.g. 0.9")
         check_unit_interval("betas[1]", betas[1], "e.g. 0.99")
 
+    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
+        super()._check_orthogonal_state(p, group, label)
+        state = self.state.get(p, {})
+        missing = [k for k in ("exp_avg", "exp_avg_sq") if state.get(k) is None]
+        v = state.get("exp_avg_sq")
+        if (state.get("step", 0) > 0 and missing) or (
+            v is not None and not (isinstance(v, torch.Tensor) and v.shape == () and v.device == p.device)
+        ):
+            raise ValueError(
+                f"{label}: its Cayley ADAM moments do not fit it (step {state.get('step')}, exp_avg_sq "
+                f"{v if not isinstance(v, torch.Tensor) else (tuple(v.shape), v.device)}); the step was not applied "
+                "and nothing changed. Clear them (opt.state[param].clear()) to restart its moments"
+            )
+
     def _check_saved_state(self, p, group, state, text) -> None:
         super()._check_saved_state(p, group, state, text)
-        missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in state]
+        missing = [k for k in ("exp_avg", "exp_avg_sq") if state.get(k) is None]
         if state.get("step", 0) > 0 and missing:
             raise ValueError(
                 f"cannot load this state_dict: parameter {text} has taken {state['step']} steps but has no "

@@ -47,6 +47,7 @@ from .._matrix import as_stiefel, from_stiefel
 from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode
 from ..backends import compute_dtype
 from ..guards import raise_if_invalid
+from ..saved_state import state_dtype
 from ..validation import (
     check_bool,
     check_closed_unit_interval,
@@ -54,6 +55,7 @@ from ..validation import (
     check_nesterov,
     check_nonnegative,
     check_positive,
+    check_state_tensor,
     check_unit_interval,
 )
 
@@ -76,7 +78,7 @@ def safe_step_size(d: torch.Tensor, a: torch.Tensor, attraction: float, eps: flo
 
 
 def _finite(grad: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-    """A 0-d flag: the gradient and the momentum buffer (if any) are finite."""
+    """A 0-d flag: the gradient (or new θ) and the momentum buffer (if any) are finite."""
     ok = torch.isfinite(grad).all()
     return ok if buf is None else ok & torch.isfinite(buf).all()
 
@@ -154,12 +156,17 @@ class LandingSGD(StiefelOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
 
+    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
+        buf = self.state.get(p, {}).get("momentum_buffer")  # (None: a fresh buffer)
+        if buf is not None:
+            check_state_tensor(buf, p, state_dtype(p, group), label, "momentum_buffer")
+
     @torch.no_grad()
     @state_outside_inference_mode
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)
-        planned, finite, labels, euclidean = [], [], [], {}
+        planned, finite, finite_next, labels, euclidean = [], [], [], [], {}
         for group, p, text in self._params_with_grads():
             if not group["orthogonal"]:
                 euclidean.setdefault(id(group), (group, []))[1].append(p)
@@ -169,8 +176,9 @@ class LandingSGD(StiefelOptimizer):
             new_theta, new_buf = self._landing(group, p)
             planned.append((p, new_theta, new_buf))
             labels.append(text)
-            if self.check_finite:
+            if self.check_finite:  # (the inputs, and what the step would write: a finite g can overflow)
                 finite.append(_finite(p.grad, self.state.get(p, {}).get("momentum_buffer")))
+                finite_next.append(_finite(new_theta, new_buf))
         if planned and self.check_finite:  # the one host synchronisation; raises before any write
             dev = planned[0][0].device
             raise_if_invalid(
@@ -180,13 +188,14 @@ class LandingSGD(StiefelOptimizer):
                 labels,
                 check_finite=True,
                 check_manifold=False,
+                finite_next=[torch.stack([f.to(dev) for f in finite_next])],
                 fgd=False,
             )
         for p, new_theta, new_buf in planned:
             p.copy_(new_theta)
             if new_buf is not None:
                 state = self.state[p]
-                if "momentum_buffer" in state:
+                if state.get("momentum_buffer") is not None:  # (None, as loaded or set by hand: a fresh buffer)
                     state["momentum_buffer"].copy_(new_buf)
                 else:
                     state["momentum_buffer"] = new_buf
@@ -229,8 +238,8 @@ class LandingSGD(StiefelOptimizer):
         if eps is None:
             new_theta = theta - lr * (direction + normal)  # θ₊ = θ − η(M + λθD)
         else:
-            dist = torch.linalg.matrix_norm(d).to(torch.float64)
-            size = torch.linalg.matrix_norm(direction).to(torch.float64)
+            dist = torch.linalg.matrix_norm(d.double())  # (float64: ‖M + …‖ of a huge finite g overflows float32)
+            size = torch.linalg.matrix_norm(direction.double())
             star = safe_step_size(dist, size, lam, eps)
             inside = dist < eps
             eta = torch.clamp(torch.nan_to_num(star, nan=0.0), max=lr).to(cdt)  # min(lr, η*, 1/(2λ))
