@@ -10,11 +10,30 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BUCKET_BYTES", "packed", "is_dtensor", "full_values", "fold_float64", "unfold_float64", "summing_over"]
+__all__ = [
+    "BUCKET_BYTES",
+    "packed",
+    "is_dtensor",
+    "full_values",
+    "fold_float64",
+    "unfold_float64",
+    "summing_over",
+    "all_gather_flat",
+]
 
 #: the packed all-reduces of a step (and the fallback's packed all-gathers, counted in whole
 #: tensors) are split into calls of at most this many bytes
 BUCKET_BYTES = 64 << 20
+
+
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor`` of ``group``, concatenated into ``output`` (a collective):
+    ``all_gather_single`` where torch has it (2.13 deprecates ``all_gather_into_tensor`` with a
+    warning per call), else ``all_gather_into_tensor`` (torch 2.11)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 def packed(items: list, size: Callable[[object], int], cap: int) -> list[list]:
@@ -100,7 +119,7 @@ def full_values(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]
         if sizes[me]:
             torch.cat([tensors[k].to_local().reshape(-1) for k in members], out=message[: sizes[me]])
         gathered = torch.empty(world * longest, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(gathered, message, group=group)
+        all_gather_flat(gathered, message, group)
         at = [r * longest for r in range(world)]  # each rank's read position in the gathered messages
         for k in members:
             t, parts = tensors[k], []

@@ -156,7 +156,8 @@ def fgd(
     ``"tf32x3"`` for the backends that honour it, ``"ieee"`` for ``"reference"`` and ``"cuda"``);
     ``lr``: one value or one per layer, numbers or one-element tensors (a tensor reaches the
     backends that read η on the device as it is, so a captured step sees it change; the others
-    get its value);
+    get its value); at lr = 0 this function still applies the feedback pull-back −αθD and
+    Φ₊ = βΦ's projection (``FGD`` instead leaves a group at lr = 0 alone);
     ``gram_refresh``: at most how many steps the torch backend on a CPU carries θᵀθ, θᵀΦ, ΦᵀΦ
     from step to step before reading them from the parameters again (1: every step; see
     :class:`fgd_fast.FGD`).

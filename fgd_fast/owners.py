@@ -24,7 +24,7 @@ torch's own ``compute_local_shape_and_global_offset``, exchanged once per set of
 checked: the pieces must tile the tensor (and, for placements other than plain ``Shard`` /
 ``Replicate``, match the gathered tensor once), or the layer is gathered instead.
 
-Every collective is a standard one (``all_gather_into_tensor``, ``all_to_all_single``,
+Every collective is a standard one (``all_gather_single``, ``all_to_all_single``,
 ``all_reduce``) on tensors of the parameters' device, valid on NCCL as on gloo.
 """
 
@@ -36,6 +36,7 @@ import torch
 
 from ._matrix import stiefel_shape
 from .backends.base import StepPlan, TableCache
+from .collectives import all_gather_flat
 
 __all__ = ["Layout", "owner_group", "layout_of", "owner_bytes", "busiest_bytes", "deal_cost", "prepare_owned"]
 
@@ -161,7 +162,7 @@ def busiest_bytes(layers: list, ranks: int) -> float:
 @torch.no_grad()
 def layout_of(params: list, group) -> Layout:
     """The :class:`Layout` of DTensor layers ``params`` (sharing ``group``), exchanged in one
-    ``all_gather_into_tensor`` the first time this set of layers is seen (a collective: every
+    ``all_gather_single`` the first time this set of layers is seen (a collective: every
     rank calls it for the same layers) and kept."""
     key = (group, tuple((tuple(p.shape), p.device_mesh, tuple(p.placements)) for p in params))
     return _layouts.get_or(key, lambda: _exchanged_layout(params, group))
@@ -182,7 +183,7 @@ def _exchanged_layout(params: list, group) -> Layout:
         mine[i, 0, : p.dim()] = torch.tensor(list(shape), dtype=torch.int64)
         mine[i, 1, : p.dim()] = torch.tensor(list(offset), dtype=torch.int64)
     every = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine.reshape(-1).to(device), group=group)
+    all_gather_flat(every, mine.reshape(-1).to(device), group)
     table = every.view(size, len(params), 2, ndim).tolist()
     boxes, senders, ok = [], [], []
     for i, p in enumerate(params):

@@ -133,8 +133,14 @@ def stiefel_param_groups(
                 "it out (e.g. return False for p.dim() < 2) or name it in exclude="
             ) from None
     if orthogonalize:
-        for _, p in chosen:  # (a meta tensor refused before any weight is projected)
+        for name, p in chosen:  # (a meta or non-finite tensor refused before any weight is projected)
             check_materialised(p, "stiefel_param_groups(orthogonalize=True)")
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise ValueError(
+                    f"stiefel_param_groups(orthogonalize=True): {name!r} has NaN or Inf entries, which no projection "
+                    "recovers; nothing was projected. Re-initialise that weight (e.g. module.reset_parameters()) "
+                    "or load a finite checkpoint first"
+                )
         for _, p in chosen:
             orthogonalize_(p.data)
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]

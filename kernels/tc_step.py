@@ -24,6 +24,13 @@ the slabs in a fixed order: deterministic, no atomics. The K loop runs over whol
 steps with no K mask, then one masked tail; with ``ALIGNED`` (16-byte aligned tensors, n and p
 multiples of 4) the loads are 16-byte vectors.
 
+The tensor cores convert an fp32 operand to TF32 by truncating its 13 low mantissa bits (wgmma
+and mma.sync alike; no rounding instruction is emitted): hi and lo are exact TF32, so A is
+exact to the split, but Φ and g here, and M_θ, M_Φ in the update, lose up to 2⁻¹⁰ of their
+value, toward zero (round to nearest, which the CPU emulation models, loses up to 2⁻¹¹,
+unbiased). Rounding them in the kernels would put a conversion between load and dot; not done
+until a GPU run measures whether the bias shows (the feedback fixes θ's distance through A).
+
 ``tc_update_kernel`` — pass 2, one launch for Φ₊ and θ₊ (U = βΦ − ηg, or −ηg without Φ):
 
     Φ₊ = U + hi M_Φ,   θ₊ = θ + U + hi M_θ

@@ -181,16 +181,22 @@ class _CountAllReduce:
         dist.all_reduce = self.saved
 
 
+#: the packed all-gather fgd_fast calls (fgd_fast.collectives.all_gather_flat): torch 2.13
+#: deprecates all_gather_into_tensor for all_gather_single, which torch 2.11 lacks
+_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 class _CountGathers:
-    """Counts the step's all-gathers: packed ones (``dist.all_gather_into_tensor``) and
-    ``DTensor.full_tensor`` calls (one gather per tensor); and its ``all_to_all_single`` calls
-    (the owner path) with the numbers they send from this rank."""
+    """Counts the step's all-gathers: packed ones (``all_gather_single``, or
+    ``all_gather_into_tensor`` where torch lacks it) and ``DTensor.full_tensor`` calls (one
+    gather per tensor); and its ``all_to_all_single`` calls (the owner path) with the numbers
+    they send from this rank."""
 
     def __enter__(self):
         from torch.distributed.tensor import DTensor
 
         self.packed = self.whole = self.to_all = self.sent = 0
-        self.saved = dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single
+        self.saved = getattr(dist, _GATHER), DTensor.full_tensor, dist.all_to_all_single
 
         def packed(*args, **kwargs):
             self.packed += 1
@@ -205,13 +211,15 @@ class _CountGathers:
             self.sent += input.numel()
             return self.saved[2](output, input, *args, **kwargs)
 
-        dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single = packed, whole, to_all
+        setattr(dist, _GATHER, packed)
+        DTensor.full_tensor, dist.all_to_all_single = whole, to_all
         return self
 
     def __exit__(self, *exc):
         from torch.distributed.tensor import DTensor
 
-        dist.all_gather_into_tensor, DTensor.full_tensor, dist.all_to_all_single = self.saved
+        setattr(dist, _GATHER, self.saved[0])
+        DTensor.full_tensor, dist.all_to_all_single = self.saved[1:]
 
 
 # -- the cases ----------------------------------------------------------------------------------

@@ -247,6 +247,20 @@ def test_stiefel_param_groups_checks_every_choice_before_projecting_any():
     assert torch.equal(net.weight, before)
 
 
+def test_stiefel_param_groups_refuses_a_non_finite_weight_before_projecting_any():
+    """A README review: a NaN in the second weight was found by orthogonalize_ on its turn, after
+    the first weight had been projected, and the message did not name the weight."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3))
+    with torch.no_grad():
+        m[1].weight[0, 0, 0, 0] = float("nan")
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match="'1.weight' has NaN or Inf entries.*nothing was projected"):
+        fgd_fast.stiefel_param_groups(m)
+    for p, q in zip(m.parameters(), before):
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_parameter_is_not_projected_and_reset_parameter_says_how_to_recover(bad):
     """A QR of NaN/Inf is NaN: orthogonalize_ refuses it (before writing) instead of writing NaN,

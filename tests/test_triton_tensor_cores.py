@@ -2,8 +2,11 @@
 
 Under the CPU interpreter ``tl.dot`` ignores ``input_precision`` (fp32 products), but the
 split pass rounds θ to TF32 explicitly and every product reads the rounded operands, so the
-interpreter runs the same arithmetic as the GPU except for the TF32 rounding of Φ and g
-inside the tensor cores. The "lean" emulation below does exactly that arithmetic in float64:
+interpreter runs the same arithmetic as the GPU except for the TF32 conversion of the operands
+that are not pre-split — Φ and g in the Gram pass, M_θ and M_Φ in the update — inside the
+tensor cores (which truncate the 13 low mantissa bits rather than round: relative error up to
+2⁻¹⁰, biased toward zero, where rounding gives 2⁻¹¹, unbiased). The "lean" emulation below does
+exactly the interpreter's arithmetic in float64:
 
     hi = tf32(θ), lo = tf32(θ − hi);  A = hiᵀhi + hiᵀlo + loᵀhi (tf32: A = hiᵀhi)
     B = hiᵀΦ, C = ΦᵀΦ, E = hiᵀg;      Φ₊ = U + hi M_Φ, θ₊ = θ + U + hi M_θ

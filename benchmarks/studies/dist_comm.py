@@ -159,7 +159,11 @@ class _Bytes:
 
         self.total, self.seconds, self.world = 0.0, 0.0, world
         ring = (world - 1) / world
-        all_reduce, all_gather, full_tensor = dist.all_reduce, dist.all_gather_into_tensor, DTensor.full_tensor
+        all_reduce, full_tensor = dist.all_reduce, DTensor.full_tensor
+        # (fgd_fast gathers with all_gather_single where torch has it, all_gather_into_tensor before)
+        gathers = {
+            name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
+        }
         all_to_all = dist.all_to_all_single
         counter = self
 
@@ -184,7 +188,8 @@ class _Bytes:
             return run
 
         dist.all_reduce = timed(all_reduce, lambda t, *a: 2 * ring * t.nbytes)
-        dist.all_gather_into_tensor = timed(all_gather, lambda out, *a: ring * out.nbytes)
+        for name, gather in gathers.items():
+            setattr(dist, name, timed(gather, lambda out, *a: ring * out.nbytes))
         DTensor.full_tensor = timed(full_tensor, lambda t, *a: ring * t.numel() * t.element_size())
 
         def to_others(out, inp, out_splits=None, in_splits=None, *a):  # (not this rank's own part)

@@ -95,7 +95,7 @@ class LandingSGD(StiefelOptimizer):
         momentum, dampening, nesterov: μ, τ and Nesterov as in ``torch.optim.SGD``, applied
             to the relative gradient ψ of orthogonal parameters.
         weight_decay: added to the gradient (orthogonal parameters too, as the authors do;
-            there its relative gradient is zero, so it does nothing).
+            there its relative gradient is zero, so it changes θ only by rounding).
         attraction: λ > 0, the weight of the pull towards the manifold (the authors'
             ``lambda_regul``; default 1).
         safe_distance: ε in (0, 1), the distance ‖θᵀθ − I‖_F the safe step keeps θ inside (the
