@@ -192,6 +192,23 @@ class StiefelOptimizer(Optimizer):
         """Before any write: the state of orthogonal ``p`` that the step reads must fit it
         (subclasses whose step does not check its own state; FGD's step checks Φ itself)."""
 
+    def _check_state_kind(self, p: torch.Tensor, group: dict[str, Any], text: str) -> None:
+        """Before any write: ``p``'s state was made under its group's present ``orthogonal``
+        flag. A flag flipped between steps (an unconstrained warm-up, then the constraint) would
+        read a plain momentum (gradient units) as the orthogonal step's state, or the other way
+        round; ``load_state_dict`` refuses the same mismatch. Kept per parameter, outside the
+        state (not saved: a loaded state's flags are checked at load)."""
+        kinds = self.__dict__.setdefault("_state_kinds", WeakIdKeyDictionary())
+        made = kinds.get(p)
+        if made is not None and made != group["orthogonal"] and self.state.get(p):
+            raise ValueError(
+                f"parameter {text}: its group is orthogonal={group['orthogonal']!r} now, but its optimizer state "
+                f"({', '.join(map(str, self.state[p]))}) was made under orthogonal={made!r}, where it means "
+                "something else (a plain momentum is in gradient units); the step was not applied and nothing "
+                "changed. Clear it to restart the momentum (opt.state[param].clear()), or set the flag back"
+            )
+        kinds[p] = group["orthogonal"]
+
     def _params_with_grads(
         self, idle: list[torch.Tensor] | None = None
     ) -> Iterator[tuple[dict[str, Any], torch.Tensor, str]]:
@@ -207,6 +224,8 @@ class StiefelOptimizer(Optimizer):
                 continue
             text = label(key)
             check_grad(p, f"parameter {text}")
+            if not torch.compiler.is_compiling():  # (Dynamo cannot trace the weak dictionary)
+                self._check_state_kind(p, group, text)
             if not group["orthogonal"]:
                 self._check_sgd_state(p, f"parameter {text}")
             else:  # (a Euclidean one steps as torch.optim.SGD would, on the meta device too)
@@ -407,6 +426,7 @@ class StiefelOptimizer(Optimizer):
                 elif cdt != p.dtype:
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
         self._loaded()
+        self.__dict__.pop("_state_kinds", None)  # (the loaded state's flags were checked against the groups')
         if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once
             # the load is complete: a warning raised as an error leaves a whole, usable optimizer)
             what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())

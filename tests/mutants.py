@@ -213,6 +213,10 @@ MUTANTS = {
         "the baselines' orthogonal state used without checking it fits (Landing wrote θ, then failed)",
         [f"{BASE_STATE}::test_state_that_does_not_fit_an_orthogonal_parameter_is_refused_before_any_write[LandingSGD]"],
     ),
+    "state_kind_unchecked": (
+        "a group's orthogonal flag flipped between steps: the other kind's state read as this one's",
+        [f"{BASE_STATE}::test_a_group_flag_flipped_between_steps_does_not_reuse_the_state[False-FGD]"],
+    ),
 }
 
 
@@ -423,6 +427,11 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((LandingSGD, "_check_orthogonal_state", LandingSGD._check_orthogonal_state))
         LandingSGD._check_orthogonal_state = StiefelOptimizer._check_orthogonal_state
+    elif name == "state_kind_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        undo.append((StiefelOptimizer, "_check_state_kind", StiefelOptimizer._check_state_kind))
+        StiefelOptimizer._check_state_kind = lambda self, p, group, text: None
     elif name == "saved_guard_count_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 

@@ -134,3 +134,31 @@ def test_a_mistyped_optimizer_wide_option_in_a_checkpoint_is_a_value_error(name,
     with pytest.raises(ValueError, match=f"cannot load this state_dict: its optimizer-wide options.*{option}"):
         opt.load_state_dict(sd)
     assert_unchanged(net, opt, snap)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no orthogonal=True group")
+@pytest.mark.parametrize("name", ["FGD", *BASELINES])
+@pytest.mark.parametrize("made_orthogonal", [False, True])
+def test_a_group_flag_flipped_between_steps_does_not_reuse_the_state(name, made_orthogonal):
+    """A review: a group trained unconstrained, then set orthogonal=True, read torch SGD's
+    momentum (+G accumulated) as Cayley's M = βM − G: the next steps went uphill. The other way,
+    Φ became a plain momentum. load_state_dict refused this mismatch; the step now does too,
+    before any write; cleared state steps."""
+    make = fgd_fast.FGD if name == "FGD" else BASELINES[name]
+    net, opt = _net(make, momentum=0.9) if name != "CayleyADAM" else _net(make)
+    opt.param_groups[0]["orthogonal"] = made_orthogonal
+    if not made_orthogonal:
+        with torch.no_grad():
+            net.weight.add_(0.01)  # (trained unconstrained: off the manifold, reprojected below)
+    _grads(net, 0)
+    opt.step()
+    opt.param_groups[0]["orthogonal"] = not made_orthogonal
+    if made_orthogonal is False:
+        fgd_fast.orthogonalize_(net.weight.data)
+    _grads(net, 1)
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match=f"was made under orthogonal={made_orthogonal}"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+    opt.state[net.weight].clear()
+    opt.step()
