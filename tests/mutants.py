@@ -470,14 +470,14 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((CayleyBase, "_prepare", original))
         CayleyBase._prepare = prepare
     elif name == "cayley_saved_moments_unchecked":
-        from fgd_fast._stiefel_optimizer import _check_saved_tensor
         from fgd_fast.baselines import CayleyADAM
         from fgd_fast.baselines._base import CayleyBase
+        from fgd_fast.saved_state import check_saved_tensor, state_dtype
 
         def buffers_only(self, p, group, state, text):
             for key in ("momentum_buffer", "exp_avg"):
                 if state.get(key) is not None:
-                    _check_saved_tensor(state[key], p, text, key)
+                    check_saved_tensor(state[key], p, text, key, state_dtype(p, group))
 
         undo.append((CayleyBase, "_check_saved_state", CayleyBase._check_saved_state))
         undo.append((CayleyADAM, "_check_saved_state", CayleyADAM._check_saved_state))
