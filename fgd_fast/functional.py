@@ -277,20 +277,14 @@ def fgd(
                 )
             )
         index.append(idx)
-    mesh_device: dict = {}  # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
-    for t in [params[i] for i in sharded] + list(_idle_dtensors):
-        mesh_device.setdefault(t.device_mesh, t.device)
-    meshes = list(mesh_device)
-    if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
-        meshes = _in_rank_independent_order(meshes)
-    # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
-    # other collectives than on the others)
-    # (a disagreement on one mesh is carried into the later, wider meshes' agreements: the ranks
-    # outside the first mesh raise too instead of waiting for the ranks that raised)
-    disagreed: ValueError | None = None
-    for mesh in meshes:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
+    # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
+    meshes, mesh_device = _meshes_of([params[i] for i in sharded] + list(_idle_dtensors))
+
+    def settings_on(mesh) -> dict:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         on_mesh = [i for i in sharded if params[i].device_mesh == mesh]
-        settings = {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
+        # (the backend as named and as resolved: "auto" on a rank where Triton does not load would
+        # take other collectives than on the others)
+        return {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
             "the number of sharded orthogonal parameters": len(on_mesh),
             "the sharded orthogonal parameters": tuple(labels[i] for i in on_mesh),
             "lr": tuple(host_lrs()[i] for i in on_mesh),
@@ -306,12 +300,9 @@ def fgd(
             "max_distance": max_distance,
             "guard": guard,
             "trust_radius": trust_radius,
-            "whether the ranks of another device mesh disagreed": disagreed is not None,
         }
-        try:
-            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
-        except ValueError as error:
-            disagreed = disagreed or error
+
+    disagreed = _agree_mesh_by_mesh(settings_on, meshes, mesh_device)
     if disagreed is not None:
         raise disagreed
     beside = _unsharded_beside_sharded
@@ -378,6 +369,33 @@ def fgd(
     return GuardReport(per_param, read, distance)
 
 
+def _meshes_of(tensors: list) -> tuple[list, dict]:
+    """The device meshes of DTensors ``tensors`` in one order on every rank (see
+    :func:`_in_rank_independent_order`), and each mesh's device on this rank."""
+    mesh_device: dict = {}
+    for t in tensors:
+        mesh_device.setdefault(t.device_mesh, t.device)
+    meshes = list(mesh_device)
+    if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
+        meshes = _in_rank_independent_order(meshes)
+    return meshes, mesh_device
+
+
+def _agree_mesh_by_mesh(settings_on, meshes: list, mesh_device: dict) -> ValueError | None:
+    """The ranks of each mesh in turn agree on ``settings_on(mesh)``; returns the first
+    disagreement (``None``: every mesh agreed). A disagreement on one mesh is carried into the
+    later, wider meshes' agreements: the ranks outside the first mesh raise too instead of
+    waiting for the ranks that raised."""
+    disagreed: ValueError | None = None
+    for mesh in meshes:
+        settings = {**settings_on(mesh), "whether the ranks of another device mesh disagreed": disagreed is not None}
+        try:
+            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
+        except ValueError as error:
+            disagreed = disagreed or error
+    return disagreed
+
+
 @torch.compiler.disable
 def _in_rank_independent_order(meshes: list) -> list:
     """The device meshes in one order on every rank, the smaller first (by their ranks): the ranks'
@@ -400,16 +418,7 @@ def _agree_on_local_checks(
     rank raises (this rank its own error) before anything is written. A disagreement on one
     mesh is carried into the later, wider meshes' agreements (as in the step's own agreement):
     the ranks outside the first mesh raise too instead of waiting."""
-    disagreed: ValueError | None = None
-    for mesh in meshes:
-        settings = {
-            f"whether {what}": passed,
-            "whether the ranks of another device mesh disagreed": disagreed is not None,
-        }
-        try:
-            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
-        except ValueError as error:
-            disagreed = disagreed or error
+    disagreed = _agree_mesh_by_mesh(lambda mesh: {f"whether {what}": passed}, meshes, mesh_device)
     if disagreed is not None:
         if failed is not None:
             raise failed from None

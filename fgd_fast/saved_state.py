@@ -72,16 +72,10 @@ def agree_on_saved_state(failed: ValueError | None, params: list[torch.Tensor]) 
     """Raise ``failed`` (this rank's verdict on the saved state); with sharded parameters, first
     agree with the other ranks of their meshes, so that every rank raises or none does (a rank
     that loaded while another refused would step with other state, or wait in its collectives)."""
-    mesh_device: dict = {}
-    for p in params:
-        if is_dtensor(p):
-            mesh_device.setdefault(p.device_mesh, p.device)
-    if mesh_device:
-        from .functional import _agree_on_local_checks, _in_rank_independent_order
+    from .functional import _agree_on_local_checks, _meshes_of
 
-        meshes = list(mesh_device)
-        if len(meshes) > 1:
-            meshes = _in_rank_independent_order(meshes)
+    meshes, mesh_device = _meshes_of([p for p in params if is_dtensor(p)])
+    if meshes:
         try:
             verdict = "the saved state passed the checks"
             _agree_on_local_checks(failed is None, meshes, mesh_device, failed, what=verdict)
