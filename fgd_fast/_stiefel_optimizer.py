@@ -92,6 +92,9 @@ class StiefelOptimizer(Optimizer):
     #: the optimizer-wide options (kept in ``defaults``, equal in every group) and their
     #: defaults (what an optimizer pickled before an option existed gets)
     _OPTIONS: dict[str, Any] = {}
+    #: the state buffers of an orthogonal parameter that the step reads without checking them
+    #: itself (shaped like the parameter); ``_check_orthogonal_state`` checks them before any write
+    _orthogonal_buffers: tuple[str, ...] = ()
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Raise (changing nothing) if a merged group's hyper-parameters are invalid."""
@@ -189,8 +192,13 @@ class StiefelOptimizer(Optimizer):
             check_state_tensor(buf, p, p.dtype, label, "momentum_buffer")
 
     def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
-        """Before any write: the state of orthogonal ``p`` that the step reads must fit it
-        (subclasses whose step does not check its own state; FGD's step checks Φ itself)."""
+        """Before any write: the buffers of orthogonal ``p`` named in ``_orthogonal_buffers``
+        must fit it (shape, device, the state's dtype, finite); ``None`` or absent: none yet.
+        FGD names none: its step checks Φ itself."""
+        state = self.state.get(p, {})
+        for name in self._orthogonal_buffers:
+            if state.get(name) is not None:
+                check_state_tensor(state[name], p, state_dtype(p, group), label, name)
 
     def _check_state_kind(self, p: torch.Tensor, group: dict[str, Any], text: str) -> None:
         """Before any write: ``p``'s state was made under its group's present ``orthogonal``

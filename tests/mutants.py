@@ -422,11 +422,10 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((landing, "raise_if_invalid", original))
         landing.raise_if_invalid = lambda *args, finite_next=None, **kwargs: original(*args, **kwargs)
     elif name == "baseline_state_unchecked":
-        from fgd_fast._stiefel_optimizer import StiefelOptimizer
         from fgd_fast.baselines import LandingSGD
 
-        undo.append((LandingSGD, "_check_orthogonal_state", LandingSGD._check_orthogonal_state))
-        LandingSGD._check_orthogonal_state = StiefelOptimizer._check_orthogonal_state
+        undo.append((LandingSGD, "_orthogonal_buffers", LandingSGD._orthogonal_buffers))
+        LandingSGD._orthogonal_buffers = ()
     elif name == "state_kind_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 

@@ -28,7 +28,6 @@ from ..validation import (
     check_int_at_least,
     check_nonnegative,
     check_positive,
-    check_state_tensor,
 )
 from .retraction import NORMS, dense_cayley, lowrank_coefficients
 
@@ -79,6 +78,8 @@ class Bucket:
 
 class CayleyBase(StiefelOptimizer):
     """Common front end; subclasses define the moments and the Euclidean update."""
+
+    _orthogonal_buffers = ("momentum_buffer", "exp_avg")
 
     def __init__(
         self,
@@ -152,12 +153,6 @@ class CayleyBase(StiefelOptimizer):
                     "non-negative floating 0-d tensor (the average of ‖G‖²); nothing was loaded (drop that "
                     "parameter's entry from state_dict['state'] to restart its moments)"
                 )
-
-    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
-        state = self.state.get(p, {})
-        for name in ("momentum_buffer", "exp_avg"):  # (None: none yet)
-            if state.get(name) is not None:
-                check_state_tensor(state[name], p, state_dtype(p, group), label, name)
 
     # -- subclass hooks -----------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any]) -> None:

@@ -47,7 +47,6 @@ from .._matrix import as_stiefel, from_stiefel
 from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode
 from ..backends import compute_dtype
 from ..guards import raise_if_invalid
-from ..saved_state import state_dtype
 from ..validation import (
     check_bool,
     check_closed_unit_interval,
@@ -55,7 +54,6 @@ from ..validation import (
     check_nesterov,
     check_nonnegative,
     check_positive,
-    check_state_tensor,
     check_unit_interval,
 )
 
@@ -104,6 +102,8 @@ class LandingSGD(StiefelOptimizer):
             gradient or momentum buffer of an orthogonal parameter (one host synchronisation).
         maximize: maximise the objective (the gradient negated for every parameter).
     """
+
+    _orthogonal_buffers = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -155,11 +155,6 @@ class LandingSGD(StiefelOptimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _check_group(group)
-
-    def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
-        buf = self.state.get(p, {}).get("momentum_buffer")  # (None: a fresh buffer)
-        if buf is not None:
-            check_state_tensor(buf, p, state_dtype(p, group), label, "momentum_buffer")
 
     @torch.no_grad()
     @state_outside_inference_mode
