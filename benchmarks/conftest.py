@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.contenders import FEEDBACK, MOMENTUM, Contender
 from benchmarks.costmodel import floor_seconds, step_cost
-from benchmarks.machine import device_rates, environment
+from benchmarks.machine import bench_device, device_rates, environment
 from benchmarks.measure import LR, POOL, gradient_pool
 from benchmarks.plan import BUDGETS, planned_skip, stability_skip
 from benchmarks.workloads import SCALES, Workload, default_scale, layer_shapes, weight_shapes, workloads
@@ -61,9 +61,7 @@ class BenchSession:
     """Device, scale, budgets, machine rates, skipped cases and the JSON-lines record."""
 
     def __init__(self, config):
-        self.device = torch.device(
-            os.environ.get("FGD_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        self.device = bench_device()
         self.scale = config.getoption("--bench-scale") or default_scale()
         self.budget = BUDGETS[self.scale]
         self.allow_interpreter = config.getoption("--bench-allow-interpreter")

@@ -23,9 +23,11 @@ import torch
 
 from benchmarks.sources import source_digest
 
-__all__ = ["environment", "device_rates", "git_commit"]
+__all__ = ["environment", "describe", "bench_device", "device_rates", "git_commit"]
 
 ROOT = Path(__file__).resolve().parent.parent
+#: where the code that a benchmark runs lives (an untracked file there makes the checkout dirty)
+SOURCES = ("fgd_fast", "kernels", "csrc", "benchmarks", "setup.py", "pyproject.toml")
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
@@ -51,7 +53,9 @@ def git_commit() -> dict[str, object]:
     if commit:
         outputs = ":(exclude)benchmarks/results"
         status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", outputs], ROOT)
-        return {"id": commit, "dirty": bool(status), "source": "git"}
+        # and new source files git does not know yet (a new module changes what runs)
+        new = _run(["git", "ls-files", "--others", "--exclude-standard", "--", *SOURCES, outputs], ROOT)
+        return {"id": commit, "dirty": bool(status) or bool(new), "source": "git"}
     return {"id": "unknown", "dirty": None, "source": "no git checkout and FGD_BENCH_COMMIT unset"}
 
 
@@ -70,6 +74,26 @@ def _version(module: str) -> str:
         return __import__(module).__version__
     except Exception:  # not installed, or broken
         return "not installed"
+
+
+def bench_device() -> torch.device:
+    """The device the benchmarks run on: ``FGD_BENCH_DEVICE`` if set (``cpu`` benchmarks the CPU
+    of a GPU machine), else the GPU where there is one, else the CPU."""
+    return torch.device(os.environ.get("FGD_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def describe(env: dict) -> str:
+    """One header line for a study's output: where it ran and on which code (device name,
+    threads, load, versions, commit with its state, source digest)."""
+    commit = env.get("commit", {})
+    state = {True: " with uncommitted changes", False: "", None: " (uncommitted changes unknown)"}
+    where, threads = env.get("gpu") or env.get("cpu"), env.get("torch_threads")
+    return (
+        f"{where} | {threads} thread{'' if threads == 1 else 's'} | load {env.get('load_average')} | "
+        f"torch {env.get('torch')} | "
+        f"triton {env.get('triton')} | commit {str(commit.get('id', '?'))[:7]}{state.get(commit.get('dirty'), '')} | "
+        f"source digest {env.get('source_digest', '?')}"
+    )
 
 
 def environment(device: torch.device) -> dict[str, object]:

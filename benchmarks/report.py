@@ -152,7 +152,8 @@ def header(run: dict) -> list[str]:
     s = run["session"]
     env, rates = s.get("environment", {}), s.get("rates", {})
     commit = env.get("commit", {})
-    dirty = {True: " (with uncommitted changes)", False: "", None: ""}[commit.get("dirty")]
+    states = {True: " (with uncommitted changes)", False: "", None: " (uncommitted changes unknown)"}
+    dirty = states[commit.get("dirty")]
     if env.get("device") == "cuda":
         device = (
             f"GPU: {env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, sm {env.get('compute_capability')}); "
@@ -392,22 +393,34 @@ def _any_above_copy_rate(run: dict) -> bool:
     )
 
 
+def same_code_as_auto(run: dict) -> str | None:
+    """The contender that runs what ``fgd-auto`` runs: the backend it resolves to at its own
+    precision (``fgd-triton-tf32x3`` on a GPU at the default ``"tf32x3"``; ``fgd-triton`` is
+    ``"ieee"``, another code), or ``None`` when the record does not say."""
+    resolved = run["session"].get("settings", {}).get("fgd_auto_resolves_to")
+    auto = next((c for c in run["cases"] if c["contender"] == "fgd-auto"), None)
+    if not resolved or auto is None or "precision" not in auto:
+        return None
+    return f"fgd-{resolved}" if auto["precision"] == "ieee" else f"fgd-{resolved}-{auto['precision']}"
+
+
 def render(run: dict) -> str:
     ws = _workload_order(run)
     lines = header(run) + ["", "## Step time (median) and ratio to `fgd-auto`", ""] + summary_table(run)
     notes = []
     if run["skips"]:
         notes.append("*skipped*: the reasons are under each workload below.")
-    resolved = run["session"].get("settings", {}).get("fgd_auto_resolves_to")
+    twin = same_code_as_auto(run)
     same = [
-        _median(w[f"fgd-{resolved}"]) / _median(w["fgd-auto"])
+        _median(w[twin]) / _median(w["fgd-auto"])
         for w in _by_workload(run).values()
-        if _median(w.get("fgd-auto", {})) and _median(w.get(f"fgd-{resolved}", {}))
+        if twin and _median(w.get("fgd-auto", {})) and _median(w.get(twin, {}))
     ]
     if same:
         notes.append(
-            f"`fgd-auto` resolves to `fgd-{resolved}` here: the two run the same code, so their ratio "
-            f"({min(same):.2f}–{max(same):.2f}× in this run) shows the run-to-run noise of this machine."
+            f"`fgd-auto` resolves to `{twin}` here: the two run the same code, so their ratio "
+            f"({min(same):.2f}–{max(same):.2f}× in this run, cases run one after another) shows the "
+            "noise of this machine between cases."
         )
     for note in notes:
         lines += ["", note]

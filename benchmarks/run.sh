@@ -11,7 +11,12 @@
 #   bash benchmarks/run.sh --tiny            # a few channels per layer, a few training steps (seconds)
 #   bash benchmarks/run.sh --no-train        # the step benchmark only
 #   bash benchmarks/run.sh --update-results  # write into benchmarks/results/ (the committed reports)
+#   bash benchmarks/run.sh --no-interleaved  # without the interleaved ratios (below)
 #   bash benchmarks/run.sh -k wrn            # further arguments go to pytest
+#
+# The benchmark runs case after case (a shared machine's speed drifts between them); the report
+# then gets the ratios to quote from benchmarks/studies/step_ratio.py: FGD and its peers stepped
+# in turn, round after round, on every workload.
 #
 # Writes <device>-<UTC date>.md (the report, with the training table), .json (pytest-benchmark's
 # raw data) and -train-digits/ (train.json, train.png) into out/results/, which git ignores, so
@@ -22,24 +27,29 @@
 # once slow some contenders down many times more than others, which distorts the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for a in "$@"; do  # (before the set-up: help changes nothing)
+  case "$a" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+done
 export FGD_FAST_SKIP_TRITON36="${FGD_FAST_SKIP_TRITON36:-1}"  # the AOT-check venv is not needed here
 if [ "${FGD_BENCH_NO_SETUP:-0}" != 1 ]; then  # =1: use the current Python as it is (e.g. a GPU box
   echo "== set-up (.ci/setup-env: the pinned .venv; about a minute the first time)"
   . .ci/setup-env                              # without network, whose torch is not the pinned one)
 fi
 
-args=() out="" train=1 train_args=(--epochs 3)
+args=() out="" train=1 interleaved=1 train_args=(--epochs 3)
 for a in "$@"; do
   case "$a" in
     --full) export FGD_BENCH_SCALE=full ;;
     --tiny) export FGD_BENCH_SCALE=tiny; train_args=(--epochs 1 --steps-per-epoch 4) ;;
     --no-train) train=0 ;;
+    --no-interleaved) interleaved=0 ;;
     --update-results) out=benchmarks/results ;;
     *) args+=("$a") ;;
   esac
 done
 
-device=$(python -c "import torch; print('gpu' if torch.cuda.is_available() else 'cpu')")
+# (FGD_BENCH_DEVICE=cpu benchmarks the CPU of a GPU machine, at the CPU sizes)
+device=$(python -c "from benchmarks.machine import bench_device; print('gpu' if bench_device().type == 'cuda' else 'cpu')")
 if [ "$device" = cpu ]; then
   export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" FGD_BENCH_THREADS="${FGD_BENCH_THREADS:-1}"
 fi
@@ -74,6 +84,17 @@ if [ "$rc" -ne 0 ]; then
   exit "$rc"
 fi
 rm -f "$stem.jsonl" "$stem.log"
+if [ ! -s "$stem.json" ]; then
+  echo "the benchmark measured no case (pytest arguments: ${args[*]-none}); nothing to report" >&2
+  exit 1
+fi
+
+if [ "$interleaved" = 1 ]; then
+  echo "== interleaved ratios (benchmarks/studies/step_ratio.py, appended to the report)"
+  python -m benchmarks.studies.step_ratio --markdown --threads "${FGD_BENCH_THREADS:-1}" \
+    --contenders fgd-auto fgd-torch-carried cayley-sgd-lowrank cayley-adam-lowrank landing-sgd geoopt-qr sgd \
+    >> "$stem.md"
+fi
 
 if [ "$train" = 1 ]; then
   echo "== 2/2 training comparison on scikit-learn's digits (benchmarks/training/train.py ${train_args[*]})"
@@ -106,4 +127,7 @@ fi
 if [ "$out" = out/results ]; then
   echo "(out/ is ignored by git; --update-results writes into benchmarks/results/ instead)"
 fi
-printf 'main job: %d min %02d s\n' $((SECONDS / 60)) $((SECONDS % 60))
+took=$(printf '%d min %02d s' $((SECONDS / 60)) $((SECONDS % 60)))
+printf '\nMain job (`bash benchmarks/run.sh %s`): %s in all, load average at the end %s.\n' \
+  "$*" "$took" "$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo unknown)" >> "$stem.md"
+echo "main job: $took"

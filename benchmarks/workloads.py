@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import fgd_fast
+from benchmarks.machine import bench_device
 from benchmarks.models import resnet50, transformer, vgg16, wide_resnet
 from fgd_fast._matrix import stiefel_shape
 
@@ -93,8 +94,9 @@ def _template(w: Workload, device: torch.device) -> nn.Module:
 
 
 def default_scale() -> str:
-    """``FGD_BENCH_SCALE`` if set, else ``"full"`` with a GPU and ``"cpu"`` without."""
-    scale = os.environ.get("FGD_BENCH_SCALE") or ("full" if torch.cuda.is_available() else "cpu")
+    """``FGD_BENCH_SCALE`` if set, else ``"full"`` on a GPU and ``"cpu"`` on a CPU (the
+    benchmark's device: ``FGD_BENCH_DEVICE=cpu`` on a GPU machine takes the CPU sizes)."""
+    scale = os.environ.get("FGD_BENCH_SCALE") or ("full" if bench_device().type == "cuda" else "cpu")
     if scale not in SCALES:
         raise ValueError(f"FGD_BENCH_SCALE={scale!r}: choose one of {', '.join(SCALES)}")
     return scale

@@ -160,6 +160,22 @@ def test_accuracy_run_reports_max_distance_against_the_reference_form(tmp_path, 
     assert "| vgg-16 | fgd-reference |" in data["table"]
 
 
+def test_accuracy_run_does_not_run_the_code_of_fgd_auto_twice(tmp_path):
+    """A review: on a GPU ``fgd-auto`` is ``fgd-triton-tf32x3``, and the accuracy phase ran both,
+    the same distances at twice the time of a 55 s phase. The second is recorded as the same."""
+    from benchmarks.gpu import accuracy
+
+    out = tmp_path / "accuracy.json"
+    cases = ["fgd-auto", "fgd-torch-tf32x3", "fgd-torch"]  # (a CPU: auto is torch at tf32x3)
+    argv = [str(out), "--cpu-dry-run", "--steps", "2", "--every", "2", "--workloads", "vgg-16", "--cases", *cases]
+    assert accuracy.main(argv) == 0
+    by_case = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert by_case["fgd-torch-tf32x3"] == dict(
+        workload="vgg-16", case="fgd-torch-tf32x3", skipped="the same code as fgd-auto here", same_as="fgd-auto"
+    )
+    assert by_case["fgd-auto"]["steps"] == 2 and by_case["fgd-torch"]["steps"] == 2
+
+
 def test_communication_model_counts_what_the_row_all_reduce_sends():
     """The distributed report's model (benchmarks/studies/dist_comm.py): per row-sharded layer
     the all-reduce carries A, C and UᵀU as triangles, E and B whole and ‖g‖² (ring: 2(R−1)/R);
@@ -230,3 +246,29 @@ def test_step_ratio_runs_the_workloads_asked_for(capsys):
     assert re.search(r"fgd-torch [\d.]+ \S+ \([\d.]+×, [\d.]+×\), sgd [\d.]+ \S+ \(1\.00×, 1\.00×\)$", lines[0])
     with pytest.raises(SystemExit):
         main(["--scale", "tiny", "--workloads", str(len(tiny))])
+
+
+@pytest.mark.parametrize(
+    ("resolved", "precision", "twin"),
+    [
+        ("torch", "tf32x3", "fgd-torch-tf32x3"),
+        ("triton", "tf32x3", "fgd-triton-tf32x3"),
+        ("torch", "ieee", "fgd-torch"),
+    ],
+)
+def test_the_noise_note_pairs_auto_with_the_contender_that_runs_its_code(bench_modules, resolved, precision, twin):
+    """A review: the report paired ``fgd-auto`` with ``fgd-<backend>`` whatever its precision, so
+    on a GPU (auto: Triton at tf32x3; ``fgd-triton``: ieee) a 2.6× precision gap was called the
+    machine's noise. The note now takes the contender at auto's own backend and precision."""
+    report, _, _ = bench_modules
+    cases = [
+        dict(workload="w", contender=name, precision=prec, stats=dict(median=ms))
+        for name, prec, ms in [
+            ("fgd-auto", precision, 6.9),
+            (f"fgd-{resolved}", "ieee", 18.0),
+            (f"fgd-{resolved}-tf32x3", "tf32x3", 7.2),
+        ]
+    ]
+    run = dict(session=dict(settings=dict(fgd_auto_resolves_to=resolved)), cases=cases)
+    assert report.same_code_as_auto(run) == twin
+    assert report.same_code_as_auto(dict(session={}, cases=cases)) is None

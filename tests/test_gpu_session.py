@@ -240,3 +240,24 @@ def test_a_sigterm_during_publish_waits_for_whole_files(tmp_path):
     assert json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["terminated"] == f"signal {signal.SIGTERM}"
     with tarfile.open(out / "logs.tgz") as tar:
         assert tar.getnames()
+
+
+@pytest.mark.parametrize(
+    ("name", "checks"), [("fgd-torch", 2), ("cayley-sgd-lowrank", 1), ("landing-sgd", 1), ("sgd", 0)]
+)
+def test_checks_off_turns_off_every_contenders_host_synchronising_checks(name, checks):
+    """A review: the first phase turned checks off for FGD only, so Cayley SGD's "checks off"
+    time (and its failed capture: a host read inside the graph) was its checks-on time beside
+    FGD's checks-off one. Every contender with a check now steps without it."""
+    import torch
+
+    from benchmarks.contenders import contender
+    from benchmarks.gpu.first_phase import CHECKS, _checks_off
+    from benchmarks.measure import LR
+    from benchmarks.workloads import workloads
+
+    w = workloads("tiny")[0]
+    case = contender(name).make(w.model(torch.device("cpu")), w.rule, LR)
+    assert _checks_off(case) is bool(checks)
+    found = [c for c in CHECKS if hasattr(case.optimizer, c)]
+    assert len(found) == checks and not any(getattr(case.optimizer, c) for c in found)

@@ -23,8 +23,9 @@ timeouts, in the order of what decides the product's defaults:
    precision candidates (``accuracy.json``): with the first phase, what the precision default
    is decided by.
 5. **bench**: the pytest-benchmark suite on WRN-28-10, ResNet-50 and the Transformer set, one
-   process per group of contenders (each Triton contender alone: a sticky CUDA error takes
-   only its own cases down; each group's time in proportion to its contenders), all appending
+   process per group of contenders (each Triton code alone — ``fgd-auto`` with
+   ``fgd-triton-tf32x3``, which it runs on a GPU —: a sticky CUDA error takes only the cases of
+   that code down; each group's time in proportion to its contenders), all appending
    to ``bench-cases.jsonl``.
 6. **triton-probe** (``--no-probe`` skips it): the phases of the Triton step and a tile sweep
    of the tensor-core kernels (``triton_probe.json``).
@@ -81,8 +82,8 @@ ACCURACY_CASES = ("fgd-reference", "fgd-auto", "fgd-torch-tf32x3", "fgd-triton-t
 #: the benchmark's workloads and its contenders, one process per group
 BENCH_WORKLOADS = ("wrn-28-10", "resnet-50", "transformer")
 BENCH_GROUPS = (
-    ("fgd-auto", "fgd-torch", "fgd-torch-tf32x3", "fgd-torch-tf32", "sgd", "cayley-sgd-lowrank"),
-    ("fgd-triton-tf32x3",),
+    ("fgd-torch", "fgd-torch-tf32x3", "fgd-torch-tf32", "sgd", "cayley-sgd-lowrank"),
+    ("fgd-auto", "fgd-triton-tf32x3"),  # (auto is Triton at tf32x3 on a GPU: the same kernels, one process)
     ("fgd-triton-tf32",),
     ("fgd-triton",),
     ("fgd-reference", "cayley-adam-lowrank", "geoopt-qr"),

@@ -7,13 +7,13 @@ step time of each backend and the speed-up of ``torch`` over ``reference``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
 import fgd_fast
+from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
 
 
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["reference", "torch"])
     args = ap.parse_args()
-    print(f"torch {torch.__version__} | {platform.machine()} | {torch.get_num_threads()} threads | float32")
+    print(f"{describe(environment(torch.device('cpu')))} | float32")
     for width in args.widths:
         torch.manual_seed(0)
         params = fgd_fast.stiefel_param_groups(wide_resnet(28, width), "official")[0]["params"]

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from fgd_fast.backends.layout import Layout
 
 GRAM_SHAPES = [(64, 576), (96, 864), (102, 918), (128, 128), (128, 512), (128, 1152), (192, 1728), (256, 2304)]
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
-    commit = env["commit"]
-    commit = f"{commit['id'][:7]}{' (dirty)' if commit.get('dirty') else ''}" if isinstance(commit, dict) else commit
-    print(f"{env['cpu']} | 1 thread | torch {env['torch']} | commit {commit}\n")
+    print(f"{describe(env)}\n")
     print("| operation: first \\| second | first (µs) | second (µs) | first ÷ second |")
     print("|---|---:|---:|---:|")
     with torch.no_grad():

@@ -56,6 +56,7 @@ from datetime import timedelta
 import torch
 
 import fgd_fast
+from benchmarks.machine import describe, environment
 from fgd_fast._matrix import stiefel_shape
 from fgd_fast.collectives import BUCKET_BYTES
 from fgd_fast.distributed import moved_to_owners, path_bytes
@@ -301,6 +302,7 @@ def main() -> None:
     report = ["# FGD across processes: communication per step", ""]
     if args.machine:
         report += [f"Machine: {args.machine}", ""]
+    report += [f"Run: {describe(environment(torch.device('cpu')))}", ""]
     report += [
         "## Model (MB sent per rank per optimizer step, float32, full-size workloads)",
         "",

@@ -14,12 +14,12 @@ the empirical bound ‖ΦᵀΦ‖/(2 min(α, 1 − α)), and the ratio to α = 0
 
 from __future__ import annotations
 
-import platform
 import warnings
 
 import torch
 
 import fgd_fast
+from benchmarks.machine import describe, environment
 from benchmarks.studies.unit_layer import unit_layer
 
 ALPHAS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
@@ -43,7 +43,7 @@ def settle(alpha: float, steps: int = 400, seed: int = 0) -> tuple[float, float]
 
 
 def main() -> None:
-    print(f"machine: {platform.machine()}, torch {torch.__version__}; float64, 16 × 72, lr 0.01, momentum 0.9")
+    print(f"{describe(environment(torch.device('cpu')))}; float64, 16 × 72, lr 0.01, momentum 0.9")
     rows = [(a, *settle(a)) for a in ALPHAS]
     base = dict((a, d) for a, d, _ in rows)[0.4]
     print(

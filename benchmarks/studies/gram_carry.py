@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.contenders import contender
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.studies.tf32_middle import settled_distance
 from benchmarks.workloads import weight_shapes, workloads
@@ -64,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     refreshes = [1] + [k for k in args.refresh if k != 1]
-    print(
-        f"{env.get('cpu')} | 1 thread | load {env['load_average']} | torch {torch.__version__} | "
-        f"commit {env['commit']['id'][:7]} | {args.rounds} interleaved rounds (median); {args.steps} steps for "
-        "the settled distance"
-    )
+    print(f"{describe(env)} | {args.rounds} interleaved rounds (median); {args.steps} steps for the settled distance")
     names = [f"refresh {k}" for k in refreshes]
     print("\n| workload | " + " | ".join(names) + " | low-rank Cayley |")
     print("|---|" + "---:|" * (len(names) + 1))

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from benchmarks.machine import _median_seconds, environment
+from benchmarks.machine import _median_seconds, describe, environment
 
 # (layers in one call, p, n = 9p): the cpu-scale workloads' 3 × 3 convolutions and a few more
 SHAPES = [(1, 102, 918), (1, 96, 864), (1, 64, 576), (1, 51, 459), (4, 26, 234), (3, 13, 117), (1, 128, 1152)]
@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     env = environment(cpu)
-    commit = env["commit"]["id"][:7]
-    print(f"{env['cpu']} | 1 thread | torch {torch.__version__} | commit {commit} | median of {args.reps}")
+    print(f"{describe(env)} | median of {args.reps}")
     print("| layers × (p, n) | 3 × bmm | cat + bmm + copy | fused ÷ three |")
     print("|---|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 
 
 def _variants(p: int, n: int, pads: list[int]) -> dict:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
-    print(f"{env['cpu']} | 1 thread | torch {env['torch']} | commit {env['commit']['id'][:7]} | {args.rounds} rounds")
+    print(f"{describe(env)} | {args.rounds} rounds")
     for shape in args.shapes:
         p, n = (int(x) for x in shape.split("x"))
         variants = _variants(p, n, args.pad)

@@ -17,7 +17,7 @@ import time
 import torch
 
 import fgd_fast
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.workloads import workloads
 
 SETTINGS = {
@@ -35,11 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)
-    where = env.get("gpu") or env.get("cpu")
-    print(
-        f"{where} | {env['torch_threads']} threads | load {env['load_average']} | torch {torch.__version__} | "
-        f"commit {env['commit']['id'][:7]} | backend {args.backend}"
-    )
+    print(f"{describe(env)} | backend {args.backend}")
     for w in workloads(args.scale):
         model = w.model(device)
         params = [p for _, p in fgd_fast.select_stiefel(model, w.rule)]

@@ -18,13 +18,13 @@ largest ``r``, ``r/ρ`` and distance over the run and the guard's counters
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
 from torch import nn
 
 import fgd_fast
+from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
 from fgd_fast.guards import TRUST_RADIUS
 
@@ -74,10 +74,7 @@ def main() -> None:
         first_loss = first_loss if first_loss is not None else losses[0]
     stats = opt.guard_stats()
     bound = sum(v["scaled"] + v["reset"] for v in stats.values())
-    print(
-        f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; {time.time() - t0:.0f} s"
-    )
+    print(f"{describe(environment(torch.device('cpu')))}; {time.time() - t0:.0f} s")
     print(
         f"WRN-{args.depth}-{args.width:g}, {len(orth)} orthogonal layers, {args.steps} steps of batch {args.batch}, "
         f"lr {args.lr} ({args.schedule} schedule), momentum 0.9, feedback 0.4"

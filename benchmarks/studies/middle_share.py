@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.contenders import contender
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.workloads import weight_shapes, workloads
 from fgd_fast.backends import algebra, torch_groups
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     assert torch_groups.middle is algebra.middle, "the torch backend calls algebra.middle"
     env = environment(torch.device("cpu"))
-    print(
-        f"{env.get('cpu')} | 1 thread | load {env['load_average']} | torch {torch.__version__} | "
-        f"commit {env['commit']['id'][:7]} | {args.rounds} interleaved rounds (median)"
-    )
+    print(f"{describe(env)} | {args.rounds} interleaved rounds (median)")
     contiguous, transposed = transposed_add()
     print(f"\n(12, 128, 128) float32 add: x + y {contiguous * 1e6:.1f} µs, x + x.mT {transposed * 1e6:.1f} µs")
     print("\n| workload | FGD step | its middle | low-rank Cayley | FGD ÷ Cayley |")

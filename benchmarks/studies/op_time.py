@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.contenders import contender
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.opcount import is_view, product
 from benchmarks.workloads import weight_shapes, workloads
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     w = workloads("cpu")[args.workload]
-    print(f"{env['cpu']} | 1 thread | torch {torch.__version__} | commit {env['commit']['id'][:7]} | {w.description}")
+    print(f"{describe(env)} | {w.description}")
     for name in args.contenders:
         plain, t = profile(name, w, args.steps)
         per = lambda k, t=t: t.seconds[k] / args.steps * 1e3  # noqa: E731  (ms per step)

@@ -29,7 +29,7 @@ import statistics
 import torch
 
 import fgd_fast
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from fgd_fast.backends.tf32 import emulated_tf32_middle
 
 LRS = (1e-2, 1e-4)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     print(
-        f"{env.get('cpu')} | torch {torch.__version__} | commit {env['commit']['id'][:7]} | {args.steps} steps, "
+        f"{describe(env)} | {args.steps} steps, "
         "largest ‖θᵀθ − I‖_F over the layers (mean of the last tenth), float32, TF32 emulated"
     )
     print("| workload | layers | lr | " + " | ".join(MIDDLES) + " | tf32 ÷ fp32 | (I − D)·X ÷ fp32 |")

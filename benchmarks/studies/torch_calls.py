@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.contenders import contender
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.opcount import is_view, product
 from benchmarks.workloads import weight_shapes, workloads
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank"])
     args = ap.parse_args(argv)
     env = environment(torch.device("cpu"))
-    print(f"torch {env['torch']} | commit {env['commit']['id'][:7]} | per step: aten ops (not views), product Gflop")
+    print(f"{describe(env)} | per step: aten ops (not views), product Gflop")
     print("| workload | " + " | ".join(args.contenders) + " |")
     print("|---|" + "---:|" * len(args.contenders))
     for w in workloads("cpu"):

@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks.contenders import contender
-from benchmarks.machine import environment
+from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.workloads import weight_shapes, workloads
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"{module.__name__} has no {name}")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
-    print(f"{env['cpu']} | 1 thread | torch {env['torch']} | commit {env['commit']['id'][:7]} | {args.rounds} rounds")
+    print(f"{describe(env)} | {args.rounds} rounds")
     print(f"| workload | {args.name}={args.first} | ={args.second} | second ÷ first (median per round) |")
     print("|---|---:|---:|---:|")
     for w in workloads("cpu"):
