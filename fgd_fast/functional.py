@@ -308,6 +308,7 @@ def fgd(
     beside = _unsharded_beside_sharded
     if beside is None:  # (a direct call: its layers, which every rank passes alike)
         beside = bool(sharded) and any(not is_dtensor(p) for p in params)
+    agree = bool(meshes) and (beside or _checks_stay_in_groups(meshes))
     if _rest_sharded_at_zero_lr:  # (agreed above; FGD's lr = 0 moves nothing: only their state is made)
         sharded = [i for i in sharded if host_lrs()[i] != 0.0]
     if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
@@ -346,10 +347,10 @@ def fgd(
             carried=gram_refresh > 1,
         )
     except (ValueError, FloatingPointError) as failed:
-        if meshes and beside:
+        if agree:
             _agree_on_local_checks(False, meshes, mesh_device, failed)
         raise
-    if meshes and beside:  # (the unsharded layers' checks are this rank's own; the sharded apply is collective)
+    if agree:  # (this rank's verdict is not every rank's; the sharded apply is collective)
         _agree_on_local_checks(True, meshes, mesh_device)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):
@@ -367,6 +368,14 @@ def fgd(
             for i, t in zip(idx, pl.dist_next.unbind(0)):
                 distance[i] = t
     return GuardReport(per_param, read, distance)
+
+
+def _checks_stay_in_groups(meshes: list) -> bool:
+    """Whether a sharded layer's checks, shared within its own group only (the ranks of its mesh,
+    or of one dimension of it: HSDP's shards, not its replicas), may miss ranks of this step:
+    with several meshes, or a mesh of more than one dimension, a check that failed on some ranks
+    reaches the others only by an agreement on the verdict."""
+    return len(meshes) > 1 or any(m.ndim > 1 for m in meshes)
 
 
 def _meshes_of(tensors: list) -> tuple[list, dict]:
@@ -410,12 +419,13 @@ def _agree_on_local_checks(
     mesh_device: dict,
     failed: Exception | None = None,
     *,
-    what: str = "the unsharded orthogonal parameters passed the checks",
+    what: str = "the orthogonal parameters passed the checks on this rank",
 ) -> None:
-    """With unsharded orthogonal layers beside sharded ones, a check that failed on this rank's
-    unsharded layers alone would leave the other ranks writing theirs, then waiting in the
-    sharded layers' collectives: the ranks of each mesh agree on the verdict first, and every
-    rank raises (this rank its own error) before anything is written. A disagreement on one
+    """A check that failed on some ranks only (this rank's unsharded layers, or a sharded layer
+    whose group is one sub-mesh or one dimension of an HSDP mesh) would leave the other ranks
+    writing theirs, then waiting in the sharded layers' collectives: the ranks of each mesh agree
+    on the verdict first, and every rank raises (this rank its own error) before anything is
+    written. A disagreement on one
     mesh is carried into the later, wider meshes' agreements (as in the step's own agreement):
     the ranks outside the first mesh raise too instead of waiting."""
     disagreed = _agree_mesh_by_mesh(lambda mesh: {f"whether {what}": passed}, meshes, mesh_device)

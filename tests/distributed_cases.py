@@ -586,6 +586,63 @@ def fsdp_local_check_on_a_submesh(rank, world, out):
     return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)))
 
 
+def fsdp_sharded_check_on_part_of_the_ranks(rank, world, out, *, kind):
+    """An ownership review (4 ranks): a sharded layer's check is shared within its own group, so
+    one that failed on part of the ranks stayed there. ``submesh-rows`` / ``submesh-cols``: a
+    row-sharded layer on a 2-rank sub-mesh (the last rank's gradient NaN) beside a layer on the
+    whole mesh, row-sharded (the other sub-mesh stepped it: half a step) or column-sharded (the
+    owner path: the other sub-mesh wrote the first layer, then waited in the all-to-all).
+    ``hsdp-nan`` / ``hsdp-off``: HSDP (2 replicas × 2 shards), the last rank's gradient of
+    ``name`` NaN or its shard of θ off the manifold: the other replica wrote. Now every rank
+    raises before writing."""
+    if kind.startswith("submesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        torch.manual_seed(0)
+        whole = init_device_mesh("cpu", (world,))
+        sub = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))["shard"]
+        placements = [[Shard(0)], [Shard(1) if kind == "submesh-cols" else Shard(0)]]  # (θ = W, 32 × 8)
+        ps = [
+            torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), m, pl))
+            for m, pl in zip((sub, whole), placements)
+        ]
+        opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, momentum=0.9)
+        for step in range(2):
+            for k, p in enumerate(ps):
+                g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k), dtype=DTYPE)
+                part = _shard_of(p, g)  # (this rank's shard, as FSDP2 leaves it: distribute_tensor would
+                if step == 1 and k == 0 and rank == world - 1:  # scatter the first rank's values)
+                    part[0, 0] = float("nan")
+                p.grad = DTensor.from_local(part, p.device_mesh, p.placements, shape=p.shape, stride=g.stride())
+            if step == 0:
+                opt.step()
+        before = ([p.to_local().clone() for p in ps], [opt.state[p]["momentum_buffer"].to_local().clone() for p in ps])
+        model = None
+    else:
+        model = _sharded(world, hsdp=True)
+        opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+        _set_grads(model, 0)
+        opt.step()
+        name = "stem.weight"
+        _set_grads(model, 1, poison=name if rank == world - 1 and kind == "hsdp-nan" else None)
+        if kind == "hsdp-off" and rank == world - 1:
+            with torch.no_grad():
+                dict(model.named_parameters())[name].to_local().mul_(1.5)
+        before = _local_state(model, opt)
+    try:
+        opt.step()
+        message = None
+    except (ValueError, FloatingPointError) as error:
+        message = f"{type(error).__name__}: {error}"
+    if model is None:
+        after = ([p.to_local() for p in ps], [opt.state[p]["momentum_buffer"].to_local() for p in ps])
+        unchanged = all(torch.equal(b, a) for x, y in zip(before, after) for b, a in zip(x, y))
+    else:
+        unchanged = _same(before, _local_state(model, opt))
+    return dict(message=message, unchanged=unchanged)
+
+
 def dcp_load_with_a_nan_in_one_shard(rank, world, out):
     """A checkpoint review: a DCP optimizer state with a NaN in rank 0's shard of one Φ only.
     The load's finiteness check read each rank's own shard: rank 0 refused, rank 1 loaded (its
@@ -841,6 +898,7 @@ CASES = {
         zero_steps,
         fsdp_submesh,
         fsdp_local_check_on_a_submesh,
+        fsdp_sharded_check_on_part_of_the_ranks,
         dcp_load_with_a_nan_in_one_shard,
     )
 }

@@ -75,6 +75,10 @@ MUTANTS = {
         "the unsharded layers' check verdict not agreed beside sharded ones (the passing ranks write, then wait)",
         [f"{DIST}::test_a_check_failing_on_one_ranks_unsharded_layer_stops_every_rank[2]"],
     ),
+    "sharded_checks_kept_in_groups": (
+        "a sharded layer's failed check not agreed beyond its group (a sub-mesh, HSDP's shards): the other ranks write",
+        [f"{DIST}::test_a_sharded_check_failed_on_part_of_the_ranks_stops_every_rank[hsdp-off]"],
+    ),
     "grad_sq_unsummed": (
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
@@ -244,6 +248,7 @@ def plant(name: str) -> Callable[[], None]:
         "grad_sq_unsummed",
         "guard_settings_not_agreed",
         "local_checks_unshared",
+        "sharded_checks_kept_in_groups",
         "saved_state_unshared",
     ):
         os.environ[IN_RANKS] = name
@@ -527,6 +532,10 @@ def plant_here(name: str) -> None:
         import fgd_fast.functional as functional
 
         functional._agree_on_local_checks = lambda *args, **kwargs: None
+    elif name == "sharded_checks_kept_in_groups":
+        import fgd_fast.functional as functional
+
+        functional._checks_stay_in_groups = lambda meshes: False
     elif name == "saved_state_unshared":
         import fgd_fast._stiefel_optimizer as stiefel
 

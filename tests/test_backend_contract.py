@@ -149,3 +149,24 @@ def test_step_captured_in_a_cuda_graph_replays_like_eager_steps(backend):
         torch.testing.assert_close(
             opt.state[p]["momentum_buffer"], eager.state[t]["momentum_buffer"], rtol=1e-6, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_step_moves_the_version_counters_of_what_it_writes(backend):
+    """An ownership review: the CUDA extension (and Triton) write θ and Φ through raw pointers,
+    which torch's version counters do not see, so a backward through a graph that saved the old θ
+    ran on silently with the stepped one (torch refuses it after any in-place write), and caches
+    keyed on versions missed the step. Every backend's step now moves them."""
+    params, grads = stiefel_problem([(24, 6), (5, 11)])
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, momentum=0.9, backend=backend)
+    x = torch.randn(6, device=params[0].device)
+    loss = (params[0] @ (params[0].T @ params[0] @ x)).sum()  # (saves θ for its backward)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()  # (the first step makes Φ)
+    before = [p._version for p in params] + [opt.state[p]["momentum_buffer"]._version for p in params]
+    opt.step()
+    after = [p._version for p in params] + [opt.state[p]["momentum_buffer"]._version for p in params]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

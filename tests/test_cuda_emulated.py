@@ -306,12 +306,17 @@ def test_prepare_writes_nothing_and_apply_writes_only_its_tensors(cuda, monkeypa
         fresh = [step == 0 or m == 0 for _, m in layers]
         tensors = [*params, *g, *(b for b in bufs if b is not None)]
         before = [_storage(t) for t in tensors]
+        versions = [t._version for t in tensors]
         plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, check_finite=True)
         for t, b in zip(tensors, before):
             assert torch.equal(_storage(t), b)  # prepare wrote nothing, anywhere
         plan.apply()
         for p, b in zip(params, before):
             assert not torch.equal(_storage(p), b)  # apply wrote θ₊ …
+        # … and torch sees it: the version counters of θ and Φ moved (the kernels write through
+        # raw pointers; a backward that saved the old θ must be refused), the gradients' did not
+        moved = [t._version > v for t, v in zip(tensors, versions)]
+        assert moved == [True] * len(params) + [False] * len(g) + [True] * (len(tensors) - len(params) - len(g))
         for t in tensors:
             assert guards_intact(t)  # … and nothing next to any tensor
         for t, b in zip(g, before[len(params) :]):

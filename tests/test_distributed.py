@@ -434,6 +434,19 @@ def test_a_local_check_failing_on_a_submesh_rank_raises_on_every_rank():
     assert all("disagree" in r["message"] for r in results[:-1]), results
 
 
+@pytest.mark.parametrize("kind", ["submesh-rows", "submesh-cols", "hsdp-nan", "hsdp-off"])
+def test_a_sharded_check_failed_on_part_of_the_ranks_stops_every_rank(kind):
+    """An ownership review: a sharded layer's checks are shared within its own group (a 2-rank
+    sub-mesh, HSDP's shard dimension), so a failure there left the other ranks writing — half a
+    step of a row-sharded layer, the other HSDP replica stepped — or waiting in the owner path's
+    all-to-all (a hang). With several meshes, or a mesh of more than one dimension, the ranks agree
+    on the verdict first: every rank raises and nothing is written anywhere."""
+    results = run(4, "fsdp_sharded_check_on_part_of_the_ranks", kind=kind)
+    for r in results:
+        assert r["message"] is not None and r["unchanged"], results
+    assert all("disagree" in r["message"] or "finite" in r["message"] or "θᵀθ" in r["message"] for r in results)
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank

@@ -616,7 +616,8 @@ def prepare_triton(
                     variant,
                 )
             )
-    return plan_of(built, device_of(params), check_finite)
+    written = [*params, *(b for b in bufs if b is not None)]  # (the kernels write them in place)
+    return plan_of(built, device_of(params), check_finite, written)
 
 
 prepare_triton.device_lr = True  # takes lr as tensors (read on the device: base.hyper_table)
