@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
-from .backends import Backend, checked_precision, compute_dtype, resolve_backend
+from .backends import Backend, BackendUnavailable, checked_precision, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
@@ -252,46 +252,61 @@ def fgd(
         variant=variant,
     )
     plans, index, bounded = [], [], []  # bounded: plans whose dist_next may be a bound
-    for device, idx in by_device.items():
-        _, prepare = _cached_backend(backend, device.type, precision)
-        pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
-        carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
-        if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
-            carrying["exact_next"] = False
-            bounded.append(len(plans))
-        layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
-        with on_device(device):
-            plans.append(
-                prepare(
-                    pick(params),
-                    pick(grads),
-                    pick(bufs),
-                    pick(fresh),
-                    lr=pick(layer_lrs),
-                    momentum=pick(betas),
-                    feedback=pick(alphas),
-                    check_finite=check_finite,
-                    precision=precision,
-                    **steering,
-                    **carrying,
-                )
-            )
-        index.append(idx)
     # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
     meshes, mesh_device = _meshes_of([params[i] for i in sharded] + list(_idle_dtensors))
+    # A rank that fails before the ranks' first collective (a backend that loads on some nodes
+    # only, memory) holds its error until the agreement, where the others learn of it and raise
+    # too, instead of waiting for it in a collective.
+    held: list[Exception] = []
+    try:
+        for device, idx in by_device.items():
+            _, prepare = _cached_backend(backend, device.type, precision)
+            pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
+            carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
+            if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
+                carrying["exact_next"] = False
+                bounded.append(len(plans))
+            layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
+            with on_device(device):
+                plans.append(
+                    prepare(
+                        pick(params),
+                        pick(grads),
+                        pick(bufs),
+                        pick(fresh),
+                        lr=pick(layer_lrs),
+                        momentum=pick(betas),
+                        feedback=pick(alphas),
+                        check_finite=check_finite,
+                        precision=precision,
+                        **steering,
+                        **carrying,
+                    )
+                )
+            index.append(idx)
+    except Exception as error:
+        if not meshes:
+            raise
+        held.append(error)
 
     def settings_on(mesh) -> dict:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         on_mesh = [i for i in sharded if params[i].device_mesh == mesh]
-        # (the backend as named and as resolved: "auto" on a rank where Triton does not load would
-        # take other collectives than on the others)
+        # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
+        # other collectives than on the others; an explicit one may load on some ranks only)
+        try:
+            resolved = _cached_backend(backend, mesh_device[mesh].type, precision)[0]
+        except BackendUnavailable as error:
+            held.append(error)
+            resolved = None
         return {  # (the per-layer values as tuples: compared whole, by a hash of their repr)
+            "whether every rank could prepare its step (one that could not raised its own error)": not held,
             "the number of sharded orthogonal parameters": len(on_mesh),
             "the sharded orthogonal parameters": tuple(labels[i] for i in on_mesh),
             "lr": tuple(host_lrs()[i] for i in on_mesh),
             "momentum": tuple(betas[i] for i in on_mesh),
             "feedback": tuple(alphas[i] for i in on_mesh),
             "maximize": maximize,
-            "backend": (backend, _cached_backend(backend, mesh_device[mesh].type, precision)[0]),
+            "backend": (backend, resolved),
             "precision": precision,
             "variant": variant,
             "sharding": sharding,
@@ -303,6 +318,8 @@ def fgd(
         }
 
     disagreed = _agree_mesh_by_mesh(settings_on, meshes, mesh_device)
+    if held:
+        raise held[0]
     if disagreed is not None:
         raise disagreed
     beside = _unsharded_beside_sharded

@@ -240,6 +240,20 @@ def _share_checks(checks: torch.Tensor, group) -> None:
     dist.all_reduce(checks, group=group)
 
 
+def _raise_if_an_owner_failed(failed: torch.Tensor, params: list, lay: Layout) -> None:
+    """On the ranks whose owned layers prepared: raise if another owner's did not (it raises its
+    own error), before anything is written on any rank (one host read of the shared flags)."""
+    where = [i for i, f in enumerate(failed.tolist()) if f]
+    if where:
+        ranks = sorted({lay.owners[i] for i in where})
+        raise RuntimeError(
+            f"FGD could not step {len(where)} column-sharded parameter(s) on their owner rank(s) {ranks} of the "
+            "group (that rank raised the reason, e.g. out of memory: an owner holds whole matrices); the step "
+            "was not applied on any rank and nothing changed. Fix the cause there, or use sharding='rows' where "
+            "the layers allow it"
+        )
+
+
 def prepare_owned(
     prepare,
     lay: Layout,
@@ -290,52 +304,65 @@ def prepare_owned(
                     sizes[t.dtype][s] += _volume(lay.boxes[i][s][0])
     received = _exchange(lay.group, size, device, dtypes_of(travelling), send, sizes)
 
-    # 2. the whole matrices of this rank's layers, and their step
-    whole = {i: [torch.empty(t.shape, dtype=t.dtype, device=device) for t in travelling(i)] for i in mine}
-    at = dict.fromkeys(received, 0)
-    for s in range(size):
-        for i in mine:
-            if s in lay.senders[i]:
-                shape, offset = lay.boxes[i][s]
-                for t, full in zip(travelling(i), whole[i]):
-                    n = _volume(shape)
-                    _box(full, shape, offset).copy_(received[t.dtype][at[t.dtype] : at[t.dtype] + n].view(shape))
-                    at[t.dtype] += n
-    theta = {i: whole[i][0] for i in mine}
-    phi = {
-        i: (whole[i][2] if not fresh[i] else torch.zeros(bufs[i].shape, dtype=bufs[i].dtype, device=device))
-        if bufs[i] is not None
-        else None
-        for i in mine
-    }
+    # 2. the whole matrices of this rank's layers, and their step. The owner holds whole matrices
+    # (the memory of the largest layers): a failure here is held until the checks' all-reduce,
+    # which tells every rank, instead of leaving them waiting in a later collective.
+    failed: Exception | None = None
     plan = None
-    if mine:
-        plan = prepare(
-            [theta[i] for i in mine],
-            [whole[i][1] for i in mine],
-            [phi[i] for i in mine],
-            [fresh[i] for i in mine],
-            lr=[lr[i] for i in mine],
-            momentum=[momentum[i] for i in mine],
-            feedback=[feedback[i] for i in mine],
-            check_finite=check_finite,
-            precision=precision,
-            trust_radius=trust_radius,
-            max_distance=max_distance,
-            variant=variant,
-        )
+    try:
+        whole = {i: [torch.empty(t.shape, dtype=t.dtype, device=device) for t in travelling(i)] for i in mine}
+        at = dict.fromkeys(received, 0)
+        for s in range(size):
+            for i in mine:
+                if s in lay.senders[i]:
+                    shape, offset = lay.boxes[i][s]
+                    for t, full in zip(travelling(i), whole[i]):
+                        n = _volume(shape)
+                        _box(full, shape, offset).copy_(received[t.dtype][at[t.dtype] : at[t.dtype] + n].view(shape))
+                        at[t.dtype] += n
+        theta = {i: whole[i][0] for i in mine}
+        phi = {
+            i: (whole[i][2] if not fresh[i] else torch.zeros(bufs[i].shape, dtype=bufs[i].dtype, device=device))
+            if bufs[i] is not None
+            else None
+            for i in mine
+        }
+        if mine:
+            plan = prepare(
+                [theta[i] for i in mine],
+                [whole[i][1] for i in mine],
+                [phi[i] for i in mine],
+                [fresh[i] for i in mine],
+                lr=[lr[i] for i in mine],
+                momentum=[momentum[i] for i in mine],
+                feedback=[feedback[i] for i in mine],
+                check_finite=check_finite,
+                precision=precision,
+                trust_radius=trust_radius,
+                max_distance=max_distance,
+                variant=variant,
+            )
+    except Exception as error:
+        failed = error
+        plan = None
 
     # 3. every layer's checks on every rank: one all-reduce of [dist, finite, dist₊, finite₊, guarded]
+    # (and a last row: 1 where the owner failed)
     rows = ("dist", "finite", "dist_next", "finite_next", "guarded")
     present = (True, check_finite, max_distance is not None, max_distance is not None, trust_radius is not None)
-    checks = torch.zeros(len(rows), count, dtype=torch.float64, device=device)
-    if plan is not None:
+    checks = torch.zeros(len(rows) + 1, count, dtype=torch.float64, device=device)
+    if mine:
         cols = torch.tensor(mine, device=device)
+        if failed is not None:
+            checks[len(rows), cols] = 1.0
         for r, name in enumerate(rows):
-            value = getattr(plan, name)
+            value = getattr(plan, name) if plan is not None else None
             if present[r] and value is not None:
                 checks[r, cols] = value.to(torch.float64)
     _share_checks(checks, lay.group)
+    if failed is not None:
+        raise failed
+    _raise_if_an_owner_failed(checks[len(rows)], params, lay)
     codes = checks[4].round().to(torch.int8)
 
     def apply() -> None:

@@ -643,6 +643,81 @@ def fsdp_sharded_check_on_part_of_the_ranks(rank, world, out, *, kind):
     return dict(message=message, unchanged=unchanged)
 
 
+def fsdp_backend_on_some_ranks(rank, world, out, *, plain):
+    """An ownership review: an explicit backend that loads on some ranks only (here Triton's CPU
+    interpreter, turned off on the last rank; on a cluster, ``"cuda"`` where the extension built on
+    some nodes) raised on those ranks before the ranks' first collective, and the others waited
+    in it for them (the process group's timeout). ``plain``: an unsharded layer beside the sharded
+    one (its backend is resolved first). Now the failing rank raises its own error, the others
+    that a rank could not prepare its step; nothing is written anywhere."""
+    import fgd_fast.functional as functional
+
+    torch.manual_seed(0)
+    mesh = _mesh(world)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ps = [torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8)), mesh, [Shard(0)]))]
+    if plain:
+        ps.append(torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 4))))
+    opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, backend="triton")
+    for p in ps:
+        g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+        p.grad = distribute_tensor(g, mesh, [Shard(0)]) if p is ps[0] else g
+    if rank == world - 1:
+        os.environ.pop("TRITON_INTERPRET", None)
+        functional._resolved.clear()
+    before = [p.detach().clone() if not hasattr(p, "to_local") else p.to_local().clone() for p in ps]
+    try:
+        opt.step()
+        message = None
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    after = [p.detach() if not hasattr(p, "to_local") else p.to_local() for p in ps]
+    return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)), state=len(opt.state))
+
+
+def fsdp_owner_fails(rank, world, out):
+    """An ownership review: the owner path puts a layer's whole θ, g and Φ on one rank; a failure
+    there (out of memory, faked here in the backend's prepare, which only the owner calls) raised
+    on the owner alone, and the others waited in the next collective (the process group's
+    timeout). The checks' all-reduce now carries the failure: the owner raises its own error, the
+    others that the owner could not step; nothing is written."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fgd_fast.functional as functional
+
+    torch.manual_seed(0)
+    mesh = _mesh(world)
+    ps = [
+        torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), mesh, [pl]))
+        for pl in (Shard(1), Shard(0))  # (the owner path: two layers, one per rank; the first fails)
+    ]
+    opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, backend="torch")
+    for k, p in enumerate(ps):
+        g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(k), dtype=DTYPE)
+        p.grad = distribute_tensor(g, mesh, p.placements)
+    opt.step()
+    name, prepare = functional._cached_backend("torch", "cpu", opt.precision)
+
+    first = ps[0].full_tensor()  # (a collective: before the step)
+
+    def failing(params, *args, **kwargs):  # (on the first layer's owner only: its θ whole)
+        if any(torch.equal(t, first) for t in params):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (faked)")
+        return prepare(params, *args, **kwargs)
+
+    functional._resolved[("torch", "cpu", opt.precision)] = (name, failing)
+    before = ([p.to_local().clone() for p in ps], [opt.state[p]["momentum_buffer"].to_local().clone() for p in ps])
+    try:
+        opt.step()
+        message = None
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    after = ([p.to_local() for p in ps], [opt.state[p]["momentum_buffer"].to_local() for p in ps])
+    unchanged = all(torch.equal(b, a) for x, y in zip(before, after) for b, a in zip(x, y))
+    return dict(message=message, unchanged=unchanged)
+
+
 def dcp_load_with_a_nan_in_one_shard(rank, world, out):
     """A checkpoint review: a DCP optimizer state with a NaN in rank 0's shard of one Φ only.
     The load's finiteness check read each rank's own shard: rank 0 refused, rank 1 loaded (its
@@ -899,6 +974,8 @@ CASES = {
         fsdp_submesh,
         fsdp_local_check_on_a_submesh,
         fsdp_sharded_check_on_part_of_the_ranks,
+        fsdp_backend_on_some_ranks,
+        fsdp_owner_fails,
         dcp_load_with_a_nan_in_one_shard,
     )
 }

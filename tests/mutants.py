@@ -79,6 +79,10 @@ MUTANTS = {
         "a sharded layer's failed check not agreed beyond its group (a sub-mesh, HSDP's shards): the other ranks write",
         [f"{DIST}::test_a_sharded_check_failed_on_part_of_the_ranks_stops_every_rank[hsdp-off]"],
     ),
+    "owner_failure_unshared": (
+        "an owner rank's failure (out of memory) not carried by the checks' all-reduce: the others wait",
+        [f"{DIST}::test_a_failure_on_the_owner_rank_stops_every_rank"],
+    ),
     "grad_sq_unsummed": (
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
@@ -249,6 +253,7 @@ def plant(name: str) -> Callable[[], None]:
         "guard_settings_not_agreed",
         "local_checks_unshared",
         "sharded_checks_kept_in_groups",
+        "owner_failure_unshared",
         "saved_state_unshared",
     ):
         os.environ[IN_RANKS] = name
@@ -528,6 +533,8 @@ def plant_here(name: str) -> None:
 
     if name == "owner_checks_unshared":
         owners._share_checks = lambda checks, group: None
+    elif name == "owner_failure_unshared":
+        owners._raise_if_an_owner_failed = lambda failed, params, lay: None
     elif name == "local_checks_unshared":
         import fgd_fast.functional as functional
 

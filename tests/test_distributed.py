@@ -447,6 +447,27 @@ def test_a_sharded_check_failed_on_part_of_the_ranks_stops_every_rank(kind):
     assert all("disagree" in r["message"] or "finite" in r["message"] or "θᵀθ" in r["message"] for r in results)
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain-beside-sharded"])
+def test_a_backend_that_loads_on_some_ranks_only_fails_on_every_rank(plain):
+    """An ownership review: an explicit backend that cannot load on one rank raised there before
+    the ranks' first collective, and the other ranks waited in it (the process group's timeout).
+    The rank holds its error until the agreement: it raises its own, the others raise with it."""
+    results = run(2, "fsdp_backend_on_some_ranks", plain=plain)
+    assert all(r["message"] is not None and r["unchanged"] for r in results), results
+    assert results[-1]["message"].startswith("BackendUnavailable"), results
+    assert "could prepare its step" in results[0]["message"], results
+
+
+def test_a_failure_on_the_owner_rank_stops_every_rank():
+    """An ownership review: the owner path's owner holds whole matrices; a failure there (out of
+    memory) raised on the owner alone and left the other ranks waiting in a collective. The
+    checks' all-reduce carries it now: every rank raises, nothing is written."""
+    results = run(2, "fsdp_owner_fails")
+    assert all(r["message"] is not None and r["unchanged"] for r in results), results
+    assert sum("can't allocate memory" in r["message"] for r in results) == 1, results
+    assert sum("could not step 1 column-sharded" in r["message"] for r in results) == 1, results
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank
