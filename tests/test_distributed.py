@@ -130,9 +130,9 @@ def test_fsdp_matches_one_process(world, placement):
     if placement and world == 2:
         # numbers summed per step: per row-sharded layer (conv, expand p = 12, fc1 p = 16, odd p = 2)
         # E and B whole, A, C and UᵀU as triangles, ‖g‖² (the first step, Φ = 0: E, A, G, ‖g‖²),
-        # and the owner path's five checks of the stem
-        first = sum(p * p + p * (p + 1) + 1 for p in (12, 12, 16, 2)) + 5
-        steady = sum(2 * p * p + 3 * p * (p + 1) // 2 + 1 for p in (12, 12, 16, 2)) + 5
+        # and the owner path's five checks of the stem and its owner's failure flag
+        first = sum(p * p + p * (p + 1) + 1 for p in (12, 12, 16, 2)) + 6
+        steady = sum(2 * p * p + 3 * p * (p + 1) // 2 + 1 for p in (12, 12, 16, 2)) + 6
         assert all(res["summed"] == [first] + [steady] * 4 for res in results), results[0]["summed"]
 
 
