@@ -157,9 +157,10 @@ def unfold_float64(pairs: torch.Tensor) -> torch.Tensor:
 
 def summing_over(group) -> Callable[[list[torch.Tensor]], Callable[[], None]]:
     """``reduce(tensors)``: sum the tensors in place over ``group``'s ranks, packed into as
-    few all-reduce calls as :data:`BUCKET_BYTES` allows (one for most models; float64 tensors
-    next to float32 ones, the guard's ‖g‖² of a float32 model, travel folded into the float32
-    call: :func:`fold_float64`). The all-reduces are asynchronous: ``reduce`` returns ``wait()``,
+    few all-reduce calls as :data:`BUCKET_BYTES` allows (one for most models; float64 per-layer
+    scalars next to float32 tensors, the guard's ‖g‖² of a float32 model, travel folded into the
+    float32 call: :func:`fold_float64`; a float64 layer's blocks, and the scalars beside them, are
+    summed in float64). The all-reduces are asynchronous: ``reduce`` returns ``wait()``,
     after which the sums are in the tensors (the backend computes more Grams meanwhile).
     ``reduce.bucket_bytes`` tells the backend how much to send per call."""
     import torch.distributed as dist
@@ -170,7 +171,11 @@ def summing_over(group) -> Callable[[list[torch.Tensor]], Callable[[], None]]:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
         folded = []  # (float64 tensors, their pairs) riding in a float32 call
         for (dtype, device), same in list(by_kind.items()):
-            if dtype == torch.float64 and (torch.float32, device) in by_kind:
+            # only per-layer scalars (1-D: a float32 model's ‖g‖²), never a float64 layer's Gram
+            # blocks (2-D and more), which need float64 sums; with those present the scalars go
+            # in their float64 call too (no call added; the float64 layers' ‖g‖² stay exact)
+            scalars = all(t.dim() == 1 for t in same)
+            if dtype == torch.float64 and (torch.float32, device) in by_kind and scalars:
                 pairs = fold_float64(torch.cat([t.reshape(-1) for t in same]))
                 by_kind[(torch.float32, device)].append(pairs)
                 folded.append((same, pairs))

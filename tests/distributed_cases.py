@@ -718,6 +718,37 @@ def fsdp_owner_fails(rank, world, out):
     return dict(message=message, unchanged=unchanged)
 
 
+def rows_float64_beside_float32(rank, world, out, *, steps=6):
+    """An ownership review: row shards of a float64 layer beside a float32 one: the float64 Gram
+    blocks rode folded in the float32 all-reduce (hi + lo pairs, ~1e-7 of the sum), so the float64
+    layer stepped at float32 accuracy (4.9e-9 from one process). Returns the float64 layer and
+    its state after ``steps`` steps, and one process's."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(world)
+    torch.manual_seed(0)
+    w64 = fgd_fast.orthogonalize_(torch.randn(64, 16, dtype=torch.float64))
+    w32 = fgd_fast.orthogonalize_(torch.randn(64, 16))
+    ws = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in (w64, w32)]
+    hyper = dict(lr=0.05, momentum=0.9, feedback=0.4, backend="torch")
+    opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], sharding="rows", **hyper)
+    ref = torch.nn.Parameter(w64.clone())
+    ropt = fgd_fast.FGD([dict(params=[ref], orthogonal=True)], **hyper)
+    for s in range(steps):
+        g = 0.01 * torch.randn(64, 16, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+        ws[0].grad = distribute_tensor(g, mesh, [Shard(0)])
+        ws[1].grad = distribute_tensor(g.float(), mesh, [Shard(0)])
+        ref.grad = g.clone()
+        opt.step()
+        ropt.step()
+    return dict(
+        theta=ws[0].full_tensor(),
+        phi=opt.state[ws[0]]["momentum_buffer"].full_tensor(),
+        ref_theta=ref.detach().clone(),
+        ref_phi=ropt.state[ref]["momentum_buffer"].clone(),
+    )
+
+
 def dcp_load_with_a_nan_in_one_shard(rank, world, out):
     """A checkpoint review: a DCP optimizer state with a NaN in rank 0's shard of one Φ only.
     The load's finiteness check read each rank's own shard: rank 0 refused, rank 1 loaded (its
@@ -976,6 +1007,7 @@ CASES = {
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,
         fsdp_owner_fails,
+        rows_float64_beside_float32,
         dcp_load_with_a_nan_in_one_shard,
     )
 }

@@ -468,6 +468,15 @@ def test_a_failure_on_the_owner_rank_stops_every_rank():
     assert sum("could not step 1 column-sharded" in r["message"] for r in results) == 1, results
 
 
+def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64():
+    """An ownership review: the float64 layer's Gram blocks rode folded in the float32 all-reduce
+    (4.9e-9 from one process after 20 steps). Only per-layer scalars fold now; the float64 layer
+    matches one process to float64 rounding."""
+    for res in run(2, "rows_float64_beside_float32"):
+        assert (res["theta"] - res["ref_theta"]).abs().max() <= 1e-14, (res["theta"] - res["ref_theta"]).abs().max()
+        assert (res["phi"] - res["ref_phi"]).abs().max() <= 1e-14
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank
