@@ -31,6 +31,7 @@ Every collective is a standard one (``all_gather_single``, ``all_to_all_single``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -195,14 +196,16 @@ def _exchanged_layout(params: list, group) -> Layout:
         senders.append(frozenset(first.values()))
         ok.append(_tiles(tuple(p.shape), list(first)))
     # a placement torch splits in other ways (e.g. FSDP over TP's _StridedShard): check once that
-    # each piece is where the table says, against the gathered tensor
+    # each piece is where the table says, by positions (not values: a NaN never equals itself, and
+    # equal rows, e.g. zeros, would pass a wrong table): the global index of every element, split
+    # as the parameter is, must be the box the table gives this rank
     odd = [i for i, p in enumerate(params) if ok[i] and any(type(pl) not in (Shard, Replicate) for pl in p.placements)]
     if odd:
         agree = torch.ones(len(odd), dtype=torch.float64, device=device)
         for k, i in enumerate(odd):
             shape, offset = boxes[i][me]
-            same = torch.equal(_box(params[i].full_tensor(), shape, offset), params[i].to_local())
-            agree[k] = float(same)
+            where = _positions(params[i], device)
+            agree[k] = float(torch.equal(_box(where.full, shape, offset), where.local))
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
         for k, i in enumerate(odd):
             ok[i] = bool(agree[k] > 0)
@@ -211,6 +214,22 @@ def _exchanged_layout(params: list, group) -> Layout:
     for i, o in zip(owned, _deal([deal_cost(params[i]) for i in owned], size)):
         owners[i] = o
     return Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
+
+
+class _Positions(NamedTuple):
+    full: torch.Tensor  # every element's index in the whole tensor
+    local: torch.Tensor  # the indices of this rank's shard, split as the parameter is
+
+
+def _positions(p, device) -> _Positions:
+    """Where this rank's shard of DTensor ``p`` lies in the whole tensor: the whole tensor's
+    element indices, replicated, then redistributed to ``p``'s placements (no communication:
+    every rank takes its own part)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    full = torch.arange(p.numel(), dtype=torch.int64, device=device).view(p.shape)
+    everywhere = DTensor.from_local(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+    return _Positions(full, everywhere.redistribute(p.device_mesh, p.placements).to_local())
 
 
 def _exchange(group, size: int, device, dtypes: list, send: dict, recv_sizes: dict) -> dict:

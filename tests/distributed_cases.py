@@ -339,6 +339,53 @@ def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="aut
     )
 
 
+def tp_nan_at_the_first_step(rank, world, out):
+    """An ownership review: FSDP over TP (``fc1``: (_StridedShard, Shard)) with a NaN in the last
+    rank's shard of ``fc1`` at the first step. The owner path's check that each piece lies where
+    its table says compared values (a NaN never equals itself), found "no", and the verdict was
+    kept: after the repair ``fc1`` was all-gathered every step (with a warning naming the wrong
+    cause). The check compares positions now: the refused step, the repair, then the owner path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = build()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    plan = {"fc1": ColwiseParallel(), "odd": RowwiseParallel(), "fc2": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp"])
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    fc1 = model.fc1.weight
+    kept = fc1.to_local().clone()
+    if rank == world - 1:
+        with torch.no_grad():
+            fc1.to_local().view(-1)[0] = float("nan")
+    messages, said, gathers = [], [], []
+    for step in range(3):
+        for name, p in model.named_parameters():
+            g = full_grad(name, p.shape, step)
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(
+                    _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+                )
+            p.grad = g
+        counted = _CountGathers()
+        with counted, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+                messages.append(None)
+            except ValueError as error:
+                messages.append(str(error))
+                with torch.no_grad():
+                    fc1.to_local().copy_(kept)  # the repair (re-initialised, reloaded) and the errors' advice
+                opt.reset_parameter(fc1)
+        said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
+        gathers.append(counted.whole)
+    return dict(messages=messages, said=said, gathers=gathers, orth=opt.orthogonality()["fc1.weight"])
+
+
 def fsdp_compiled(rank, world, out, *, steps=3, placement=True):
     """``torch.compile(opt.step)`` under FSDP2: the DTensor part of the step (agreement, row
     shards, owner path) runs eagerly between graphs; the step is still one process's."""
@@ -1008,6 +1055,7 @@ CASES = {
         fsdp_backend_on_some_ranks,
         fsdp_owner_fails,
         rows_float64_beside_float32,
+        tp_nan_at_the_first_step,
         dcp_load_with_a_nan_in_one_shard,
     )
 }

@@ -477,6 +477,16 @@ def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64():
         assert (res["phi"] - res["ref_phi"]).abs().max() <= 1e-14
 
 
+def test_a_nan_in_a_strided_shard_at_the_first_step_does_not_cost_the_owner_path_for_good():
+    """An ownership review: a NaN in an FSDP-over-TP shard at the first step made the layout check
+    (by values) say the pieces were not where the table said; the verdict was kept, so after the
+    repair the layer was all-gathered every step. The check is by positions now."""
+    for res in run(4, "tp_nan_at_the_first_step"):
+        assert res["messages"][0] is not None and res["messages"][1:] == [None, None], res["messages"]
+        assert res["said"] == [] and res["gathers"][1:] == [0, 0], res  # (the first: reset_parameter)
+        assert res["orth"] < 1e-3
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank
