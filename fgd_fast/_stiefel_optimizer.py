@@ -233,6 +233,7 @@ class StiefelOptimizer(Optimizer):
             text = label(key)
             check_grad(p, f"parameter {text}")
             if not torch.compiler.is_compiling():  # (Dynamo cannot trace the weak dictionary)
+                check_writable([p], [f"parameter {text}"])  # (appended to a group's list after it was added)
                 self._check_state_kind(p, group, text)
             if not group["orthogonal"]:
                 self._check_sgd_state(p, f"parameter {text}")
@@ -335,7 +336,13 @@ class StiefelOptimizer(Optimizer):
         ranks agree on the checks' verdict (one small all-reduce per device mesh): every rank
         loads, or every rank raises. As ``torch.optim``, a loaded state tensor already of its
         parameter's dtype and device is the state_dict's own, not a copy (a later step updates
-        it in place): load a ``copy.deepcopy`` to keep a checkpoint held in memory unchanged."""
+        it in place): load a ``copy.deepcopy`` to keep a checkpoint held in memory unchanged.
+        Inside ``torch.inference_mode`` the state it makes is still ordinary tensors (an inference
+        tensor cannot be updated in place by a later step)."""
+        with outside_inference_mode():
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = state_dict.copy()  # (as torch: a hook may edit or replace it)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -434,7 +441,7 @@ class StiefelOptimizer(Optimizer):
                 elif cdt != p.dtype:
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
         self._loaded()
-        self.__dict__.pop("_state_kinds", None)  # (the loaded state's flags were checked against the groups')
+        self._record_state_kinds()  # (the loaded state's flags were checked against the groups')
         if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once
             # the load is complete: a warning raised as an error leaves a whole, usable optimizer)
             what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
@@ -474,6 +481,17 @@ class StiefelOptimizer(Optimizer):
             self.defaults.setdefault(o, default)
             for group in self.param_groups:
                 group.setdefault(o, self.defaults[o])
+        self._record_state_kinds()  # (a copy or an unpickled optimizer: its state was made under these flags)
+
+    def _record_state_kinds(self) -> None:
+        """Take the groups' present ``orthogonal`` flags as the ones every existing state was made
+        under (after a load, whose flags were checked, and in a copy or an unpickled optimizer):
+        a flag flipped later is then refused at the step, as in the optimizer that made the state."""
+        kinds = self.__dict__["_state_kinds"] = WeakIdKeyDictionary()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p) and "orthogonal" in group:
+                    kinds[p] = group["orthogonal"]
 
     def orthogonality(self) -> dict[str | int, float]:
         """``‖θᵀθ − I‖_F`` (float64) for every orthogonal parameter, keyed by name when the

@@ -9,7 +9,7 @@ writing (:mod:`fgd_fast.guards`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
@@ -98,6 +98,13 @@ def _zero_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(p, dtype=dtype)
 
 
+def _given(value) -> list:
+    """The distinct values of a hyper-parameter given as one value or one per layer (each
+    tensor once, by identity)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return list({id(v): v for v in values}.values())  # (the layers of a group share its objects)
+
+
 def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
     """One value per layer (floats; with ``tensors``, a tensor is kept as it is)."""
     keep = (lambda v: v if isinstance(v, torch.Tensor) else float(v)) if tensors else float  # noqa: E731
@@ -112,6 +119,7 @@ def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
     return values
 
 
+@torch.no_grad()  # (an in-place step on leaf parameters; FGD.step is under no_grad already)
 def fgd(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -185,9 +193,19 @@ def fgd(
     if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
         raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
     if not _validated:  # (FGD.step has checked its options and groups this step: not twice on the hot path)
-        check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
-        check_trust_radius(trust_radius)
-        check_bool("maximize", maximize)
+        max_distance = check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
+        trust_radius = check_trust_radius(trust_radius)
+        for name, flag in (("maximize", maximize), ("guard", guard)):
+            check_bool(name, flag)
+        for name, flag in (("check_finite", check_finite), ("check_manifold", check_manifold)):
+            check_bool(name, flag)
+        # the hyper-parameters as given (before they become floats: "0.1" or True is no lr)
+        for v in _given(lr):
+            check_lr(v)
+        for v in _given(momentum):
+            check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
+        for v in _given(feedback):
+            check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)
@@ -196,6 +214,13 @@ def fgd(
             f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
             "gradient and one buffer (None before the first step) per parameter"
         )
+    if not isinstance(momentum_buffers, MutableSequence):  # (before any write: the new Φ are stored into it)
+        raise TypeError(
+            f"momentum_buffers must be a list (the step stores the new buffers into it), got "
+            f"{type(momentum_buffers).__name__}; pass list(momentum_buffers)"
+        )
+    if labels is not None and len(labels) != count:
+        raise ValueError(f"got {len(labels)} labels for {count} params: pass one label per parameter, or None")
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
     read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
@@ -206,13 +231,6 @@ def fgd(
 
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
-    if not _validated:  # as FGD checks its groups (each distinct value or tensor once)
-        for v in set(lrs):
-            check_lr(v)
-        for v in set(betas):
-            check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
-        for v in set(alphas):
-            check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
     if not _validated:  # (FGD checked its groups' parameters when they were added)
         check_orthogonal_params(params, labels)
@@ -220,6 +238,10 @@ def fgd(
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
+        if not isinstance(g, torch.Tensor):
+            raise ValueError(f"{labels[i]}: its gradient is {g!r}; pass only the parameters that have one")
+        if g.layout != torch.strided:
+            raise ValueError(f"{labels[i]}: its gradient is {g.layout}; FGD needs dense gradients")
         check_grad_fits(p, g, labels[i], "pass grads[i] with params[i]'s shape, dtype and device")
         if betas[i] == 0.0:
             bufs.append(None)

@@ -196,16 +196,27 @@ def param_tensors(params: Any) -> list[torch.Tensor]:
     return [p[1] if isinstance(p, tuple) else p for p in params]
 
 
-def check_writable(params: Iterable[torch.Tensor]) -> None:
-    """Every parameter can be written in place: no two of its entries share memory (a tensor made
-    by ``expand()``, say), which an in-place update refuses — in the middle of a step, after other
-    parameters were written (the failed-step contract), so it is refused when added."""
+def check_writable(params: Iterable[torch.Tensor], labels: list[str] | None = None) -> None:
+    """Every parameter can be written in place by a step: no two of its entries share memory (a
+    tensor made by ``expand()``, say) and it is no inference tensor (made inside
+    ``torch.inference_mode``), which an in-place update outside the mode refuses — in the middle
+    of a step, after other parameters were written (the failed-step contract), so it is refused
+    when added and at the step."""
     for i, p in enumerate(params):
-        if isinstance(p, torch.Tensor) and torch._debug_has_internal_overlap(p) == 1:  # 1: overlap for sure
+        if not isinstance(p, torch.Tensor):
+            continue
+        what = labels[i] if labels is not None else f"parameter {i} of the group"
+        if torch._debug_has_internal_overlap(p) == 1:  # 1: overlap for sure
             raise ValueError(
-                f"parameter {i} of the group (shape {tuple(p.shape)}, strides {p.stride()}) has entries that share "
+                f"{what} (shape {tuple(p.shape)}, strides {p.stride()}) has entries that share "
                 "memory (e.g. made by expand()), so no in-place update can write it; give it memory of its own, "
                 "e.g. nn.Parameter(t.clone())"
+            )
+        if p.is_inference():
+            raise ValueError(
+                f"{what} is an inference tensor (made inside torch.inference_mode), which no step can update in "
+                "place; make the model outside inference_mode, or give it an ordinary copy made outside it "
+                "(nn.Parameter(t.clone()))"
             )
 
 
@@ -253,6 +264,12 @@ def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: s
     """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
     ``load_state_dict`` from another model)."""
     fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (p.shape, dtype, p.device)
+    if fits and not torch.compiler.is_compiling() and value.is_inference():
+        raise ValueError(
+            f"{label}: {name} is an inference tensor (made inside torch.inference_mode), which the step cannot "
+            f"update in place; give it an ordinary copy made outside the mode (opt.state[param][{name!r}] = "
+            f"opt.state[param][{name!r}].clone()) before stepping; the step was not applied and nothing changed"
+        )
     if not fits:
         got = (
             f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)

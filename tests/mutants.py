@@ -29,6 +29,7 @@ BASE = "tests/test_baselines.py"
 LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
 SAVED = "tests/test_checkpoint_load.py"
 BASE_STATE = "tests/test_baselines_state.py"
+EDGES = "tests/test_api_edges.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -224,6 +225,14 @@ MUTANTS = {
     "state_kind_unchecked": (
         "a group's orthogonal flag flipped between steps: the other kind's state read as this one's",
         [f"{BASE_STATE}::test_a_group_flag_flipped_between_steps_does_not_reuse_the_state[False-FGD]"],
+    ),
+    "state_kind_record_lost": (
+        "the flags a state was made under forgotten by a copy or a load: a flipped flag reads the other kind's state",
+        [f"{EDGES}::test_state_made_under_the_other_flag_is_refused_after_a_copy_or_a_load[load]"],
+    ),
+    "step_writability_unchecked": (
+        "a parameter the step cannot write (inference tensor, shared entries) found only after other writes",
+        [f"{EDGES}::test_a_parameter_the_step_cannot_write_is_refused_before_any_write[torch]"],
     ),
 }
 
@@ -441,6 +450,16 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((StiefelOptimizer, "_check_state_kind", StiefelOptimizer._check_state_kind))
         StiefelOptimizer._check_state_kind = lambda self, p, group, text: None
+    elif name == "state_kind_record_lost":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        undo.append((StiefelOptimizer, "_record_state_kinds", StiefelOptimizer._record_state_kinds))
+        StiefelOptimizer._record_state_kinds = lambda self: self.__dict__.pop("_state_kinds", None)
+    elif name == "step_writability_unchecked":
+        import fgd_fast._stiefel_optimizer as stiefel
+
+        undo.append((stiefel, "check_writable", stiefel.check_writable))
+        stiefel.check_writable = lambda params, labels=None: None
     elif name == "saved_guard_count_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 

@@ -1,0 +1,198 @@
+"""The functional entry point and the optimizer's edges, from a review of the torch.optim surface:
+``fgd()`` checks what ``FGD`` checks before writing; state made under the other ``orthogonal``
+flag is refused after a copy, an unpickling or a load too; inference tensors (a load inside
+``torch.inference_mode``, a parameter made there) and overlapping parameters appended later are
+refused before any write."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fgd_fast
+from helpers import backend_params
+
+
+def _layers(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    ps = [fgd_fast.orthogonalize_(torch.randn(n, 4, generator=gen)) for n in (8, 16)]
+    return ps, [0.01 * torch.randn(p.shape, generator=gen) for p in ps]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(lr="0.1"),
+        dict(lr=True),
+        dict(momentum="0.9"),
+        dict(feedback=True),
+        dict(guard="yes"),
+        dict(check_finite=None),
+        dict(check_manifold="off"),
+        dict(maximize=1),
+    ],
+    ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()),
+)
+def test_fgd_refuses_what_the_optimizer_refuses(bad):
+    """A review: ``fgd()`` turned ``lr="0.1"``, ``True`` and ``momentum="0.9"`` into floats and
+    took truthy flags as they came (``check_finite=None`` turned the check off). It checks the
+    values as given now, as ``FGD`` does, and writes nothing."""
+    ps, gs = _layers()
+    before = [p.clone() for p in ps]
+    kw = {**dict(lr=0.1, momentum=0.9, feedback=0.4), **bad}
+    with pytest.raises((TypeError, ValueError)):
+        fgd_fast.FGD([dict(params=[nn.Parameter(ps[0].clone())], orthogonal=True)], **kw)
+    with pytest.raises((TypeError, ValueError)):
+        fgd_fast.fgd(ps, gs, [None, None], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+
+
+def test_fgd_takes_the_values_its_checks_return():
+    """A review: ``trust_radius=Fraction(4)`` passed the check, then the raw Fraction reached the
+    arithmetic (TypeError); the checked float is what the step uses now."""
+    from fractions import Fraction
+
+    runs = []
+    for radius in (Fraction(4), 4.0):
+        ps, gs = _layers()
+        fgd_fast.fgd(ps, gs, [None, None], lr=0.1, momentum=0.9, feedback=0.4, trust_radius=radius, backend="reference")
+        runs.append(ps)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch")))
+def test_fgd_refuses_malformed_inputs_before_any_write(backend):
+    """A review: a tuple of buffers (the new Φ cannot be stored) wrote the parameters, then
+    raised; a ``None`` or sparse gradient and short ``labels`` failed obscurely. All are refused
+    first now, with the reason."""
+    ps, gs = _layers()
+    before = [p.clone() for p in ps]
+    kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend=backend)
+    with pytest.raises(TypeError, match="momentum_buffers must be a list"):
+        fgd_fast.fgd(ps, gs, (None, None), **kw)
+    with pytest.raises(ValueError, match="its gradient is None"):
+        fgd_fast.fgd(ps, [gs[0], None], [None, None], **kw)
+    with pytest.raises(ValueError, match="dense"):
+        fgd_fast.fgd(ps, [gs[0], gs[1].to_sparse()], [None, None], **kw)
+    with pytest.raises(ValueError, match="1 labels for 2 params"):
+        fgd_fast.fgd(ps, gs, [None, None], labels=["a"], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch")))
+def test_fgd_outside_no_grad_steps_leaf_parameters_alike(backend):
+    """A review: called outside ``no_grad`` the torch backend wrote leaf parameters and the
+    reference backend raised; ``fgd()`` runs under ``no_grad`` itself, as a step does."""
+    ps, gs = _layers()
+    leaves = [nn.Parameter(p.clone()) for p in ps]
+    fgd_fast.fgd(leaves, gs, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend=backend)
+    with torch.no_grad():
+        fgd_fast.fgd(ps, gs, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend=backend)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(leaves, ps))
+
+
+def _warmed_up():
+    """An unconstrained warm-up step (plain momentum, gradient units), then the weight projected."""
+    torch.manual_seed(0)
+    net = nn.Linear(64, 8, bias=False)
+    opt = fgd_fast.FGD([dict(params=[net.weight], orthogonal=False)], lr=0.1)
+    net.weight.grad = torch.randn_like(net.weight)
+    opt.step()
+    with torch.no_grad():
+        fgd_fast.orthogonalize_(net.weight)
+    return net, opt
+
+
+def _copies():
+    net, opt = _warmed_up()
+    yield "deepcopy", copy.deepcopy((net, opt))
+    net, opt = _warmed_up()
+    yield "pickle", pickle.loads(pickle.dumps((net, opt)))
+    net, opt = _warmed_up()
+    resumed = fgd_fast.FGD([dict(params=[net.weight], orthogonal=False)], lr=0.1)
+    resumed.load_state_dict(opt.state_dict())
+    yield "load", (net, resumed)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "load"])
+def test_state_made_under_the_other_flag_is_refused_after_a_copy_or_a_load(how):
+    """A review: the record of the flag a state was made under lived outside the state, so a copy,
+    an unpickled optimizer or a resumed one took a plain momentum as Φ once the flag was flipped
+    (θ moved to 0.43 from the manifold in one step). They start from their groups' flags now."""
+    net, opt = dict(_copies())[how]
+    opt.param_groups[0]["orthogonal"] = True
+    net.weight.grad = torch.randn_like(net.weight) * 0.01
+    before = net.weight.detach().clone()
+    with pytest.raises(ValueError, match="was made under orthogonal=False"):
+        opt.step()
+    assert torch.equal(net.weight.detach(), before)
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch")))
+def test_a_load_inside_inference_mode_makes_ordinary_state(backend):
+    """A review: ``load_state_dict`` inside ``torch.inference_mode`` rebuilt ``guard_count`` (and
+    a bfloat16 parameter's float32 Φ) as inference tensors; the next step where the guard bound
+    wrote θ and Φ, then raised on the in-place update. The load leaves the mode for its state."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [nn.Parameter(fgd_fast.orthogonalize_(torch.randn(24, 6, generator=gen)).to(dt)) for dt in (torch.float32,)]
+    ws.append(nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 4, generator=gen)).bfloat16()))
+    opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], lr=0.5, backend=backend)
+    for w in ws:
+        w.grad = 0.01 * torch.randn(w.shape, generator=gen).to(w.dtype)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.inference_mode():
+        opt.load_state_dict(saved)
+    assert not any(t.is_inference() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    for w in ws:
+        w.grad = torch.full_like(w, 1e3)  # (the guard binds: it counts in guard_count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert sum(s["scaled"] + s["reset"] for s in opt.guard_stats().values()) >= 1
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch")))
+def test_a_parameter_the_step_cannot_write_is_refused_before_any_write(backend):
+    """A review: an inference-tensor parameter, or one whose entries share memory (``expand()``)
+    appended to a group's list after it was added, failed in the middle of the step after the
+    other parameters were written. Both are refused first now (and when added)."""
+    torch.manual_seed(0)
+    a = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(32, 8)))
+    bias = nn.Parameter(torch.randn(8))
+    opt = fgd_fast.FGD([dict(params=[a], orthogonal=True), dict(params=[bias])], lr=0.1, backend=backend)
+    with torch.inference_mode():
+        frozen = nn.Parameter(torch.randn(8))  # (a model built inside the mode)
+    for late, why in ((nn.Parameter(torch.randn(1).expand(8)), "share"), (frozen, "inference tensor")):
+        opt.param_groups[1]["params"].append(late)
+        for p in (a, bias, late):
+            p.grad = torch.randn(p.shape) * 0.01
+        before = [a.detach().clone(), bias.detach().clone()]
+        with pytest.raises(ValueError, match=why):
+            opt.step()
+        assert torch.equal(a.detach(), before[0]) and torch.equal(bias.detach(), before[1])
+        opt.param_groups[1]["params"].pop()
+        with pytest.raises(ValueError, match=why):
+            opt.add_param_group(dict(params=[late]))
+
+
+def test_an_inference_tensor_state_is_refused_before_any_write():
+    """A momentum buffer put into the state inside ``torch.inference_mode`` cannot be updated in
+    place by a step: refused with the fix, nothing written."""
+    torch.manual_seed(0)
+    ws = [nn.Parameter(fgd_fast.orthogonalize_(torch.randn(32, 8))) for _ in range(2)]
+    opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], lr=0.1, backend="reference")
+    for w in ws:
+        w.grad = torch.randn(w.shape) * 0.01
+    opt.step()
+    with torch.inference_mode():
+        opt.state[ws[1]]["momentum_buffer"] = opt.state[ws[1]]["momentum_buffer"].clone()
+    before = [w.detach().clone() for w in ws]
+    with pytest.raises(ValueError, match="inference tensor"):
+        opt.step()
+    assert all(torch.equal(w.detach(), b) for w, b in zip(ws, before))
