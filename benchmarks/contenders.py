@@ -12,10 +12,13 @@ name                        what
 ==========================  ===============================================================
 ``fgd-auto``                ``fgd_fast.FGD(backend="auto")`` at the default precision (the
                             ratios' denominator)
-``fgd-<backend>``           ``FGD(backend=...)`` for reference, torch, triton, cuda, at the
-                            default ``precision="ieee"`` (IEEE fp32 products)
+``fgd-<backend>``           ``FGD(backend=...)`` for reference, torch, triton, cuda, at
+                            ``precision="ieee"`` (IEEE fp32 products; FGD's default is
+                            ``"tf32x3"`` where a backend honours it)
 ``fgd-<backend>-<prec>``    ``FGD(backend=..., precision=...)``: torch and triton at
                             ``"tf32x3"`` and ``"tf32"``
+``fgd-torch-carried``       ``FGD(backend="torch", precision="ieee", gram_refresh=4)``: the
+                            Grams carried between refreshes
 ``cayley-sgd-lowrank``      ``CayleySGD(form="lowrank")`` (no ``n × n`` matrix)
 ``cayley-sgd-dense``        ``CayleySGD(form="dense")`` (``n × n`` skew matrix, as the
                             public code)

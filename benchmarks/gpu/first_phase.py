@@ -482,7 +482,7 @@ def report(rows: list[dict]) -> str:
         f"- device: {env.get('gpu') or env.get('cpu', '?')}; torch {env.get('torch', '?')}, "
         f"triton {env.get('triton', '?')}",
         "",
-        "### Step time (ms; median of CUDA events)",
+        "### Step time (ms; median of CUDA events on a GPU, of the wall clock on a CPU)",
         "",
         "| case | checks on | checks off | host (launch) | CUDA graph | GPU time (profiled) | kernels |",
         "|---|---|---|---|---|---|---|",

@@ -9,11 +9,15 @@
 # rewritten there after every phase, so a call killed at its limit still returns what was
 # measured. BUDGET_S (default 460) bounds the whole run: with the machine's start, one device
 # call of ~8 minutes leaves time in a 15-minute lease for one rerun. GPU_CHECK_ARGS adds
-# options (e.g. "--cpu-dry-run --no-install" to rehearse on a CPU). Exit status: gpu_check's.
+# options (e.g. "--cpu-dry-run --no-install" to rehearse on a CPU); GPU_WORK (default
+# /tmp/gpu_check) is the folder for the logs, GPU_WORK.out gpu_check's own output. Exit status:
+# gpu_check's.
 set -u
 commit=${1:?usage: bash benchmarks/gpu/gpu_session.sh COMMIT [BUDGET_S]}
 budget=${2:-460}
 out=${OUT:-/tmp/gpu_out}
+work=${GPU_WORK:-/tmp/gpu_check}
+log="$work.out"
 cd "$(dirname "$0")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -23,16 +27,17 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>/dev/null
 # shellcheck disable=SC2086
 timeout $((budget + 20)) python3 -m benchmarks.gpu.gpu_check "$out" --budget "$budget" --commit "$commit" \
-  ${GPU_CHECK_ARGS:-} > /tmp/gpu_check.out 2>&1
+  --work "$work" ${GPU_CHECK_ARGS:-} > "$log" 2>&1
 rc=$?
 # the phase table from the report gpu_check rewrites after every phase (also after a timeout)
 sed -n '/^| phase/,/^$/p' "$out/report.md" 2>/dev/null
 if [ "$rc" -ne 0 ]; then  # (a crash before the phase table: its traceback comes back in this call's output)
-  tail -n 40 /tmp/gpu_check.out
+  tail -n 40 "$log"
 fi
-if [ -d /tmp/gpu_check ]; then  # gpu_check's own output joins the logs that come back
-  cp /tmp/gpu_check.out /tmp/gpu_check/ 2>/dev/null \
-    && tar -czf "$out/logs.tgz.tmp" -C /tmp gpu_check && mv "$out/logs.tgz.tmp" "$out/logs.tgz"
+if [ -d "$work" ]; then  # gpu_check's own output joins the logs that come back
+  cp "$log" "$work/gpu_check.out" 2>/dev/null \
+    && tar -czf "$out/logs.tgz.tmp" -C "$(dirname "$work")" "$(basename "$work")" \
+    && mv "$out/logs.tgz.tmp" "$out/logs.tgz"
 fi
 echo "gpu_check exit $rc; files in $out: $(ls "$out" | tr '\n' ' ')"
 exit $rc
