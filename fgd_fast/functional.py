@@ -235,38 +235,14 @@ def fgd(
     if not _validated:  # (FGD checked its groups' parameters when they were added)
         check_orthogonal_params(params, labels)
 
-    bufs: list[torch.Tensor | None] = []
-    fresh: list[bool] = []
-    for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
-        if not isinstance(g, torch.Tensor):
-            raise ValueError(f"{labels[i]}: its gradient is {g!r}; pass only the parameters that have one")
-        if g.layout != torch.strided:
-            raise ValueError(f"{labels[i]}: its gradient is {g.layout}; FGD needs dense gradients")
-        check_grad_fits(p, g, labels[i], "pass grads[i] with params[i]'s shape, dtype and device")
-        if betas[i] == 0.0:
-            bufs.append(None)
-            fresh.append(True)
-            continue
-        cdt = compute_dtype(p.dtype)
-        if buf is None:  # Φ = 0: first step
-            bufs.append(zero_momentum(p))
-            fresh.append(True)
-            continue
-        check_state_tensor(buf, p, cdt, labels[i], "momentum_buffer")
-        bufs.append(buf)
-        fresh.append(False)
-
     live = [i for i in range(count) if params[i].numel() > 0]  # a DTensor's numel is the full one's
     sharded = [i for i in live if is_dtensor(params[i])]
     by_device: dict[torch.device, list[int]] = {}
     for i in live:
         if not is_dtensor(params[i]):
             by_device.setdefault(params[i].device, []).append(i)
-
-    if guard:
-        check_guard_room(params, labels, max_distance)
     if maximize:  # ascend along g (checked above; the ranks of a sharded step agree on it, below)
-        grads = [-g for g in grads]
+        grads = [-g if isinstance(g, torch.Tensor) else g for g in grads]
     predict = guard or check_finite or check_manifold
     steering = dict(
         trust_radius=trust_radius if guard else None,
@@ -276,11 +252,16 @@ def fgd(
     plans, index, bounded = [], [], []  # bounded: plans whose dist_next may be a bound
     # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
     meshes, mesh_device = _meshes_of([params[i] for i in sharded] + list(_idle_dtensors))
-    # A rank that fails before the ranks' first collective (a backend that loads on some nodes
-    # only, memory) holds its error until the agreement, where the others learn of it and raise
-    # too, instead of waiting for it in a collective.
+    # A rank that fails before the ranks' first collective (input that does not fit on this rank
+    # only, a backend that loads on some nodes only, memory) holds its error until the agreement,
+    # where the others learn of it and raise too, instead of waiting for it in a collective.
     held: list[Exception] = []
+    bufs: list[torch.Tensor | None] = []
+    fresh: list[bool] = []
     try:
+        bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
+        if guard:
+            check_guard_room(params, labels, max_distance)
         for device, idx in by_device.items():
             _, prepare = _cached_backend(backend, device.type, precision)
             pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
@@ -347,26 +328,33 @@ def fgd(
     beside = _unsharded_beside_sharded
     if beside is None:  # (a direct call: its layers, which every rank passes alike)
         beside = bool(sharded) and any(not is_dtensor(p) for p in params)
+    # (with the checks off too: an owner's failure, e.g. out of memory, reaches the other replicas
+    # of an HSDP mesh, or the ranks of another mesh, only by this agreement)
     agree = bool(meshes) and (beside or _checks_stay_in_groups(meshes))
     if _rest_sharded_at_zero_lr:  # (agreed above; FGD's lr = 0 moves nothing: only their state is made)
         sharded = [i for i in sharded if host_lrs()[i] != 0.0]
     if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
-        with on_device(params[sharded[0]].device):
-            dtensor_plans = prepare_dtensors(
-                lambda device_type: _cached_backend(backend, device_type, precision)[1],
-                sharded,
-                params,
-                grads,
-                bufs,
-                fresh,
-                lr=host_lrs(),
-                momentum=betas,
-                feedback=alphas,
-                check_finite=check_finite,
-                precision=precision,
-                sharding=sharding,
-                **steering,
-            )
+        try:
+            with on_device(params[sharded[0]].device):
+                dtensor_plans = prepare_dtensors(
+                    lambda device_type: _cached_backend(backend, device_type, precision)[1],
+                    sharded,
+                    params,
+                    grads,
+                    bufs,
+                    fresh,
+                    lr=host_lrs(),
+                    momentum=betas,
+                    feedback=alphas,
+                    check_finite=check_finite,
+                    precision=precision,
+                    sharding=sharding,
+                    **steering,
+                )
+        except Exception as failed:  # (an owner's failure, raised by every rank of its group alike:
+            if agree:  # the other replicas and meshes learn of it here instead of waiting)
+                _agree_on_local_checks(False, meshes, mesh_device, failed)
+            raise
         for idx, plan in dtensor_plans:
             plans.append(plan)
             index.append(idx)
@@ -415,6 +403,31 @@ def _checks_stay_in_groups(meshes: list) -> bool:
     with several meshes, or a mesh of more than one dimension, a check that failed on some ranks
     reaches the others only by an agreement on the verdict."""
     return len(meshes) > 1 or any(m.ndim > 1 for m in meshes)
+
+
+def _momentum_buffers(params, grads, momentum_buffers, betas, labels) -> tuple[list, list[bool]]:
+    """Each layer's Φ and whether it is a first step's zero (checked against its parameter; a
+    gradient that does not fit is refused), before anything is written."""
+    bufs: list[torch.Tensor | None] = []
+    fresh: list[bool] = []
+    for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
+        if not isinstance(g, torch.Tensor):
+            raise ValueError(f"{labels[i]}: its gradient is {g!r}; pass only the parameters that have one")
+        if g.layout != torch.strided:
+            raise ValueError(f"{labels[i]}: its gradient is {g.layout}; FGD needs dense gradients")
+        check_grad_fits(p, g, labels[i], "pass grads[i] with params[i]'s shape, dtype and device")
+        if betas[i] == 0.0:
+            bufs.append(None)
+            fresh.append(True)
+            continue
+        if buf is None:  # Φ = 0: first step
+            bufs.append(zero_momentum(p))
+            fresh.append(True)
+            continue
+        check_state_tensor(buf, p, compute_dtype(p.dtype), labels[i], "momentum_buffer")
+        bufs.append(buf)
+        fresh.append(False)
+    return bufs, fresh
 
 
 def _meshes_of(tensors: list) -> tuple[list, dict]:

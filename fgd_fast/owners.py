@@ -227,7 +227,8 @@ def _positions(p, device) -> _Positions:
     every rank takes its own part)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    full = torch.arange(p.numel(), dtype=torch.int64, device=device).view(p.shape)
+    index = torch.int32 if p.numel() < 2**31 else torch.int64  # (half the memory of int64, a one-off)
+    full = torch.arange(p.numel(), dtype=index, device=device).view(p.shape)
     everywhere = DTensor.from_local(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
     return _Positions(full, everywhere.redistribute(p.device_mesh, p.placements).to_local())
 
@@ -265,11 +266,12 @@ def _raise_if_an_owner_failed(failed: torch.Tensor, params: list, lay: Layout) -
     where = [i for i, f in enumerate(failed.tolist()) if f]
     if where:
         ranks = sorted({lay.owners[i] for i in where})
+        shapes = ", ".join(f"{tuple(params[i].shape)} {tuple(params[i].placements)}" for i in where)
         raise RuntimeError(
-            f"FGD could not step {len(where)} column-sharded parameter(s) on their owner rank(s) {ranks} of the "
-            "group (that rank raised the reason, e.g. out of memory: an owner holds whole matrices); the step "
-            "was not applied on any rank and nothing changed. Fix the cause there, or use sharding='rows' where "
-            "the layers allow it"
+            f"FGD could not step {len(where)} parameter(s) on the owner path ({shapes}) on their owner rank(s) "
+            f"{ranks} of the group (which raised the reason, e.g. out of memory: an owner holds whole matrices); "
+            "the step was not applied on any rank and nothing changed. Fix the cause there, or shard θ's rows "
+            "(fgd_fast.shard_placement) where the layers allow it"
         )
 
 

@@ -214,9 +214,9 @@ def check_writable(params: Iterable[torch.Tensor], labels: list[str] | None = No
             )
         if p.is_inference():
             raise ValueError(
-                f"{what} is an inference tensor (made inside torch.inference_mode), which no step can update in "
-                "place; make the model outside inference_mode, or give it an ordinary copy made outside it "
-                "(nn.Parameter(t.clone()))"
+                f"{what} is an inference tensor (made inside torch.inference_mode), which a step outside that mode "
+                "(the optimizers' steps always are) cannot update in place; make the model outside inference_mode, "
+                "or give it an ordinary copy made outside it (nn.Parameter(t.clone()))"
             )
 
 
@@ -264,11 +264,13 @@ def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: s
     """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
     ``load_state_dict`` from another model)."""
     fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (p.shape, dtype, p.device)
-    if fits and not torch.compiler.is_compiling() and value.is_inference():
+    inside = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # (inside, it can be written)
+    if fits and not inside and value.is_inference():
         raise ValueError(
-            f"{label}: {name} is an inference tensor (made inside torch.inference_mode), which the step cannot "
-            f"update in place; give it an ordinary copy made outside the mode (opt.state[param][{name!r}] = "
-            f"opt.state[param][{name!r}].clone()) before stepping; the step was not applied and nothing changed"
+            f"{label}: {name} is an inference tensor (made inside torch.inference_mode), which a step outside that "
+            f"mode (FGD's step always is) cannot update in place; give it an ordinary copy made outside the mode "
+            f"(opt.state[param][{name!r}] = opt.state[param][{name!r}].clone()) before stepping; the step was not "
+            "applied and nothing changed"
         )
     if not fits:
         got = (

@@ -723,7 +723,34 @@ def fsdp_backend_on_some_ranks(rank, world, out, *, plain):
     return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)), state=len(opt.state))
 
 
-def fsdp_owner_fails(rank, world, out):
+def fsdp_buffer_unfit_on_one_rank(rank, world, out):
+    """A diff review: a momentum buffer that does not fit its parameter on one rank only (cast by
+    hand there) was refused on that rank before the ranks' first collective, and the other ranks
+    waited in it. The rank holds its error until the agreement: every rank raises, none writes."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    mesh = _mesh(world)
+    theta = fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE))
+    w = torch.nn.Parameter(distribute_tensor(theta, mesh, [Shard(0)]))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.05, momentum=0.9, backend="torch")
+    for step in range(2):
+        g = 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(step), dtype=DTYPE)
+        w.grad = distribute_tensor(g, mesh, w.placements)
+        if step == 0:
+            opt.step()
+    if rank == world - 1:
+        opt.state[w]["momentum_buffer"] = opt.state[w]["momentum_buffer"].float()
+    before = w.to_local().clone()
+    try:
+        opt.step()
+        message = None
+    except ValueError as error:
+        message = str(error)
+    return dict(message=message, unchanged=torch.equal(before, w.to_local()))
+
+
+def fsdp_owner_fails(rank, world, out, *, hsdp=False):
     """An ownership review: the owner path puts a layer's whole θ, g and Φ on one rank; a failure
     there (out of memory, faked here in the backend's prepare, which only the owner calls) raised
     on the owner alone, and the others waited in the next collective (the process group's
@@ -734,10 +761,18 @@ def fsdp_owner_fails(rank, world, out):
     import fgd_fast.functional as functional
 
     torch.manual_seed(0)
-    mesh = _mesh(world)
+    if hsdp:  # (2 replicas × 2 shards: the owner path runs within each shard group; replica 0's owner fails)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        placements = ([Replicate(), Shard(1)], [Replicate(), Shard(0)])
+    else:
+        mesh = _mesh(world)
+        placements = ([Shard(1)], [Shard(0)])  # (the owner path: two layers, one per rank; the first fails)
     ps = [
-        torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), mesh, [pl]))
-        for pl in (Shard(1), Shard(0))  # (the owner path: two layers, one per rank; the first fails)
+        torch.nn.Parameter(distribute_tensor(fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)), mesh, pl))
+        for pl in placements
     ]
     opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, backend="torch")
     for k, p in enumerate(ps):
@@ -748,8 +783,8 @@ def fsdp_owner_fails(rank, world, out):
 
     first = ps[0].full_tensor()  # (a collective: before the step)
 
-    def failing(params, *args, **kwargs):  # (on the first layer's owner only: its θ whole)
-        if any(torch.equal(t, first) for t in params):
+    def failing(params, *args, **kwargs):  # (on the first layer's owner only: its θ whole; one replica's)
+        if (not hsdp or rank < world // 2) and any(torch.equal(t, first) for t in params):
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory (faked)")
         return prepare(params, *args, **kwargs)
 
@@ -1054,6 +1089,7 @@ CASES = {
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,
         fsdp_owner_fails,
+        fsdp_buffer_unfit_on_one_rank,
         rows_float64_beside_float32,
         tp_nan_at_the_first_step,
         dcp_load_with_a_nan_in_one_shard,

@@ -196,3 +196,31 @@ def test_an_inference_tensor_state_is_refused_before_any_write():
     with pytest.raises(ValueError, match="inference tensor"):
         opt.step()
     assert all(torch.equal(w.detach(), b) for w, b in zip(ws, before))
+
+
+def test_a_state_dict_made_inside_inference_mode_loads_as_ordinary_state():
+    """A diff review: a state_dict whose tensors were made inside ``torch.inference_mode`` (of the
+    parameters' dtype and device, so kept as they are) loaded outside it, and every later step
+    refused its Φ. The load copies such tensors: the next step runs."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(32, 8)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend="reference")
+    w.grad = torch.randn(w.shape) * 0.01
+    opt.step()
+    with torch.inference_mode():
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"] = {k: {n: t.clone() for n, t in v.items()} for k, v in saved["state"].items()}
+    assert saved["state"][0]["momentum_buffer"].is_inference()
+    opt.load_state_dict(saved)
+    assert not opt.state[w]["momentum_buffer"].is_inference()
+    opt.step()
+
+
+def test_fgd_inside_inference_mode_takes_buffers_made_there():
+    """A diff review: the inference-tensor refusal also refused ``fgd()`` called inside the mode
+    with buffers made there, which it can update in place; only a step outside the mode refuses."""
+    ps, gs = _layers()
+    with torch.inference_mode():
+        bufs = [torch.zeros_like(p) for p in ps]
+        fgd_fast.fgd(ps, gs, bufs, lr=0.1, momentum=0.9, feedback=0.4, backend="reference")
+    assert all(b.abs().sum() > 0 for b in bufs)

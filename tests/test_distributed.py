@@ -458,14 +458,19 @@ def test_a_backend_that_loads_on_some_ranks_only_fails_on_every_rank(plain):
     assert "could prepare its step" in results[0]["message"], results
 
 
-def test_a_failure_on_the_owner_rank_stops_every_rank():
+@pytest.mark.parametrize("world, hsdp", [(2, False), (4, True)], ids=["fsdp", "hsdp"])
+def test_a_failure_on_the_owner_rank_stops_every_rank(world, hsdp):
     """An ownership review: the owner path's owner holds whole matrices; a failure there (out of
     memory) raised on the owner alone and left the other ranks waiting in a collective. The
-    checks' all-reduce carries it now: every rank raises, nothing is written."""
-    results = run(2, "fsdp_owner_fails")
+    checks' all-reduce carries it to its group; under HSDP (the owner path within each shard
+    group) the ranks' agreement carries it to the other replica. Every rank raises, nothing is
+    written."""
+    results = run(world, "fsdp_owner_fails", hsdp=hsdp)
     assert all(r["message"] is not None and r["unchanged"] for r in results), results
     assert sum("can't allocate memory" in r["message"] for r in results) == 1, results
-    assert sum("could not step 1 column-sharded" in r["message"] for r in results) == 1, results
+    assert sum("could not step 1 parameter(s) on the owner path" in r["message"] for r in results) == 1, results
+    if hsdp:  # (the other replica: the ranks disagree on the verdict)
+        assert sum("a check failed, or a step could not be prepared" in r["message"] for r in results) == 2
 
 
 def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64():
@@ -485,6 +490,15 @@ def test_a_nan_in_a_strided_shard_at_the_first_step_does_not_cost_the_owner_path
         assert res["messages"][0] is not None and res["messages"][1:] == [None, None], res["messages"]
         assert res["said"] == [] and res["gathers"][1:] == [0, 0], res  # (the first: reset_parameter)
         assert res["orth"] < 1e-3
+
+
+def test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank():
+    """A diff review: a momentum buffer refused on one rank only (before the ranks' first
+    collective) left the others waiting in it; it is held until the agreement now."""
+    results = run(2, "fsdp_buffer_unfit_on_one_rank")
+    assert all(r["message"] is not None and r["unchanged"] for r in results), results
+    assert "momentum_buffer is" in results[-1]["message"], results
+    assert "could not be prepared" in results[0]["message"], results
 
 
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
