@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job: set up the pinned environment, then
 #   1. the optimizer-step benchmark (benchmarks/test_optimizer_step.py, pytest-benchmark), one
-#      progress line per case, and its report (benchmarks/report.py);
+#      progress line per case, and its report (benchmarks/report.py), with the interleaved
+#      ratios of benchmarks/studies/step_ratio.py appended;
 #   2. a training comparison on scikit-learn's digits (benchmarks/training/train.py: sgd, fgd,
 #      cayley-sgd, cayley-adam, landing, 3 epochs), with a progress bar per optimizer;
-# and print a short summary (the full report is in a file).
+# and print a short summary (the full report is in a file, which ends with the job's wall time).
+# FGD_BENCH_DEVICE=cpu benchmarks the CPU of a GPU machine (at the CPU sizes).
 #
 #   bash benchmarks/run.sh                   # CPU: the scaled-down workloads; GPU: the full ones
 #   bash benchmarks/run.sh --full            # the full-size workloads on any device

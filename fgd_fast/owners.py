@@ -22,7 +22,9 @@ summing the Gram blocks of row shards. On an HSDP mesh it runs within each shard
 (:func:`owner_group`). Where each rank's piece lies comes from
 torch's own ``compute_local_shape_and_global_offset``, exchanged once per set of layers and
 checked: the pieces must tile the tensor (and, for placements other than plain ``Shard`` /
-``Replicate``, match the gathered tensor once), or the layer is gathered instead.
+``Replicate``, lie where the table says, checked once by positions: the element indices split
+as the parameter is), or the layer is gathered instead. An owner's failure on its whole
+matrices (out of memory) rides in the checks' all-reduce, so no rank waits for it.
 
 Every collective is a standard one (``all_gather_single``, ``all_to_all_single``,
 ``all_reduce``) on tensors of the parameters' device, valid on NCCL as on gloo.
