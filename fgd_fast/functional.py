@@ -144,6 +144,7 @@ def fgd(
     _rest_sharded_at_zero_lr: bool = False,
     _unsharded_beside_sharded: bool | None = None,
     _idle_dtensors: Sequence[torch.Tensor] = (),
+    _held: Exception | None = None,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -182,6 +183,8 @@ def fgd(
     internal, ``FGD``'s orthogonal DTensor parameters without a gradient on this rank: their
     meshes join the ranks' agreement (a rank whose DTensor gradients were all None skipped it and
     left the others waiting; now every rank raises that they disagree on the layer count).
+    ``_held``: internal, ``FGD.step``'s own refusal on this rank (no layers passed): the step joins
+    the ranks' agreement with it, so the others raise too, and raises it.
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -255,7 +258,7 @@ def fgd(
     # A rank that fails before the ranks' first collective (input that does not fit on this rank
     # only, a backend that loads on some nodes only, memory) holds its error until the agreement,
     # where the others learn of it and raise too, instead of waiting for it in a collective.
-    held: list[Exception] = []
+    held: list[Exception] = [_held] if _held is not None else []
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     try:
@@ -291,6 +294,8 @@ def fgd(
         if not meshes:
             raise
         held.append(error)
+    if held and not meshes:
+        raise held[0]
 
     def settings_on(mesh) -> dict:  # DTensor parameters (FSDP2): row shards with one all-reduce, or gathered whole
         on_mesh = [i for i in sharded if params[i].device_mesh == mesh]

@@ -251,40 +251,18 @@ class FGD(StiefelOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)
-        orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
-        eucl: list[tuple[dict[str, Any], list[torch.Tensor]]] = []  # (a group's parameters come together)
-        resting: list[tuple[torch.Tensor, float]] = []  # lr = 0: only their state is made, after the checks
         # orthogonal DTensors without a gradient on this rank: their meshes join the ranks' agreement (a
         # rank that skipped it, its layers' gradients all None, left the others waiting there)
         idle: list[torch.Tensor] = []
-        for group, p, text in self._params_with_grads(idle):  # the one collection pass (checks the gradients)
-            if not group["orthogonal"]:
-                if not eucl or eucl[-1][0] is not group:  # (no id(): torch 2.11's Dynamo cannot trace it on a dict)
-                    eucl.append((group, []))
-                eucl[-1][1].append(p)
-                continue
-            beta, alpha = float(group["momentum"]), float(group["feedback"])
-            self._warn_feedback_once(alpha)
-            lr = group["lr"]
-            # never read on the host: a GPU tensor (a read synchronises), any tensor in a compiled step
-            on_device = isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
-            # lr = 0: θ and Φ stay as they are; only the state is made (a DTensor's in fgd(), after
-            # the ranks' agreement: a rank that skipped it would leave the others waiting there)
-            if not on_device and float(lr) == 0.0 and not is_dtensor(p):
-                resting.append((p, beta))
-                continue
-            orth["params"].append(p)
-            orth["grads"].append(p.grad)
-            orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
-            orth["lr"].append(lr if on_device else float(lr))  # (a CPU tensor, read above: no copy to the GPU)
-            orth["momentum"].append(beta)
-            orth["feedback"].append(alpha)
-            orth["labels"].append(text)
-
-        if orth["params"] or idle:
+        try:
+            orth, eucl, resting = self._collect(idle)
             # a parameter appended to a group's list after it was added (so never checked) may repeat
             if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
                 check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
+        except Exception as error:
+            self._raise_with_the_ranks(error)
+            raise
+        if orth["params"] or idle:
             opts = self.defaults
             sharded_step = bool(idle) or any(is_dtensor(p) for p in orth["params"])  # (else nothing more to scan)
             # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
@@ -342,6 +320,71 @@ class FGD(StiefelOptimizer):
                 nesterov=group["nesterov"],
             )
         return loss
+
+    def _collect(self, idle: list[torch.Tensor]) -> tuple[dict[str, list], list, list]:
+        """The step's one collection pass over the parameters with gradients (checking them):
+        the orthogonal layers' arguments of :func:`fgd`, the Euclidean groups' parameters, and
+        the unsharded orthogonal parameters at lr = 0 (only their state is made)."""
+        orth: dict[str, list] = dict(params=[], grads=[], bufs=[], lr=[], momentum=[], feedback=[], labels=[])
+        eucl: list[tuple[dict[str, Any], list[torch.Tensor]]] = []  # (a group's parameters come together)
+        resting: list[tuple[torch.Tensor, float]] = []  # lr = 0: only their state is made, after the checks
+        for group, p, text in self._params_with_grads(idle):  # the one collection pass (checks the gradients)
+            if not group["orthogonal"]:
+                if not eucl or eucl[-1][0] is not group:  # (no id(): torch 2.11's Dynamo cannot trace it on a dict)
+                    eucl.append((group, []))
+                eucl[-1][1].append(p)
+                continue
+            beta, alpha = float(group["momentum"]), float(group["feedback"])
+            self._warn_feedback_once(alpha)
+            lr = group["lr"]
+            # never read on the host: a GPU tensor (a read synchronises), any tensor in a compiled step
+            on_device = isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
+            # lr = 0: θ and Φ stay as they are; only the state is made (a DTensor's in fgd(), after
+            # the ranks' agreement: a rank that skipped it would leave the others waiting there)
+            if not on_device and float(lr) == 0.0 and not is_dtensor(p):
+                resting.append((p, beta))
+                continue
+            orth["params"].append(p)
+            orth["grads"].append(p.grad)
+            orth["bufs"].append(self.state.get(p, {}).get("momentum_buffer") if beta > 0 else None)
+            orth["lr"].append(lr if on_device else float(lr))  # (a CPU tensor, read above: no copy to the GPU)
+            orth["momentum"].append(beta)
+            orth["feedback"].append(alpha)
+            orth["labels"].append(text)
+        return orth, eucl, resting
+
+    def _raise_with_the_ranks(self, error: Exception) -> None:
+        """A step refused on this rank before the ranks' first collective (its own input: a
+        gradient or state that does not fit here only): with sharded orthogonal parameters the
+        other ranks would wait in the ranks' agreement for it. Join that agreement with the
+        failure, so every rank raises (this one ``error``), then return for the caller to raise."""
+        sharded = [p for g in self.param_groups if g["orthogonal"] for p in g["params"] if is_dtensor(p)]
+        if not sharded or torch.compiler.is_compiling():
+            return
+        opts = self.defaults
+        fgd(
+            [],
+            [],
+            [],
+            lr=[],
+            momentum=[],
+            feedback=[],
+            backend=opts["backend"],
+            check_finite=opts["check_finite"],
+            check_manifold=opts["check_manifold"],
+            max_distance=float(opts["max_distance"]),
+            precision=opts["precision"],
+            guard=opts["guard"],
+            trust_radius=float(opts["trust_radius"]),
+            variant=opts["variant"],
+            sharding=opts["sharding"],
+            gram_refresh=opts["gram_refresh"],
+            maximize=opts["maximize"],
+            _validated=True,
+            _unsharded_beside_sharded=self._unsharded_beside_sharded(),
+            _idle_dtensors=sharded,
+            _held=error,
+        )
 
     def _unsharded_beside_sharded(self) -> bool:
         """Whether the orthogonal groups hold both DTensors and plain tensors (the ranks then

@@ -723,24 +723,30 @@ def fsdp_backend_on_some_ranks(rank, world, out, *, plain):
     return dict(message=message, unchanged=all(torch.equal(b, a) for b, a in zip(before, after)), state=len(opt.state))
 
 
-def fsdp_buffer_unfit_on_one_rank(rank, world, out):
+def fsdp_buffer_unfit_on_one_rank(rank, world, out, *, what="buffer"):
     """A diff review: a momentum buffer that does not fit its parameter on one rank only (cast by
-    hand there) was refused on that rank before the ranks' first collective, and the other ranks
-    waited in it. The rank holds its error until the agreement: every rank raises, none writes."""
+    hand there), an orthogonal one's (``what="buffer"``: refused in ``fgd()``) or a plain bias's
+    (``"plain"``: refused by ``FGD.step`` itself), was refused on that rank before the ranks'
+    first collective, and the other ranks waited in it. The rank joins the agreement with its
+    error: every rank raises, none writes."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.manual_seed(0)
     mesh = _mesh(world)
     theta = fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE))
     w = torch.nn.Parameter(distribute_tensor(theta, mesh, [Shard(0)]))
-    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.05, momentum=0.9, backend="torch")
+    bias = torch.nn.Parameter(torch.zeros(8, dtype=DTYPE))
+    groups = [dict(params=[w], orthogonal=True), dict(params=[bias])]
+    opt = fgd_fast.FGD(groups, lr=0.05, momentum=0.9, backend="torch")
     for step in range(2):
         g = 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(step), dtype=DTYPE)
         w.grad = distribute_tensor(g, mesh, w.placements)
+        bias.grad = torch.full_like(bias, 0.01)
         if step == 0:
             opt.step()
     if rank == world - 1:
-        opt.state[w]["momentum_buffer"] = opt.state[w]["momentum_buffer"].float()
+        unfit = w if what == "buffer" else bias
+        opt.state[unfit]["momentum_buffer"] = opt.state[unfit]["momentum_buffer"].float()
     before = w.to_local().clone()
     try:
         opt.step()

@@ -84,6 +84,10 @@ MUTANTS = {
         "an owner rank's failure (out of memory) not carried by the checks' all-reduce: the others wait",
         [f"{DIST}::test_a_failure_on_the_owner_rank_stops_every_rank"],
     ),
+    "step_refusal_unshared": (
+        "FGD.step's own refusal on one rank (a buffer that does not fit there) not agreed: the others wait",
+        [f"{DIST}::test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank[plain]"],
+    ),
     "grad_sq_unsummed": (
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
@@ -263,6 +267,7 @@ def plant(name: str) -> Callable[[], None]:
         "local_checks_unshared",
         "sharded_checks_kept_in_groups",
         "owner_failure_unshared",
+        "step_refusal_unshared",
         "saved_state_unshared",
     ):
         os.environ[IN_RANKS] = name
@@ -554,6 +559,10 @@ def plant_here(name: str) -> None:
         owners._share_checks = lambda checks, group: None
     elif name == "owner_failure_unshared":
         owners._raise_if_an_owner_failed = lambda failed, params, lay: None
+    elif name == "step_refusal_unshared":
+        from fgd_fast.optimizer import FGD
+
+        FGD._raise_with_the_ranks = lambda self, error: None
     elif name == "local_checks_unshared":
         import fgd_fast.functional as functional
 

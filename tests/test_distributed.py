@@ -492,10 +492,12 @@ def test_a_nan_in_a_strided_shard_at_the_first_step_does_not_cost_the_owner_path
         assert res["orth"] < 1e-3
 
 
-def test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank():
-    """A diff review: a momentum buffer refused on one rank only (before the ranks' first
-    collective) left the others waiting in it; it is held until the agreement now."""
-    results = run(2, "fsdp_buffer_unfit_on_one_rank")
+@pytest.mark.parametrize("what", ["buffer", "plain"])
+def test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank(what):
+    """A diff review: an orthogonal layer's momentum buffer (refused in ``fgd()``) or a plain
+    bias's (refused by ``FGD.step`` itself) that does not fit on one rank only left the others
+    waiting in the ranks' first collective; the refusing rank joins the agreement with its error."""
+    results = run(2, "fsdp_buffer_unfit_on_one_rank", what=what)
     assert all(r["message"] is not None and r["unchanged"] for r in results), results
     assert "momentum_buffer is" in results[-1]["message"], results
     assert "could not be prepared" in results[0]["message"], results
