@@ -263,7 +263,6 @@ class FGD(StiefelOptimizer):
             self._raise_with_the_ranks(error)
             raise
         if orth["params"] or idle:
-            opts = self.defaults
             sharded_step = bool(idle) or any(is_dtensor(p) for p in orth["params"])  # (else nothing more to scan)
             # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
             # every rank, not from which of them have a gradient on this one)
@@ -275,19 +274,8 @@ class FGD(StiefelOptimizer):
                 lr=orth["lr"],
                 momentum=orth["momentum"],
                 feedback=orth["feedback"],
-                backend=opts["backend"],
-                check_finite=opts["check_finite"],
-                check_manifold=opts["check_manifold"],
-                max_distance=float(opts["max_distance"]),
-                precision=opts["precision"],
                 labels=orth["labels"],
-                guard=opts["guard"],
-                trust_radius=float(opts["trust_radius"]),
-                variant=opts["variant"],
-                sharding=opts["sharding"],
-                gram_refresh=opts["gram_refresh"],
-                maximize=opts["maximize"],  # (ascend along g; agreed by the ranks of a sharded step)
-                _validated=True,  # (_run_closure checked the options and every group above)
+                **self._fgd_options(),
                 _rest_sharded_at_zero_lr=True,
                 _unsharded_beside_sharded=beside,
                 _idle_dtensors=idle,
@@ -353,22 +341,11 @@ class FGD(StiefelOptimizer):
             orth["labels"].append(text)
         return orth, eucl, resting
 
-    def _raise_with_the_ranks(self, error: Exception) -> None:
-        """A step refused on this rank before the ranks' first collective (its own input: a
-        gradient or state that does not fit here only): with sharded orthogonal parameters the
-        other ranks would wait in the ranks' agreement for it. Join that agreement with the
-        failure, so every rank raises (this one ``error``), then return for the caller to raise."""
-        sharded = [p for g in self.param_groups if g["orthogonal"] for p in g["params"] if is_dtensor(p)]
-        if not sharded or torch.compiler.is_compiling():
-            return
+    def _fgd_options(self) -> dict[str, Any]:
+        """The optimizer-wide options as :func:`fgd` takes them (checked by ``_run_closure`` this
+        step, hence ``_validated``)."""
         opts = self.defaults
-        fgd(
-            [],
-            [],
-            [],
-            lr=[],
-            momentum=[],
-            feedback=[],
+        return dict(
             backend=opts["backend"],
             check_finite=opts["check_finite"],
             check_manifold=opts["check_manifold"],
@@ -379,8 +356,26 @@ class FGD(StiefelOptimizer):
             variant=opts["variant"],
             sharding=opts["sharding"],
             gram_refresh=opts["gram_refresh"],
-            maximize=opts["maximize"],
+            maximize=opts["maximize"],  # (ascend along g; agreed by the ranks of a sharded step)
             _validated=True,
+        )
+
+    def _raise_with_the_ranks(self, error: Exception) -> None:
+        """A step refused on this rank before the ranks' first collective (its own input: a
+        gradient or state that does not fit here only): with sharded orthogonal parameters the
+        other ranks would wait in the ranks' agreement for it. Join that agreement with the
+        failure, so every rank raises (this one ``error``), then return for the caller to raise."""
+        sharded = [p for g in self.param_groups if g["orthogonal"] for p in g["params"] if is_dtensor(p)]
+        if not sharded or torch.compiler.is_compiling():
+            return
+        fgd(
+            [],
+            [],
+            [],
+            lr=[],
+            momentum=[],
+            feedback=[],
+            **self._fgd_options(),
             _unsharded_beside_sharded=self._unsharded_beside_sharded(),
             _idle_dtensors=sharded,
             _held=error,

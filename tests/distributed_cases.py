@@ -287,6 +287,20 @@ def fsdp_steps(
     )
 
 
+def _set_tp_grads(model, step, spike=None):
+    """Each parameter's gradient of a tensor-parallel model: its shard of ``full_grad`` where it is
+    a DTensor, the whole gradient where it is not."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        g = full_grad(name, p.shape, step, spike)
+        if isinstance(p, DTensor):
+            g = DTensor.from_local(
+                _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
+            )
+        p.grad = g
+
+
 def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="auto"):
     """Tensor parallel on ``Mixed``: ``fc1`` ColwiseParallel (θ's columns split: the owner path),
     ``odd`` RowwiseParallel (θ = W2's 2 columns over the ranks: empty pieces on 4), ``fc2``
@@ -312,13 +326,7 @@ def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="aut
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     to_all, gathers, said = [], [], []
     for step in range(steps):
-        for name, p in model.named_parameters():
-            g = full_grad(name, p.shape, step, spike)
-            if isinstance(p, DTensor):
-                g = DTensor.from_local(
-                    _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
-                )
-            p.grad = g
+        _set_tp_grads(model, step, spike)
         counted = _CountGathers()
         with counted, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -347,7 +355,6 @@ def tp_nan_at_the_first_step(rank, world, out):
     cause). The check compares positions now: the refused step, the repair, then the owner path."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model = build()
@@ -363,13 +370,7 @@ def tp_nan_at_the_first_step(rank, world, out):
             fc1.to_local().view(-1)[0] = float("nan")
     messages, said, gathers = [], [], []
     for step in range(3):
-        for name, p in model.named_parameters():
-            g = full_grad(name, p.shape, step)
-            if isinstance(p, DTensor):
-                g = DTensor.from_local(
-                    _shard_of(p, g), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=g.stride()
-                )
-            p.grad = g
+        _set_tp_grads(model, step)
         counted = _CountGathers()
         with counted, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
