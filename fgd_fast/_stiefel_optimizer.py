@@ -193,7 +193,8 @@ class StiefelOptimizer(Optimizer):
 
     def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
         """Before any write: the buffers of orthogonal ``p`` named in ``_orthogonal_buffers``
-        must fit it (shape, device, the state's dtype, finite); ``None`` or absent: none yet.
+        must fit it (shape, device, the state's dtype; no inference tensor); ``None`` or absent:
+        none yet (their finiteness is the step's device check).
         FGD names none: its step checks Φ itself."""
         state = self.state.get(p, {})
         for name in self._orthogonal_buffers:

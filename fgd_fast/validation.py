@@ -262,7 +262,8 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
 
 def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str) -> None:
     """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
-    ``load_state_dict`` from another model)."""
+    ``load_state_dict`` from another model), and, outside ``torch.inference_mode``, be no
+    inference tensor (a step outside the mode cannot update one in place)."""
     fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (p.shape, dtype, p.device)
     inside = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # (inside, it can be written)
     if fits and not inside and value.is_inference():
