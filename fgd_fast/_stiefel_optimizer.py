@@ -441,10 +441,8 @@ class StiefelOptimizer(Optimizer):
                     self.state[p][name] = value.to(device=p.device, copy=True)
                 elif cdt != p.dtype:
                     self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
-        for state in self.state.values():  # (a state_dict's tensor of the right dtype and device is kept as
-            for name, value in state.items():  # it is: one made inside inference_mode, copied, or no step
-                if isinstance(value, torch.Tensor) and value.is_inference():  # could update it in place)
-                    state[name] = value.clone()
+                elif self.state[p][name].is_inference():  # (kept as it is by torch's load: no step could
+                    self.state[p][name] = self.state[p][name].clone()  # update it in place; a copy)
         self._loaded()
         self._record_state_kinds()  # (the loaded state's flags were checked against the groups')
         if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once

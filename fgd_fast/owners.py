@@ -367,7 +367,6 @@ def prepare_owned(
             )
     except Exception as error:
         failed = error
-        plan = None
 
     # 3. every layer's checks on every rank: one all-reduce of [dist, finite, dist₊, finite₊, guarded]
     # (and a last row: 1 where the owner failed)

@@ -58,20 +58,6 @@ def distances(weights: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def same_code(c, device: torch.device) -> tuple:
-    """What ``c`` runs on ``device``: for ``fgd-auto`` and the plain ``fgd-<backend>[-<precision>]``
-    contenders, FGD's resolved backend and precision (``fgd-auto`` and the contender it resolves
-    to share them); the contender's name for any other (e.g. ``fgd-torch-carried``)."""
-    if c.family != "fgd" or c.backend is None:
-        return (c.name,)
-    from fgd_fast.backends import DEFAULT_PRECISION
-    from fgd_fast.functional import backend_for
-
-    precision = c.precision or DEFAULT_PRECISION
-    plain = c.name == "fgd-auto" or c.name in (f"fgd-{c.backend}", f"fgd-{c.backend}-{c.precision}")
-    return (backend_for(c.backend, device, precision), precision) if plain else (c.name,)
-
-
 def run_case(contender, workload, pool, device, steps: int, every: int, deadline: float) -> dict:
     """``steps`` steps of one case (fewer if ``deadline`` passes: ``steps`` says how many ran)."""
     from benchmarks.measure import LR, synchronizer
@@ -117,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.contenders import contender, unavailable
     from benchmarks.machine import environment
     from benchmarks.measure import LR, POOL, gradient_pool
+    from benchmarks.plan import stability_skip
     from benchmarks.workloads import weight_shapes, workloads
 
     device = torch.device("cpu" if args.cpu_dry_run or not torch.cuda.is_available() else "cuda")
@@ -143,18 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     # priority: every workload's reference and default first, then the other cases
     order = [(w, c) for rank in (0, 1) for w in chosen for c in args.cases if (c in CASES[:2]) == (rank == 0)]
     pools: dict = {}
-    ran: dict[tuple, str] = {}  # (workload, backend, precision) -> the case that ran that code
+    ran: set[tuple[str, str]] = set()  # (workload, case) of the cases that ran
     for w, name in order:
         c = contender(name)
         reason = unavailable(c, device, allow_interpreter=args.cpu_dry_run)
         if reason:
             record(workload=w.name, case=name, skipped=reason)
             continue
-        code = (w.name, *same_code(c, device))
-        if code in ran:  # (fgd-auto is fgd-triton-tf32x3 on a GPU: the same distances, twice the time)
-            record(workload=w.name, case=name, skipped=f"the same code as {ran[code]} here", same_as=ran[code])
+        twin = (stability_skip(scale, c, device) or {}).get("same_as")  # (fgd-auto's code: fgd-triton-tf32x3
+        if (w.name, twin) in ran:  # on a GPU; the same distances, twice the time)
+            record(workload=w.name, case=name, skipped=f"the same code as {twin} here", same_as=twin)
             continue
-        ran[code] = name
+        ran.add((w.name, name))
         if time.monotonic() > deadline:
             record(workload=w.name, case=name, skipped="out of time")
             continue
