@@ -380,15 +380,19 @@ def layer_classes(count: int, key: Callable[[int], Hashable]) -> dict[Hashable, 
     return classes
 
 
-def plan_of(units: list, device: torch.device, check_finite: bool, written: list | None = None) -> StepPlan:
+def plan_of(
+    units: list, device: torch.device, check_finite: bool, written: tuple[list, list] | None = None
+) -> StepPlan:
     """The :class:`StepPlan` of a backend's units (launch classes, buckets): each has
     ``layers`` (its positions in the input lists), per-layer ``dist`` and ``finite`` device
     tensors, optional ``dist_next``, ``finite_next``, ``guarded`` (absent or ``None``: not
-    computed) and an ``apply()`` that performs its writes. ``written``: the tensors the units'
-    kernels write through raw pointers (Triton, the CUDA extension), whose version counters torch
-    does not see move: ``apply`` bumps them, so autograd refuses a graph that saved the old θ (as
-    it does after any in-place write) and caches keyed on versions see the step."""
+    computed) and an ``apply()`` that performs its writes. ``written``: ``(params, bufs)``, which
+    the units' kernels write through raw pointers (Triton, the CUDA extension; ``None`` buffers
+    skipped), so torch does not see their version counters move: ``apply`` bumps them, so autograd
+    refuses a graph that saved the old θ (as it does after any in-place write) and caches keyed on
+    versions see the step."""
     order = [i for u in units for i in u.layers]
+    written = [*written[0], *(b for b in written[1] if b is not None)] if written else []
     dist = in_input_order([u.dist.to(torch.float64) for u in units], order, device)
     finite = in_input_order([u.finite for u in units], order, device) if check_finite else None
     extra = {}

@@ -298,8 +298,7 @@ def prepare_cuda(
         _Class(idx, params, grads, bufs, fresh, lr, momentum, feedback, dtype, trust_radius, max_distance, variant)
         for dtype, idx in classes.items()
     ]
-    written = [*params, *(b for b in bufs if b is not None)]  # (the kernels write them in place)
-    return plan_of(built, device_of(params), check_finite, written)
+    return plan_of(built, device_of(params), check_finite, written=(params, bufs))  # (written in place)
 
 
 prepare_cuda.device_lr = True  # takes lr as tensors (read on the device: base.hyper_table)

@@ -616,8 +616,7 @@ def prepare_triton(
                     variant,
                 )
             )
-    written = [*params, *(b for b in bufs if b is not None)]  # (the kernels write them in place)
-    return plan_of(built, device_of(params), check_finite, written)
+    return plan_of(built, device_of(params), check_finite, written=(params, bufs))  # (written in place)
 
 
 prepare_triton.device_lr = True  # takes lr as tensors (read on the device: base.hyper_table)
