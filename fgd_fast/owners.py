@@ -237,17 +237,21 @@ def _positions(p, device) -> _Positions:
 
 def _exchange(group, size: int, device, dtypes: list, send: dict, recv_sizes: dict) -> dict:
     """One ``all_to_all_single`` per dtype (every rank calls the same ones, empty or not):
-    ``send[dtype][d]`` (flat tensors for group rank ``d``) out, ``recv_sizes[dtype][s]``
-    numbers in from group rank ``s``; returns the received flat buffer per dtype."""
+    ``send[dtype][d]`` (tensors for group rank ``d``, any strides: each is copied once, into the
+    send buffer) out, ``recv_sizes[dtype][s]`` numbers in from group rank ``s``; returns the
+    received flat buffer per dtype."""
     import torch.distributed as dist
 
     works, received = [], {}
     for dtype in dtypes:
         parts = send.get(dtype, [[] for _ in range(size)])
-        flat = [t for dest in parts for t in dest]
-        out = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        into = torch.empty(sum(recv_sizes[dtype]), dtype=dtype, device=device)
         in_splits = [sum(t.numel() for t in parts[d]) for d in range(size)]
+        out = torch.empty(sum(in_splits), dtype=dtype, device=device)
+        at = 0
+        for t in (t for dest in parts for t in dest):  # (a box of a whole matrix: no copy of its own first)
+            out[at : at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
+        into = torch.empty(sum(recv_sizes[dtype]), dtype=dtype, device=device)
         works.append(dist.all_to_all_single(into, out, recv_sizes[dtype], in_splits, group=group, async_op=True))
         received[dtype] = into
     for work in works:
@@ -318,7 +322,7 @@ def prepare_owned(
     for i in range(count):
         if me in lay.senders[i]:
             for t in travelling(i):
-                send.setdefault(t.dtype, [[] for _ in range(size)])[lay.owners[i]].append(t.to_local().reshape(-1))
+                send.setdefault(t.dtype, [[] for _ in range(size)])[lay.owners[i]].append(t.to_local())
     sizes = {dt: [0] * size for dt in dtypes_of(travelling)}
     for s in range(size):
         for i in mine:
@@ -343,6 +347,7 @@ def prepare_owned(
                         n = _volume(shape)
                         _box(full, shape, offset).copy_(received[t.dtype][at[t.dtype] : at[t.dtype] + n].view(shape))
                         at[t.dtype] += n
+        received.clear()  # (the pieces are in the whole matrices now: the owner's step runs without them)
         theta = {i: whole[i][0] for i in mine}
         phi = {
             i: (whole[i][2] if not fresh[i] else torch.zeros(bufs[i].shape, dtype=bufs[i].dtype, device=device))
@@ -398,7 +403,7 @@ def prepare_owned(
                 parts = out.setdefault(t.dtype, [[] for _ in range(size)])
                 for s in range(size):
                     shape, offset = lay.boxes[i][s]
-                    parts[s].append(_box(full, shape, offset).reshape(-1))
+                    parts[s].append(_box(full, shape, offset))
         back = {dt: [0] * size for dt in dtypes_of(returning)}
         for i in range(count):
             for t in returning(i):

@@ -807,6 +807,55 @@ def fsdp_owner_fails(rank, world, out, *, hsdp=False):
     return dict(message=message, unchanged=unchanged)
 
 
+def owner_step_without_received(rank, world, out):
+    """A memory review: the owner kept the first exchange's received pieces (its layers' θ, g and Φ
+    once more) alive through its whole-matrix step, and the step back packed each column-sharded
+    box twice (a contiguous copy, then the send buffer). The owner steps without the received
+    buffers now (checked when its backend's prepare runs) and the results match one process."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fgd_fast.functional as functional
+    import fgd_fast.owners as owners
+
+    torch.manual_seed(0)
+    mesh = _mesh(world)
+    whole = [fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)) for _ in range(2)]
+    ps = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(1)])) for w in whole]  # (columns: owner path)
+    ref = [torch.nn.Parameter(w.clone()) for w in whole]
+    opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, backend="torch")
+    one = fgd_fast.FGD([dict(params=ref, orthogonal=True)], lr=0.05, backend="torch")
+    name, prepare = functional._cached_backend("torch", "cpu", opt.precision)
+    exchange, alive = owners._exchange, []
+
+    def recording(*args, **kwargs):
+        received = exchange(*args, **kwargs)
+        alive.extend(weakref.ref(t) for t in received.values())
+        return received
+
+    def checking(params, *args, **kwargs):
+        gc.collect()
+        alive_now = sum(r() is not None for r in alive)
+        alive.clear()
+        assert alive_now == 0, f"{alive_now} received buffer(s) alive during the owner's step"
+        return prepare(params, *args, **kwargs)
+
+    owners._exchange = recording
+    functional._resolved[("torch", "cpu", opt.precision)] = (name, checking)
+    try:
+        for k in range(3):
+            for j, (p, r) in enumerate(zip(ps, ref)):
+                g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * k + j), dtype=DTYPE)
+                p.grad, r.grad = distribute_tensor(g, mesh, p.placements), g.clone()
+            opt.step()
+            one.step()
+    finally:
+        owners._exchange = exchange
+    return dict(error=max(float((p.full_tensor() - r.detach()).abs().max()) for p, r in zip(ps, ref)))
+
+
 def rows_float64_beside_float32(rank, world, out, *, steps=6):
     """An ownership review: row shards of a float64 layer beside a float32 one: the float64 Gram
     blocks rode folded in the float32 all-reduce (hi + lo pairs, ~1e-7 of the sum), so the float64
@@ -1096,6 +1145,7 @@ CASES = {
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,
         fsdp_owner_fails,
+        owner_step_without_received,
         fsdp_buffer_unfit_on_one_rank,
         rows_float64_beside_float32,
         tp_nan_at_the_first_step,

@@ -473,6 +473,13 @@ def test_a_failure_on_the_owner_rank_stops_every_rank(world, hsdp):
         assert sum("a check failed, or a step could not be prepared" in r["message"] for r in results) == 2
 
 
+def test_the_owner_steps_without_the_received_pieces():
+    """A memory review: the owner held its layers' received pieces (θ, g, Φ once more) through its
+    whole-matrix step; they are released before it, and the steps match one process."""
+    for res in run(2, "owner_step_without_received"):
+        assert res["error"] < 1e-12, res
+
+
 def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64():
     """An ownership review: the float64 layer's Gram blocks rode folded in the float32 all-reduce
     (4.9e-9 from one process after 20 steps). Only per-layer scalars fold now; the float64 layer
