@@ -3,7 +3,9 @@
 For FGD's two-pass form (``docs/algorithm.md`` §4): a Gram pass (A, C symmetric:
 ``n·p²`` flops each; B, E: ``2·n·p²`` each) and an update pass (``4·n·p²``), i.e.
 ``10·Σ n·p²`` flops; memory traffic: read θ, Φ, g twice and write θ, Φ once, i.e.
-``8·Σ n·p`` float32 values = ``32·Σ n·p`` bytes. The O(p³) algebra is left out.
+``8·Σ n·p`` float32 values = ``32·Σ n·p`` bytes. The O(p³) algebra is left out, and so is
+the guard's velocity Gram (G and H: ``3·n·p²`` more in the fused backends; UᵀU: ``n·p²`` in
+the torch backend): the model is the update's own work, a lower bound for a guarded step.
 
 For ``torch.optim.SGD`` with momentum: ``b ← βb + g``, ``θ ← θ − ηb`` need at least
 ``3·Σ n·p`` flops and read θ, g, b and write b, θ: ``20·Σ n·p`` bytes.

@@ -368,7 +368,8 @@ def method(run: dict) -> list[str]:
         "moves about 1e-3 per step (*step ‖ΔW‖_F*: mean over layers in the last step). `sgd` (no "
         "constraint) shows how far unconstrained steps drift.",
         "- **Cost model** (`benchmarks/costmodel.py`): FGD's two-pass form does 10·Σn·p² flop and moves "
-        "32·Σn·p bytes per step; plain SGD with momentum moves 20·Σn·p bytes. *of matmul rate* / *of copy "
+        "32·Σn·p bytes per step (the update's own work: the guard's velocity Gram adds up to 3·Σn·p²); "
+        "plain SGD with momentum moves 20·Σn·p bytes. *of matmul rate* / *of copy "
         "bandwidth* divide that work by the step time and by the rates measured at the start of this run; "
         "*× FGD floor* is the step time over max(compute floor, memory floor) of FGD's work, for every contender.",
         "- **Host budget** (FGD): the non-view aten ops and Triton launches of one step (each a kernel "
