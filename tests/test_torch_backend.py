@@ -205,12 +205,15 @@ def test_gradient_norm_in_float32_where_host_reads_are_free_matches_float64(scal
     assert torch.allclose(got[:2], want[:2], rtol=1e-5) and torch.isinf(got[2]) and torch.isinf(want[2])
 
 
-def test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe():
+def test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe(monkeypatch):
     """The CPU step runs in ``torch.inference_mode`` (its temporaries skip autograd's tracking),
     yet what outlives it is normal: θ and Φ (written in place, versions bumped, so a graph that
     saved θ refuses to backpropagate), the guard's counters, the layout's cached indices; Φ can
     be changed in place afterwards (e.g. a checkpoint loaded into it), and the step matches the
     same step outside inference mode bit for bit."""
+    from fgd_fast.backends import layout
+
+    monkeypatch.setattr(layout, "_indices", {})  # (built by these steps)
     gen = torch.Generator().manual_seed(11)
     shapes = [(12, 5, 3, 3), (12, 5, 3, 3), (6, 20), (9, 9), (9, 9)]  # three p: a multi-group layout
     runs = {}
@@ -241,7 +244,7 @@ def test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe():
         tensors = [state["momentum_buffer"], p] + [t for t in state.values() if isinstance(t, torch.Tensor)]
         assert not any(t.is_inference() for t in tensors)
         state["momentum_buffer"].mul_(0.5)  # in place outside inference mode: allowed
-    from fgd_fast.backends import layout
-
+    built = [t for index in layout._indices.values() for t in (index._layer, index._perm) if t is not None]
+    assert built  # (built inside the mode, by the steps)
     for index in layout._indices.values():
-        assert not any(t.is_inference() for t in (index.layer, index.perm, index.diag, *index.eyes.values()))
+        assert not any(t.is_inference() for t in (*built, index.diag, *index.eyes.values()))

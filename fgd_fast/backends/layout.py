@@ -25,29 +25,55 @@ def rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
 
 
 class _Index:
-    """Index tensors of a multi-group layout on one device (built once, cached)."""
+    """Index tensors of a multi-group layout on one device (built once, cached). The two of one
+    entry per block element (``perm``: transposes, ``layer``: per-layer values broadcast) are
+    built on first use only: the fused Triton middle never reads them, and they would hold
+    8 bytes per block element (int32) for the layout's lifetime."""
 
     def __init__(self, groups: tuple[tuple[int, int], ...], device: torch.device):
-        layer, perm, diag = [], [], []
-        at = first = 0
+        self.groups, self.device = groups, device
+        diag, at = [], 0
         for count, p in groups:
             i = torch.arange(p)
-            transposed = (i[None, :] * p + i[:, None]).reshape(-1)  # entry (i, j) reads (j, i)
-            for k in range(count):
-                base = at + k * p * p
-                perm.append(transposed + base)
-                diag.append(i * (p + 1) + base)
-                layer.append(torch.full((p * p,), first + k))
+            diag += [i * (p + 1) + at + k * p * p for k in range(count)]  # layer k's diagonal entries
             at += count * p * p
-            first += count
-        cat = lambda xs: torch.cat(xs).to(device) if xs else torch.zeros(0, dtype=torch.long, device=device)  # noqa: E731
-        self.layer, self.perm, self.diag = cat(layer), cat(perm), cat(diag)
+        self.diag = self._cat(diag)
         sizes = [p for n, p in groups for _ in range(n)]
         self.lengths = torch.tensor([p * p for p in sizes], dtype=torch.long, device=device)  # entries per layer
         self.diag_lengths = torch.tensor(sizes, dtype=torch.long, device=device)
         self.eyes: dict[torch.dtype, torch.Tensor] = {}
         self.p: torch.Tensor | None = None
         self.memo: dict = {}
+        self._perm: torch.Tensor | None = None
+        self._layer: torch.Tensor | None = None
+
+    def _cat(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        # int32: index_select takes it, and no layout has 2³¹ block entries (8 GiB of one float32 block)
+        out = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return out.to(device=self.device, dtype=torch.int32)
+
+    @property
+    def perm(self) -> torch.Tensor:
+        """Entry (i, j) of every layer's block reads (j, i): the transpose as one index_select."""
+        if self._perm is None:
+            pieces, at = [], 0
+            for count, p in self.groups:
+                i = torch.arange(p)
+                transposed = (i[None, :] * p + i[:, None]).reshape(-1)
+                pieces += [transposed + at + k * p * p for k in range(count)]
+                at += count * p * p
+            with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
+                self._perm = self._cat(pieces)
+        return self._perm
+
+    @property
+    def layer(self) -> torch.Tensor:
+        """Each block entry's layer (a per-layer value broadcast by one index_select)."""
+        if self._layer is None:
+            with torch.inference_mode(False):
+                sizes = torch.tensor([p * p for n, p in self.groups for _ in range(n)])  # (on the host)
+                self._layer = self._cat([torch.repeat_interleave(torch.arange(len(sizes)), sizes)])
+        return self._layer
 
 
 _PIECES_KEPT = 16  # blocks whose per-group views a layout keeps (pieces)
