@@ -354,3 +354,30 @@ def test_every_row_tile_divides_the_padding_of_hi_and_lo():
     configs = [*TC.GRAM_CONFIG.values(), *TC.UPDATE_CONFIG.values()]
     tiles = [cfg[name] for cfg in configs for name in ("BK", "BR") if name in cfg]
     assert tiles and all(TC.LD_ALIGN % t == 0 for t in tiles), (TC.LD_ALIGN, tiles)
+
+
+def test_m_blocks_that_break_the_aligned_hints_are_refused_before_any_write(monkeypatch):
+    """A kernel review: the aligned update kernel claims M_θ and M_Φ 16-byte aligned
+    (``tl.multiple_of``), which nothing checked (true today by the middle's offsets, sums of p²
+    with p a multiple of 4). A middle that broke it would make wrong 16-byte loads on a GPU: the
+    step refuses it now, changing nothing."""
+    from fgd_fast.backends import fused_middle
+
+    run = fused_middle.run
+
+    def shifted(*args, **kwargs):  # the middle's M_θ one float off its 16-byte boundary
+        mid = run(*args, **kwargs)
+        off = torch.empty(mid.m_theta.numel() + 1, dtype=mid.m_theta.dtype, device=mid.m_theta.device)[1:]
+        mid.m_theta = off.copy_(mid.m_theta.reshape(-1)).view_as(mid.m_theta)
+        return mid
+
+    monkeypatch.setattr(fused_middle, "run", shifted)
+    gen = torch.Generator().manual_seed(2)
+    dev = device_for_tests()
+    param = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, 3, 3, generator=gen)).to(dev))
+    opt = fgd_fast.FGD([dict(params=[param], orthogonal=True)], lr=0.05, backend="triton", precision="tf32x3")
+    param.grad = torch.randn(param.shape, generator=gen).to(dev) * 0.01
+    before = param.detach().clone()
+    with pytest.raises(RuntimeError, match="not 16-byte aligned"):
+        opt.step()
+    assert torch.equal(param.detach(), before) and not opt.state[param]

@@ -525,6 +525,14 @@ class _TensorCoreClass(_Checked):
                     partial, runs, gather=gather, products=mid_products.engine(precision), precision=precision, **guard
                 )
         self.programs = _persistent(sh.update_work.shape[0], device)
+        # the update kernel's ALIGNED hints claim M_θ and M_Φ 16-byte aligned (the middle's buffers,
+        # offsets sums of p² with p a multiple of 4): a hint that does not hold is a wrong 16-byte
+        # load on a GPU, so refuse here, before any write
+        if aligned and any(m is not None and m.data_ptr() % 16 for m in (self.m_theta, self.m_phi)):
+            raise RuntimeError(
+                "fgd_fast internal error: the middle's M blocks are not 16-byte aligned for the aligned "
+                "tensor-core update; nothing was written. Please report it; backend='torch' steps meanwhile"
+            )
 
     def _apply(self) -> None:
         sh = self.shapes
