@@ -4,3 +4,11 @@ trust radius), ``cpu_backends`` (backends on a CPU), ``cpu_host_ops`` (the torch
 host-side choices), ``torch_knobs`` (a torch-backend constant at two values, side by side),
 ``torch_calls`` (aten ops per step), ``op_time`` (a step's time op by op: the products' rates),
 ``step_ratio`` (step times side by side), ``dist_comm`` (communication volume)."""
+
+import os
+
+# Before anything imports torch (this package's __init__ runs first under ``python -m
+# benchmarks.studies.<name>``): OpenMP's idle threads sleep instead of spinning, so on a loaded
+# machine a study's threads do not burn the cores that the others' work waits for, and its timings
+# stay steady. Set OMP_WAIT_POLICY=ACTIVE to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,6 +1,6 @@
 """Side-by-side CPU step time of the FGD backends on WRN-28-k's orthogonal layers.
 
-Usage: ``python -m benchmarks.studies.cpu_backends [--widths 4 10] [--repeat 5]``. Prints the median
+Usage: ``python -m benchmarks.studies.cpu_backends [--widths 4 10] [--repeat 5] [--threads N]``. Prints the median
 step time of each backend and the speed-up of ``torch`` over ``reference``.
 """
 
@@ -17,12 +17,20 @@ from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--widths", type=float, nargs="+", default=[4, 10])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["reference", "torch"])
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
+    args = ap.parse_args(argv)
+    for name in ("repeat", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name} {value}: must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    # (after the threads are set: the header reports the count used)
     print(f"{describe(environment(torch.device('cpu')))} | float32")
     for width in args.widths:
         torch.manual_seed(0)

@@ -5,7 +5,7 @@ only the checks' prediction (``guard=False``: the exact distance is still comput
 Every round times each setting once, in turn (interleaved, so load drifts hit all alike); the
 median over rounds is printed per workload, with the ratio to the unpredicted step.
 
-    python -m benchmarks.studies.guard_cost [--scale cpu] [--backend torch] [--rounds 15]
+    python -m benchmarks.studies.guard_cost [--scale cpu] [--backend torch] [--rounds 15] [--threads N]
 """
 
 from __future__ import annotations
@@ -27,14 +27,21 @@ SETTINGS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", default="cpu")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--rounds", type=int, default=15)
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
+    args = ap.parse_args(argv)
+    for name in ("rounds", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name} {value}: must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = environment(device)
+    env = environment(device)  # (after the threads are set: the header reports the count used)
     print(f"{describe(env)} | backend {args.backend}")
     for w in workloads(args.scale):
         model = w.model(device)

@@ -29,7 +29,7 @@ from benchmarks.models import wide_resnet
 from fgd_fast.guards import TRUST_RADIUS
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--width", type=float, default=1.0)
@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedule", choices=("none", "onecycle", "cosine"), default="none")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: must be at least 1")
     torch.manual_seed(args.seed)
     teacher = torch.randn(10, 3 * 4 * 4)
     net = wide_resnet(depth=args.depth, width=args.width)
@@ -79,7 +81,8 @@ def main() -> None:
         f"WRN-{args.depth}-{args.width:g}, {len(orth)} orthogonal layers, {args.steps} steps of batch {args.batch}, "
         f"lr {args.lr} ({args.schedule} schedule), momentum 0.9, feedback 0.4"
     )
-    print(f"loss: first {first_loss:.3f}, mean of the last 10 {sum(losses[-10:]) / 10:.3f}")
+    tail = losses[-10:]  # (fewer in a run of fewer steps)
+    print(f"loss: first {first_loss:.3f}, mean of the last {len(tail)} {sum(tail) / len(tail):.3f}")
     print(
         f"max r = ‖Φ‖ + η‖g‖: {worst_r[0]:.4g} ({worst_r[1]}); "
         f"r/ρ = {worst_r[0] / TRUST_RADIUS:.3g} (ρ = {TRUST_RADIUS})"

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be at least 1")
     torch.set_num_threads(1)
     assert torch_groups.middle is algebra.middle, "the torch backend calls algebra.middle"
     env = environment(torch.device("cpu"))

@@ -84,9 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=12, help="the products listed per contender")
     args = ap.parse_args(argv)
+    every = workloads("cpu")
+    if not 0 <= args.workload < len(every):
+        ap.error(f"--workload {args.workload}: an index 0–{len(every) - 1} ({', '.join(w.description for w in every)})")
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: must be at least 1")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
-    w = workloads("cpu")[args.workload]
+    w = every[args.workload]
     print(f"{describe(env)} | {w.description}")
     for name in args.contenders:
         plain, t = profile(name, w, args.steps)

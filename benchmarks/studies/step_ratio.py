@@ -36,7 +36,7 @@ except ImportError:  # (not on Windows)
 
 import torch
 
-from benchmarks.contenders import contender, unavailable
+from benchmarks.contenders import CONTENDERS, contender, unavailable
 from benchmarks.machine import bench_device, describe, environment
 from benchmarks.measure import LR, gradient_pool, synchronizer
 from benchmarks.workloads import default_scale, weight_shapes, workloads
@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", type=int, nargs="+", help="indices of the workloads to run (default: all)")
     ap.add_argument("--markdown", action="store_true", help="a markdown section (the main job appends it)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be at least 1")
+    known = [c.name for c in CONTENDERS]
+    unknown = [n for n in args.contenders if n not in known]
+    if unknown:
+        ap.error(f"--contenders: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     if args.base not in args.contenders:
         ap.error(f"--base {args.base} is not among --contenders")
     if args.faults and resource is None:
@@ -88,6 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     env = environment(device)
     sync = synchronizer(device)
     names = [n for n in args.contenders if unavailable(contender(n), device) is None]
+    if args.base not in names:  # (the ratios are taken to it)
+        why = unavailable(contender(args.base), device)
+        ap.error(
+            f"--base {args.base}: not available on this device ({why}); "
+            f"choose one of the available contenders: {', '.join(names) or 'none'}"
+        )
     every = workloads(scale)
     if args.workloads and not all(0 <= i < len(every) for i in args.workloads):
         ap.error(f"--workloads: indices 0–{len(every) - 1} ({', '.join(w.description for w in every)})")

@@ -18,9 +18,11 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from benchmarks.training import train
 
@@ -49,8 +51,23 @@ def main(argv: list[str] | None = None) -> int:
         fbs = sorted({g[knob] for g in result["grid"]})
         print("\n".join(render(result, lrs, fbs)))
         return 0
+    if Path(args.out).suffix.lower() == ".json":  # (the report would overwrite the numbers)
+        ap.error(
+            f"--out {args.out}: the path of the Markdown report (e.g. NAME.md); "
+            "the raw numbers go beside it, with the suffix .json"
+        )
     opt_name, knob = args.optimizer, KNOB[args.optimizer][0]
     lrs, fbs = _floats(args.lr), _floats(args.second or KNOB[opt_name][1])
+    probe = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))  # (a throwaway model)
+    for lr in lrs:  # every grid point's settings, checked before any training (as train.check_args does)
+        for fb in fbs:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    settings = train.settings_for(opt_name, {opt_name: {"lr": lr, knob: fb}})
+                    train.build_optimizer(opt_name, probe, "paper", settings)  # (the sweep runs the default rule)
+            except (TypeError, ValueError) as exc:
+                ap.error(f"--lr {lr:g}, --second ({knob}) {fb:g}: {exc}")
     t0 = time.perf_counter()
     targs = train.parse_args(
         [

@@ -164,6 +164,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         device = torch.device(args.device)
     except RuntimeError as exc:
         ap.error(f"--device {args.device!r}: {exc}")
+    if device.type not in ("cpu", "cuda"):  # (the run's timers, autocast and distances know these two)
+        ap.error(f"--device {args.device}: a run trains on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(
             f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
