@@ -15,6 +15,7 @@ import torch
 import fgd_fast
 from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
+from benchmarks.studies import counts_checked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,12 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backends", nargs="+", default=["reference", "torch"])
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
     args = ap.parse_args(argv)
-    for name in ("repeat", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name} {value}: must be at least 1")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    counts_checked(ap, args, "repeat", "threads")
     # (after the threads are set: the header reports the count used)
     print(f"{describe(environment(torch.device('cpu')))} | float32")
     for width in args.widths:

@@ -18,6 +18,7 @@ import torch
 
 import fgd_fast
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from benchmarks.workloads import workloads
 
 SETTINGS = {
@@ -34,12 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
     args = ap.parse_args(argv)
-    for name in ("rounds", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name} {value}: must be at least 1")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    counts_checked(ap, args, "rounds", "threads")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)  # (after the threads are set: the header reports the count used)
     print(f"{describe(env)} | backend {args.backend}")
