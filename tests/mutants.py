@@ -122,6 +122,20 @@ MUTANTS = {
         "the torch backend's product-free bound of the full step without its first-order term 2‖M + T‖",
         ["tests/test_lazy_velocity.py::test_step_bound_is_an_upper_bound_and_attained"],
     ),
+    "reset_terms_not_zeroed": (
+        "the torch backend writing a reset layer's gradient term as 0·g (NaN for a NaN g) instead of 0",
+        [
+            "tests/test_backend_agreement.py::test_a_nan_gradient_with_the_checks_off_is_reset_and_writes_nothing_non_finite"
+        ],
+    ),
+    "reset_hyper_zero_times_nan": (
+        "the fused backends' update table as [s·η, s·β, α] by plain products: 0·NaN for a reset under a NaN lr",
+        [
+            "tests/test_device_lr.py::test_a_non_finite_lr_on_the_device_resets_and_writes_nothing_non_finite"
+            f"[triton-{case}-nan-device-only]"
+            for case in ("f64", "f32-paper")
+        ],
+    ),
     "layout_indices_inference": (
         "the layout's cached indices built inside the CPU step's torch.inference_mode (they outlive it)",
         ["tests/test_torch_backend.py::test_cpu_step_in_inference_mode_leaves_normal_tensors_and_autograd_safe"],
@@ -326,6 +340,25 @@ def plant(name: str) -> Callable[[], None]:
             lambda dist, m, t, layout=None: dist.double() * (1 + 2 * norm(m, layout)) + norm(m, layout) ** 2,
             undo,
         )
+    elif name == "reset_terms_not_zeroed":
+        from fgd_fast.backends import torch_bucket
+
+        undo.append((torch_bucket, "zero_where", torch_bucket.zero_where))
+        torch_bucket.zero_where = lambda x, mask: x
+    elif name == "reset_hyper_zero_times_nan":
+        from fgd_fast.backends import triton
+
+        def product(hyper, scale):
+            if scale is None:
+                return hyper
+            factor = torch.ones_like(hyper)
+            factor[:, :2] = scale.to(hyper.dtype).unsqueeze(1)
+            return hyper * factor
+
+        cuda = sys.modules.get("fgd_fast.backends.cuda")  # (loaded only where the extension is)
+        for module in (m for m in (triton, cuda) if m is not None):
+            undo.append((module, "scaled_hyper", module.scaled_hyper))
+            module.scaled_hyper = product
     elif name == "layout_indices_inference":
         from fgd_fast.backends import layout
 
@@ -616,7 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def run(nodes: list[str]) -> int:
-        return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-k", "not triton", *nodes]))
+        # (Triton's cases deselected: the interpreter is slow; a node naming one exactly runs it)
+        exact = [n for n in nodes if n.endswith("]")]
+        plain = [n for n in nodes if n not in exact]
+        base = ["-x", "-q", "-p", "no:cacheprovider"]
+        status = int(pytest.main([*base, "-k", "not triton", *plain])) if plain else 0
+        return status or (int(pytest.main([*base, *exact])) if exact else 0)
 
     # the control: every named test passes unmutated in this same process (so a kill below is
     # the mutant's doing, not a leftover of an earlier run)

@@ -114,19 +114,27 @@ def test_tensor_and_float_lrs_in_one_step(backend):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's NaN arithmetic)
 @pytest.mark.parametrize("host_reads", [True, False], ids=["host-reads", "device-only"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "dtype, variant",
+    [(torch.float32, "official"), (torch.float64, "official"), (torch.float32, "paper")],
+    ids=["f32", "f64", "f32-paper"],  # (the Triton backend: the fused middle, and the torch-ops one)
+)
 @pytest.mark.parametrize("backend", backend_params(("torch", "triton")))
-def test_a_non_finite_lr_on_the_device_resets_and_writes_nothing_non_finite(backend, value, host_reads, monkeypatch):
+def test_a_non_finite_lr_on_the_device_resets_and_writes_nothing_non_finite(
+    backend, value, host_reads, dtype, variant, monkeypatch
+):
     """A guard review: an lr tensor on a GPU is never read on the host, so a NaN or Inf one
     reaches the step unchecked (``_validated``: as FGD passes it). The guard resets the step
     (r = ‖Φ‖ + η‖g‖ is not finite, s = 0), and the reset's coefficients are exact zeros: the
-    torch and Triton backends wrote 0·NaN = NaN into θ and Φ."""
+    torch and Triton backends wrote 0·NaN = NaN into θ and Φ. (A mutation review: the Triton
+    backend's middle outside the fused kernels — float64, the paper variant — was untested.)"""
     if not host_reads:
         monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())  # as on a GPU: every layer blended
     gen = torch.Generator().manual_seed(0)
-    theta = fgd_fast.orthogonalize_(torch.randn(6, 3, generator=gen))
-    phi = torch.randn(6, 3, generator=gen) * 0.01
-    grad = torch.randn(6, 3, generator=gen) * 0.1
-    kw = dict(momentum=0.9, feedback=0.4, backend=backend)
+    theta = fgd_fast.orthogonalize_(torch.randn(6, 3, generator=gen, dtype=dtype))
+    phi = torch.randn(6, 3, generator=gen, dtype=dtype) * 0.01
+    grad = torch.randn(6, 3, generator=gen, dtype=dtype) * 0.1
+    kw = dict(momentum=0.9, feedback=0.4, backend=backend, variant=variant)
     report = fgd_fast.fgd([theta], [grad], [phi], lr=torch.tensor(value), **kw, _validated=True)
     assert report.guarded[0].item() == 2  # reset
     assert torch.isfinite(theta).all() and torch.isfinite(phi).all()

@@ -14,6 +14,7 @@ import torch
 import fgd_fast
 from fgd_fast import guards
 from fgd_fast.backends import algebra, guard_rule
+from fgd_fast.backends.layout import Layout
 from fgd_fast.guards import MAX_DISTANCE
 from helpers import backend_params
 from oracle import fgd_step, random_stiefel, to_theta
@@ -359,3 +360,27 @@ def test_a_16_bit_parameter_with_room_for_the_guard_is_stepped():
     w.grad = torch.randn(64, 128, generator=gen).to(torch.bfloat16) * 0.1
     opt.step()
     assert opt.guard_stats()[0] == {"scaled": 0, "reset": 0}
+
+
+def test_a_weight_the_quartic_allows_but_the_direct_sum_refuses_falls_back_to_the_pull_back():
+    """A mutation review: where the quartic (from float64 inner products) puts t = 1 within the
+    target but the float32 sum D₀ + X₁ + X₂ lies beyond it, the rule must re-check and take the
+    pull-back (t = 0), reporting ‖D₀‖ — not keep t = 1 beyond the target (a mutant without the
+    re-check) nor report the refused sum's distance and take the Newton–Schulz reset (a mutant
+    that reported ``dist``)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        m = [torch.randn(1, 6, 6, generator=gen) * s for s in (0.1, 0.2, 0.1)]
+        d0, x1, x2 = (a + a.mT for a in m)
+        quartic = float(Layout.of(d0).inner([d0, x1, x2]).sum()) ** 0.5  # ‖D₀ + X₁ + X₂‖ (t = 1)
+        direct = float(torch.linalg.matrix_norm(d0 + x1 + x2))  # the same, summed in float32
+        if direct > quartic:
+            break
+    else:
+        pytest.fail("no case where the float32 sum exceeds the quartic")
+    target = (quartic + direct) / 2
+    movable = torch.ones(1, dtype=torch.bool)
+    blend = guard_rule.choose_weight(d0, x1, x2, torch.zeros_like(d0), target=target, movable=movable)
+    assert float(blend.weight[0]) == 0.0 and not bool(blend.newton[0])
+    assert float(blend.dist[0]) == pytest.approx(float(torch.linalg.matrix_norm(d0.double())), rel=1e-6)
+    assert float(blend.dist[0]) <= target
