@@ -202,7 +202,7 @@ def _raise_if_off_manifold(
     carried: bool = False,
 ) -> None:
     for i, dv in enumerate(dist_all):
-        if only_non_finite and dv == dv:
+        if only_non_finite and math.isfinite(dv):  # (Inf too: an Inf entry makes ‖θᵀθ − I‖ Inf or NaN)
             continue
         if not dv <= max_distance:  # also catches NaN
             if not math.isfinite(dv):  # (θ with an Inf entry: ‖θᵀθ − I‖ is Inf or NaN)

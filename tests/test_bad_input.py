@@ -434,3 +434,24 @@ def test_a_meta_device_orthogonal_parameter_is_refused_at_the_step():
     with pytest.raises(ValueError, match=r"meta device.*model.to_empty"):
         opt.step()
     assert not opt.state
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+def test_a_non_finite_parameter_is_named_first_whatever_its_gradient(backend, value):
+    """A mutation review: θ with an Inf entry and a NaN gradient raised FloatingPointError ("skip
+    this step") on the reference and torch backends, whose ‖θᵀθ − I‖ is Inf there, and
+    ValueError ("re-initialise it") on the Triton backend, whose is NaN: the check meant to name
+    a non-finite parameter first skipped an Inf distance. Every backend names the parameter now;
+    nothing changes."""
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4, generator=torch.Generator().manual_seed(0))))
+    with torch.no_grad():
+        w[0, 0] = value
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend=backend)
+    w.grad = torch.randn(8, 4)
+    w.grad[1, 1] = float("nan")
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="is not finite"):
+        opt.step()
+    torch.testing.assert_close(w.detach(), before, rtol=0, atol=0, equal_nan=True)  # (unchanged)
+    assert not opt.state[w]
