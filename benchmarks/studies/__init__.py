@@ -15,14 +15,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def counts_checked(ap, args, *names: str) -> None:
-    """Refuse (``ap.error``) any of the options ``names`` given below 1; then, where the study has
-    a ``--threads`` option and it was given, set torch's CPU threads (before the study's header,
-    which reports the count)."""
+    """Refuse (``ap.error``) any of the options ``names`` given below 1; then, where ``"threads"``
+    is one of them and was given, set torch's CPU threads (before the study's header, which
+    reports the count)."""
     for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
             ap.error(f"--{name} {value}: must be at least 1")
-    if getattr(args, "threads", None) is not None:
+    if "threads" in names and args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)

@@ -21,6 +21,7 @@ import torch
 
 import fgd_fast
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from benchmarks.studies.unit_layer import unit_layer
 
 ALPHAS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
@@ -48,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--alphas", type=float, nargs="+", default=ALPHAS)
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: must be at least 1")
+    counts_checked(ap, args, "steps")
     outside = [a for a in args.alphas if not 0 < a < 1]
     if outside:  # (the table divides by α and by 1 − α)
         ap.error(f"--alphas: {', '.join(f'{a:g}' for a in outside)} not in (0, 1)")

@@ -26,6 +26,7 @@ from torch import nn
 import fgd_fast
 from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
+from benchmarks.studies import counts_checked
 from fgd_fast.guards import TRUST_RADIUS
 
 
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedule", choices=("none", "onecycle", "cosine"), default="none")
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: must be at least 1")
+    counts_checked(ap, args, "steps")
     torch.manual_seed(args.seed)
     teacher = torch.randn(10, 3 * 4 * 4)
     net = wide_resnet(depth=args.depth, width=args.width)

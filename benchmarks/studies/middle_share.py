@@ -22,6 +22,7 @@ import torch
 from benchmarks.contenders import contender
 from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
+from benchmarks.studies import counts_checked
 from benchmarks.workloads import weight_shapes, workloads
 from fgd_fast.backends import algebra, torch_groups
 
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: must be at least 1")
+    counts_checked(ap, args, "rounds")
     torch.set_num_threads(1)
     assert torch_groups.middle is algebra.middle, "the torch backend calls algebra.middle"
     env = environment(torch.device("cpu"))

@@ -24,6 +24,7 @@ from benchmarks.contenders import contender
 from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
 from benchmarks.opcount import is_view, product
+from benchmarks.studies import counts_checked
 from benchmarks.workloads import weight_shapes, workloads
 
 _LARGE = 1 << 14  # an op touching a tensor of at least this many elements is "large"
@@ -87,8 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     every = workloads("cpu")
     if not 0 <= args.workload < len(every):
         ap.error(f"--workload {args.workload}: an index 0–{len(every) - 1} ({', '.join(w.description for w in every)})")
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: must be at least 1")
+    counts_checked(ap, args, "steps")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     w = every[args.workload]

@@ -39,6 +39,7 @@ import torch
 from benchmarks.contenders import CONTENDERS, contender, unavailable
 from benchmarks.machine import bench_device, describe, environment
 from benchmarks.measure import LR, gradient_pool, synchronizer
+from benchmarks.studies import counts_checked
 from benchmarks.workloads import default_scale, weight_shapes, workloads
 
 
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", type=int, nargs="+", help="indices of the workloads to run (default: all)")
     ap.add_argument("--markdown", action="store_true", help="a markdown section (the main job appends it)")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: must be at least 1")
+    counts_checked(ap, args, "rounds")
     known = [c.name for c in CONTENDERS]
     unknown = [n for n in args.contenders if n not in known]
     if unknown:

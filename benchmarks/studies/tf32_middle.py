@@ -31,6 +31,7 @@ import torch
 
 import fgd_fast
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from fgd_fast.backends.tf32 import emulated_tf32_middle
 
 LRS = (1e-2, 1e-4)
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="*", help="names (default: every cpu-scale workload)")
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: must be at least 1")
+    counts_checked(ap, args, "steps")
     names = [w.name for w in workloads("cpu")]
     unknown = [n for n in args.workloads or () if n not in names]
     if unknown:  # (else an empty table, and a pass)
