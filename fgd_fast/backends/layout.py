@@ -32,12 +32,7 @@ class _Index:
 
     def __init__(self, groups: tuple[tuple[int, int], ...], device: torch.device):
         self.groups, self.device = groups, device
-        diag, at = [], 0
-        for count, p in groups:
-            i = torch.arange(p)
-            diag += [i * (p + 1) + at + k * p * p for k in range(count)]  # layer k's diagonal entries
-            at += count * p * p
-        self.diag = self._cat(diag)
+        self.diag = self._cat([torch.arange(p) * (p + 1) + at for p, at in self._blocks()])  # the diagonals
         sizes = [p for n, p in groups for _ in range(n)]
         self.lengths = torch.tensor([p * p for p in sizes], dtype=torch.long, device=device)  # entries per layer
         self.diag_lengths = torch.tensor(sizes, dtype=torch.long, device=device)
@@ -46,6 +41,14 @@ class _Index:
         self.memo: dict = {}
         self._perm: torch.Tensor | None = None
         self._layer: torch.Tensor | None = None
+
+    def _blocks(self):
+        """Each layer's ``(p, offset of its block)``, in layout order."""
+        at = 0
+        for count, p in self.groups:
+            for _ in range(count):
+                yield p, at
+                at += p * p
 
     def _cat(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         # int32: index_select takes it, and no layout has 2³¹ block entries (8 GiB of one float32 block)
@@ -56,14 +59,9 @@ class _Index:
     def perm(self) -> torch.Tensor:
         """Entry (i, j) of every layer's block reads (j, i): the transpose as one index_select."""
         if self._perm is None:
-            pieces, at = [], 0
-            for count, p in self.groups:
-                i = torch.arange(p)
-                transposed = (i[None, :] * p + i[:, None]).reshape(-1)
-                pieces += [transposed + at + k * p * p for k in range(count)]
-                at += count * p * p
+            transposed = lambda p: (torch.arange(p)[None, :] * p + torch.arange(p)[:, None]).reshape(-1)  # noqa: E731
             with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
-                self._perm = self._cat(pieces)
+                self._perm = self._cat([transposed(p) + at for p, at in self._blocks()])
         return self._perm
 
     @property
