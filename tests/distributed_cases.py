@@ -813,6 +813,7 @@ def owner_step_without_received(rank, world, out):
     box twice (a contiguous copy, then the send buffer). The owner steps without the received
     buffers now (checked when its backend's prepare runs) and the results match one process."""
     import gc
+    import time
     import weakref
 
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -832,12 +833,16 @@ def owner_step_without_received(rank, world, out):
 
     def recording(*args, **kwargs):
         received = exchange(*args, **kwargs)
-        alive.extend(weakref.ref(t) for t in received.values())
+        alive[:] = [weakref.ref(t) for t in received.values()]  # (the last exchange's: before prepare, the first)
         return received
 
     def checking(params, *args, **kwargs):
-        gc.collect()
-        alive_now = sum(r() is not None for r in alive)
+        for _ in range(40):  # (gloo's worker may let go of a finished exchange's tensors a moment later)
+            gc.collect()
+            alive_now = sum(r() is not None for r in alive)
+            if not alive_now:
+                break
+            time.sleep(0.025)
         alive.clear()
         assert alive_now == 0, f"{alive_now} received buffer(s) alive during the owner's step"
         return prepare(params, *args, **kwargs)
