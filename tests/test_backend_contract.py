@@ -151,6 +151,25 @@ def test_step_captured_in_a_cuda_graph_replays_like_eager_steps(backend):
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+def test_a_table_first_built_inside_a_capture_replays_its_own_rows():
+    """A fused backend's table built during a CUDA-graph capture (a cache miss there) is copied
+    from pinned host memory at every replay: that memory stays the table's, so pinned blocks
+    handed out after the capture (here of the same size, with other values) change nothing."""
+    from fgd_fast.backends.base import device_table
+
+    rows = list(range(1, 4097))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        table = device_table(rows, torch.int64, torch.device("cuda"))
+    torch.cuda.synchronize()
+    others = [torch.full((len(rows),), -7, dtype=torch.int64).pin_memory() for _ in range(8)]
+    table.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert table.tolist() == rows, f"a replay copied other data ({len(others)} pinned blocks later)"
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_a_step_moves_the_version_counters_of_what_it_writes(backend):
     """An ownership review: the CUDA extension (and Triton) write θ and Φ through raw pointers,

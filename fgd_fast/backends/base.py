@@ -187,14 +187,23 @@ class TableCache(OrderedDict):
         return value
 
 
+# The pinned host tables whose copies a CUDA graph captured: every replay copies from them again,
+# so they live as long as the process (one per table built during a capture, which the warm-up
+# steps make rare); freed, the caching host allocator could hand their memory to other data.
+_replayed_hosts: list[torch.Tensor] = []
+
+
 def device_table(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host-built table on ``device`` without synchronising the host: on CUDA it goes
     through pinned memory with a non-blocking copy (the caching host allocator keeps the pinned
-    block alive until the copy is done)."""
+    block alive until the copy is done; a copy captured in a CUDA graph keeps it for good)."""
     table = torch.tensor(rows, dtype=dtype)
     if device.type != "cuda":
         return table.to(device)
-    return table.pin_memory().to(device, non_blocking=True)
+    host = table.pin_memory()
+    if _capturing():
+        _replayed_hosts.append(host)  # (each replay re-reads this memory)
+    return host.to(device, non_blocking=True)
 
 
 class _HyperTable:
