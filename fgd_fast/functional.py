@@ -30,6 +30,7 @@ from .validation import (
     check_state_tensor,
     check_trust_radius,
     check_unit_interval,
+    check_writable,
 )
 
 __all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
@@ -262,6 +263,8 @@ def fgd(
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     try:
+        if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them; Dynamo cannot trace it)
+            check_writable(params, labels, inside_inference_mode=True)  # (else an error after earlier layers' writes)
         bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
         if guard:
             check_guard_room(params, labels, max_distance)

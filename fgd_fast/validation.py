@@ -61,7 +61,7 @@ def check_real(name: str, value: Any) -> float:
                 f"on {value.device}; pass a Python float"
             )
         value = value.item()
-    if isinstance(value, (bool,)) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name} must be a real number (int, float or a numpy scalar), got {type(value).__name__}: {value!r}"
         )
@@ -174,8 +174,15 @@ def check_keys(group: dict, names: Iterable[str], what: str = "parameter group")
         )
 
 
+def _is_numpy_bool(value: Any) -> bool:
+    """Whether ``value`` is numpy's bool (``numpy.bool_``, named ``bool`` from numpy 2 on),
+    without importing numpy."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+
+
 def check_bool(name: str, value: Any) -> bool:
-    if type(value).__name__ == "bool_":  # numpy's bool
+    if _is_numpy_bool(value):  # (as torch.optim takes it)
         value = bool(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
@@ -196,12 +203,16 @@ def param_tensors(params: Any) -> list[torch.Tensor]:
     return [p[1] if isinstance(p, tuple) else p for p in params]
 
 
-def check_writable(params: Iterable[torch.Tensor], labels: list[str] | None = None) -> None:
+def check_writable(
+    params: Iterable[torch.Tensor], labels: list[str] | None = None, *, inside_inference_mode: bool = False
+) -> None:
     """Every parameter can be written in place by a step: no two of its entries share memory (a
     tensor made by ``expand()``, say) and it is no inference tensor (made inside
     ``torch.inference_mode``), which an in-place update outside the mode refuses — in the middle
     of a step, after other parameters were written (the failed-step contract), so it is refused
-    when added and at the step."""
+    when added and at the step. ``inside_inference_mode``: the caller writes in the current mode
+    (the functional step), where an inference tensor can be written inside the mode."""
+    inference_ok = inside_inference_mode and torch.is_inference_mode_enabled()
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             continue
@@ -212,7 +223,7 @@ def check_writable(params: Iterable[torch.Tensor], labels: list[str] | None = No
                 "memory (e.g. made by expand()), so no in-place update can write it; give it memory of its own, "
                 "e.g. nn.Parameter(t.clone())"
             )
-        if p.is_inference():
+        if p.is_inference() and not inference_ok:
             raise ValueError(
                 f"{what} is an inference tensor (made inside torch.inference_mode), which a step outside that mode "
                 "(the optimizers' steps always are) cannot update in place; make the model outside inference_mode, "

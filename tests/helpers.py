@@ -84,7 +84,11 @@ def assert_unchanged(net, opt, snap):
         assert now["state"][k].keys() == entry.keys()  # no key added or dropped
         for key, value in entry.items():
             now_value = now["state"][k][key]
-            assert torch.equal(now_value, value) if isinstance(value, torch.Tensor) else now_value == value
+            if isinstance(value, torch.Tensor):  # (a meta tensor, standing in for another device, has no values)
+                assert (now_value.device, now_value.dtype) == (value.device, value.dtype)
+                assert now_value.shape == value.shape if value.is_meta else torch.equal(now_value, value)
+            else:
+                assert now_value == value
 
 
 def captured(step, warmup: int = 2):

@@ -30,6 +30,7 @@ LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_op
 SAVED = "tests/test_checkpoint_load.py"
 BASE_STATE = "tests/test_baselines_state.py"
 EDGES = "tests/test_api_edges.py"
+FAILED = "tests/test_failed_step_contract.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -251,6 +252,14 @@ MUTANTS = {
     "step_writability_unchecked": (
         "a parameter the step cannot write (inference tensor, shared entries) found only after other writes",
         [f"{EDGES}::test_a_parameter_the_step_cannot_write_is_refused_before_any_write[torch]"],
+    ),
+    "functional_writability_unchecked": (
+        "the functional step finds a parameter it cannot write only after writing the ones before it",
+        [f"{FAILED}::test_the_functional_step_refuses_an_unwritable_parameter_before_writing_any[inference-torch]"],
+    ),
+    "step_guard_count_unchecked": (
+        "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
+        [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
     ),
 }
 
@@ -498,6 +507,14 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((stiefel, "check_writable", stiefel.check_writable))
         stiefel.check_writable = lambda params, labels=None: None
+    elif name == "functional_writability_unchecked":
+        undo.append((fgd_fast.functional, "check_writable", fgd_fast.functional.check_writable))
+        fgd_fast.functional.check_writable = lambda *args, **kwargs: None
+    elif name == "step_guard_count_unchecked":
+        from fgd_fast._stiefel_optimizer import StiefelOptimizer
+
+        undo.append((fgd_fast.FGD, "_check_orthogonal_state", fgd_fast.FGD._check_orthogonal_state))
+        fgd_fast.FGD._check_orthogonal_state = StiefelOptimizer._check_orthogonal_state
     elif name == "saved_guard_count_unchecked":
         from fgd_fast._stiefel_optimizer import StiefelOptimizer
 

@@ -50,6 +50,9 @@ def _trained(backend="auto", steps=2):
         (dict(lr=0.1, gram_refresh=0), "gram_refresh"),
         (dict(lr=float("nan")), "lr"),
         (dict(lr=0.1, precision="bf16"), "precision"),
+        (dict(lr=0.1, weight_decay=float("inf")), "weight_decay must be finite"),
+        (dict(lr=0.1, trust_radius=float("inf")), "trust_radius must be finite"),
+        (dict(lr=0.1, max_distance=1.0), "max_distance"),  # (the documented range is open: 0 < d < 1)
     ],
 )
 def test_construction_rejects_bad_hyper_parameters(kwargs, match):
@@ -64,6 +67,35 @@ def test_construction_rejects_bad_types():
         fgd_fast.FGD(net.parameters(), lr="0.1")
     with pytest.raises(TypeError, match="orthogonal"):
         fgd_fast.FGD([dict(params=net.parameters(), orthogonal="yes")], lr=0.1)
+    with pytest.raises(TypeError, match="gram_refresh"):  # (a bool is no count)
+        fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.1, gram_refresh=True)
+
+
+def test_numpy_bools_are_flags_as_in_torch_optim():
+    """A flag from a numpy array or config (``numpy.True_``: named ``bool`` from numpy 2 on) is
+    taken as torch.optim takes it: the step equals the one with Python's True."""
+    np = pytest.importorskip("numpy")
+    steps = []
+    for flag in (True, np.True_):
+        net = _model()
+        fgd_fast.orthogonalize_(net[0].weight)
+        opt = fgd_fast.FGD([dict(params=[net[0].weight], orthogonal=np.True_)], lr=0.1, maximize=flag, guard=flag)
+        _loss(net).backward()
+        opt.step()
+        steps.append(net[0].weight.detach().clone())
+    assert torch.equal(*steps)
+
+
+def test_dampening_of_one_is_accepted_as_torch_sgd_accepts_it():
+    """The Euclidean groups' dampening is in [0, 1], as torch.optim.SGD's: 1 included."""
+    a, b = (nn.Parameter(torch.ones(3)) for _ in range(2))
+    ours = fgd_fast.FGD([a], lr=0.1, momentum=0.9, dampening=1.0)
+    theirs = torch.optim.SGD([b], lr=0.1, momentum=0.9, dampening=1.0)
+    for k in range(3):
+        a.grad, b.grad = torch.full((3,), 0.5 + k), torch.full((3,), 0.5 + k)
+        ours.step()
+        theirs.step()
+    assert torch.equal(a, b)
 
 
 def test_group_overrides_are_validated_and_a_bad_group_is_not_added():

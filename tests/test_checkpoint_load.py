@@ -125,3 +125,72 @@ def test_a_warning_raised_as_an_error_leaves_a_whole_optimizer():
     assert opt.max_distance == 0.3
     net.weight.grad = torch.full_like(net.weight, 0.01)
     opt.step()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_load_pre_hook_that_replaces_a_key_leaves_the_callers_dict_alone(name):
+    """As torch.optim's: the pre-hooks see a shallow copy of the caller's state_dict."""
+    net, opt = _stepped(OPTIMIZERS[name], lr=0.01)
+    sd = opt.state_dict()
+    saved_state, saved_groups = sd["state"], sd["param_groups"]
+    opt.register_load_state_dict_pre_hook(lambda o, state_dict: state_dict.update(state={}))
+    opt.load_state_dict(sd)
+    assert sd["state"] is saved_state and sd["param_groups"] is saved_groups
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_load_hooks_run_at_every_load(name):
+    """The load pre- and post-hooks run once per load_state_dict, at every load (the load
+    sets torch's own aside for its inner call and puts them back)."""
+    net, opt = _stepped(OPTIMIZERS[name], lr=0.01)
+    calls = []
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("post"))
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "post", "pre", "post"]
+
+
+def test_an_option_missing_from_the_first_saved_group_takes_one_value_in_every_group():
+    """A checkpoint from before an optimizer-wide option existed (its first group lacks it; a
+    later group edited to hold another value): every group and the defaults hold the current
+    default after the load, and the next step runs (groups that disagree on an optimizer-wide
+    option are refused at the step)."""
+    net, opt = _stepped(lr=0.01)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["param_groups"][0]["max_distance"]
+    sd["param_groups"][1]["max_distance"] = 0.3
+    opt.load_state_dict(sd)
+    assert {g["max_distance"] for g in opt.param_groups} == {opt.defaults["max_distance"]} == {0.5}
+    net.weight.grad, net.bias.grad = 0.1 * torch.randn(16, 8), 0.1 * torch.randn(16)
+    opt.step()
+
+
+def test_guard_counts_of_a_16_bit_parameter_load_exactly():
+    """torch's load casts floating state to the parameter's dtype; the guard's int64 counters
+    are moved, never cast (bfloat16 holds whole numbers exactly only up to 256)."""
+    net, opt = _stepped(dtype=torch.bfloat16, lr=0.01)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["guard_count"] = torch.tensor([1001, 3], dtype=torch.int64)
+    opt.load_state_dict(sd)
+    assert opt.guard_stats()[0] == {"scaled": 1001, "reset": 3}
+    assert opt.state[net.weight]["guard_count"].dtype == torch.int64
+
+
+def test_an_optimizer_pickled_before_an_option_existed_unpickles_with_its_default():
+    """Unpickling state saved before an optimizer-wide option existed fills in its default,
+    in the defaults and in every group, instead of a KeyError at the next step."""
+    import pickle
+
+    net, opt = _stepped(lr=0.01)
+    state = copy.deepcopy(opt.__getstate__())
+    del state["defaults"]["gram_refresh"]
+    for group in state["param_groups"]:
+        del group["gram_refresh"]
+    old = fgd_fast.FGD.__new__(fgd_fast.FGD)
+    old.__setstate__(state)
+    new = pickle.loads(pickle.dumps(old))
+    default = fgd_fast.FGD._OPTIONS["gram_refresh"]
+    assert new.defaults["gram_refresh"] == default
+    assert all(g["gram_refresh"] == default for g in new.param_groups)

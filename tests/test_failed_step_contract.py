@@ -115,3 +115,87 @@ def test_hyper_parameter_changed_after_construction_is_checked_at_step(optimizer
     with pytest.raises(ValueError, match="lr"):
         opt.step()
     assert_unchanged(net, opt, snap)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_the_functional_step_refuses_an_unwritable_parameter_before_writing_any(backend, kind):
+    """``fgd_fast.functional.fgd`` with a parameter no in-place update can write (entries that
+    share memory; an inference tensor, outside ``torch.inference_mode``) after a writable one:
+    the step raises before writing the first (the reference wrote it, then failed; the torch
+    backend wrote the inference tensor), with both checks off so no other check stops it first."""
+    from fgd_fast.functional import fgd
+
+    name = backend
+    device = device_for_tests()
+    first = torch.linalg.qr(torch.randn(8, 4, device=device))[0]
+    if kind == "expanded":
+        second = torch.randn(1, 4, device=device).expand(8, 4)
+    else:
+        with torch.inference_mode():
+            second = torch.linalg.qr(torch.randn(8, 4, device=device))[0]
+    before = first.clone()
+    bufs = [None, None]
+    with pytest.raises(ValueError, match=r"params\[1\].*(share memory|inference tensor)"):
+        fgd(
+            [first, second],
+            [torch.randn(8, 4, device=device) for _ in range(2)],
+            bufs,
+            lr=0.1,
+            momentum=0.9,
+            feedback=0.4,
+            backend=name,
+            check_finite=False,
+            check_manifold=False,
+            guard=False,
+        )
+    assert torch.equal(first, before) and bufs == [None, None]
+
+
+def test_the_functional_step_writes_inference_tensors_inside_inference_mode():
+    """Inside ``torch.inference_mode`` an inference tensor can be written in place: the
+    functional step takes it there (FGD's step always runs outside the mode)."""
+    from fgd_fast.functional import fgd
+
+    with torch.inference_mode():
+        theta = torch.linalg.qr(torch.randn(8, 4))[0]
+        before = theta.clone()
+        fgd([theta], [torch.randn(8, 4)], [None], lr=0.1, momentum=0.9, feedback=0.4)
+    assert not torch.equal(theta, before)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("bad", ["shape", "float", "device", "inference"])
+def test_guard_counters_that_do_not_fit_are_refused_before_any_write(backend, bad):
+    """The guard's counters (``guard_count``) are added to after θ and Φ are written: counters
+    that do not fit (put there by hand, left on another device when the model moved after a
+    step without momentum — the meta device stands in for it on a CPU) raised after the write.
+    The step refuses them first, says how to move or drop them, and changes nothing."""
+    net, opt = _trained((fgd_fast.FGD, dict(backend=backend)), check_finite=False, check_manifold=False)
+    param = net[1].weight
+    counts = opt.state[param]["guard_count"]
+    if bad == "shape":
+        opt.state[param]["guard_count"] = torch.zeros(3, dtype=torch.int64, device=counts.device)
+    elif bad == "float":
+        opt.state[param]["guard_count"] = counts.to(torch.float32)
+    elif bad == "device":
+        opt.state[param]["guard_count"] = counts.to("meta")
+    else:
+        with torch.inference_mode():
+            opt.state[param]["guard_count"] = counts.clone()
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="guard_count.*nothing changed.*pop"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+
+
+def test_a_momentum_buffer_on_another_device_is_refused_with_the_move():
+    """An orthogonal ``momentum_buffer`` on another device (the meta device stands in for a GPU
+    on a CPU) is refused before any write, with where it must be."""
+    net, opt = _trained((fgd_fast.FGD, dict(backend="reference")))
+    param = net[1].weight
+    opt.state[param]["momentum_buffer"] = opt.state[param]["momentum_buffer"].to("meta")
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match=f"momentum_buffer.*on {device_for_tests().type}"):
+        opt.step()
+    assert_unchanged(net, opt, snap)

@@ -312,3 +312,20 @@ def test_a_reset_over_a_non_finite_gradient_writes_the_pull_back(backend, bad, p
     tol = 3e-7 if precision == "ieee" else 2e-5  # float32 rounding (a few ulps of 1), or TF32 of θF
     torch.testing.assert_close(w_b, w_ref, rtol=0, atol=tol)
     assert torch.equal(phi_ref, torch.zeros_like(phi_ref))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guard_stats_count_each_kind_of_step_apart(backend):
+    """A step the guard scales counts as ``scaled`` only; a step it resets (a NaN gradient with
+    the finite check off) as ``reset`` only; a step it keeps as neither."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=1.0, momentum=0.9, backend=backend, check_finite=False)
+    counts = []
+    for g in (10 * torch.randn(16, 8), torch.full((16, 8), float("nan")), 1e-6 * torch.randn(16, 8)):
+        w.grad = g
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (the guard's one warning)
+            opt.step()
+        counts.append(dict(opt.guard_stats()[0]))
+    assert counts == [{"scaled": 1, "reset": 0}, {"scaled": 1, "reset": 1}, {"scaled": 1, "reset": 1}]

@@ -350,3 +350,16 @@ def test_a_step_at_lr_zero_moves_nothing_and_makes_the_state():
         assert torch.equal(p, before[n]), n
     assert set(saved["state"]["0.weight"]) == {"momentum_buffer", "guard_count"}
     assert float(saved["state"]["0.weight"]["momentum_buffer"].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_step_at_lr_zero_makes_a_momentum_buffer_only_with_momentum(momentum):
+    """The state a step at lr = 0 makes is the state a step makes: no momentum buffer without
+    momentum (it would never be read, yet take memory and checkpoint space)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.0, momentum=momentum)
+    w.grad = torch.randn(8, 4)
+    opt.step()
+    assert ("momentum_buffer" in opt.state[w]) == (momentum > 0)
+    assert "guard_count" in opt.state[w]
