@@ -751,3 +751,140 @@ def test_package_imports_without_geoopt():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("form", ["lowrank", "dense"])
+def test_cayley_adam_refuses_a_second_moment_that_overflows(form):
+    """Cayley ADAM's running ‖G‖² average v can overflow while the step's coefficients stay
+    finite (G at right angles to θ, each column ~3e18 in float32): the step raises before any
+    write instead of storing v = inf, after which the parameter never moved again."""
+    torch.manual_seed(0)
+    n, p = 256, 64
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(p, n)))
+    opt = CayleyADAM([dict(params=[w], orthogonal=True)], lr=0.1, betas=(0.9, 0.0), form=form)
+    theta = w.detach().T
+    g = torch.randn(n, p)
+    g = g - theta @ (theta.T @ g)  # G ⟂ θ: θᵀG = 0
+    w.grad = (g / g.norm(dim=0, keepdim=True) * 3e18).T.contiguous()  # Σ column norms² ≈ 5.8e38 > float32's max
+    before = w.detach().clone()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        opt.step()
+    assert torch.equal(w, before) and not opt.state[w]
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+def test_layers_of_one_shape_due_for_qr_at_different_steps_step_as_apart(cls):
+    """Layers of one shape share a batched step; one whose QR is due (qr_period) and one whose
+    QR is not must not share that decision: one optimizer over both equals one per layer."""
+    torch.manual_seed(0)
+    starts = [fgd_fast.orthogonalize_(torch.randn(4, 12, dtype=torch.float64)) * 1.1 for _ in range(2)]
+    first, second = ([torch.randn(4, 12, dtype=torch.float64) for _ in range(2)] for _ in range(2))
+
+    def run(together: bool) -> list[torch.Tensor]:
+        ps = [nn.Parameter(s.clone()) for s in starts]
+        groups = [[dict(params=ps, orthogonal=True)]] if together else [[dict(params=[q], orthogonal=True)] for q in ps]
+        extra = dict(momentum=0.0) if cls is CayleySGD else {}
+        opts = [cls(g, lr=0.1, qr_period=2, **extra) for g in groups]
+        ps[0].grad = first[0]  # only the first layer steps: its step count leads by one
+        for o in opts:
+            o.step()
+        for q, g in zip(ps, second):  # the first layer's QR is due now, the second's not
+            q.grad = g
+        for o in opts:
+            o.step()
+        return [q.detach() for q in ps]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+@pytest.mark.parametrize("form", ["lowrank", "dense"])
+def test_a_zero_size_orthogonal_parameter_steps_beside_others(cls, form):
+    """A zero-size orthogonal parameter (a layer pruned to nothing) is skipped; the others step
+    as they would alone."""
+    torch.manual_seed(0)
+    empty = nn.Parameter(torch.empty(0, 5))
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(3, 5)))
+    start = w.detach().clone()
+    alone = nn.Parameter(start.clone())
+    opt = cls([dict(params=[empty, w], orthogonal=True)], lr=0.1, form=form)
+    ref = cls([dict(params=[alone], orthogonal=True)], lr=0.1, form=form)
+    empty.grad, w.grad = torch.empty(0, 5), torch.randn(3, 5)
+    alone.grad = w.grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(w, alone) and not torch.equal(w, start)
+
+
+def test_a_gradient_in_the_normal_space_moves_nothing_in_float32():
+    """G = θS (S symmetric) has no tangent part: W = 0, whose norm rounding can make the square
+    root of a tiny negative (NaN: a false non-finite error). The step leaves θ on the manifold."""
+    torch.manual_seed(0)
+    for _ in range(20):
+        w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 40)))
+        s = torch.randn(8, 8)
+        w.grad = (w.detach().T @ (s + s.T)).T.contiguous()
+        before = w.detach().clone()
+        CayleySGD([dict(params=[w], orthogonal=True)], lr=0.1, momentum=0.0).step()
+        torch.testing.assert_close(w.detach(), before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+def test_the_low_rank_form_reproduces_the_public_code_too(cls):
+    """``public_code_compat=True`` (the authors' code: its own start of the iteration and
+    Frobenius norm) gives the dense form's steps in the low-rank form as well."""
+    torch.manual_seed(0)
+    start = fgd_fast.orthogonalize_(torch.randn(6, 30, dtype=torch.float64))
+    grads = [torch.randn(6, 30, dtype=torch.float64) for _ in range(3)]
+    out = []
+    for form in ("lowrank", "dense"):
+        w = nn.Parameter(start.clone())
+        opt = cls([dict(params=[w], orthogonal=True)], lr=0.2, public_code_compat=True, form=form, norm="fro")
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        out.append(w.detach())
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+@pytest.mark.parametrize("form", ["lowrank", "dense"])
+def test_the_state_is_a_tensor_of_its_own(cls, form):
+    """Each state tensor owns exactly its memory (contiguous, no view of the batched step's
+    scratch, which would keep it alive and fill a checkpoint with the other layers)."""
+    torch.manual_seed(0)
+    ws = [nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9))) for _ in range(3)]
+    opt = cls([dict(params=ws, orthogonal=True)], lr=0.1, form=form)
+    for w in ws:
+        w.grad = torch.randn(4, 9)
+    opt.step()
+    for w in ws:
+        for name, t in opt.state[w].items():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                assert t.is_contiguous(), name
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
+def test_cayley_adam_refuses_moments_on_another_device_with_the_reason():
+    """A second moment on another device (the meta device stands in for a GPU on a CPU) is
+    refused before any write with the moments' message, not a raw device error."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9)))
+    opt = CayleyADAM([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad = torch.randn(4, 9)
+    opt.step()
+    opt.state[w]["exp_avg_sq"] = opt.state[w]["exp_avg_sq"].to("meta")
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="moments do not fit"):
+        opt.step()
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("make", [torch_orthogonal_sgd, geoopt_stiefel_sgd])
+def test_the_adapters_pass_dampening_on(make):
+    if make is geoopt_stiefel_sgd:
+        pytest.importorskip("geoopt")
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
+    opt = make(net, lr=0.1, momentum=0.9, dampening=0.5)
+    assert all(g["dampening"] == 0.5 for g in opt.param_groups)

@@ -158,3 +158,60 @@ def test_options_are_checked_and_carried():
     torch.testing.assert_close(other.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
     with pytest.raises(ValueError, match="LandingSGD"):
         other.load_state_dict(torch.optim.SGD([p], lr=0.1).state_dict())
+
+
+def test_a_buffer_that_overflows_beyond_the_safe_distance_is_refused():
+    """Beyond the safe distance the step is the pull alone, so θ₊ stays finite while ψ of a
+    huge finite gradient overflows the momentum buffer: refused before any write (an Inf buffer
+    was written)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 20)) * 1.2)  # far: pull-only step
+    opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad = torch.full_like(w, 3e38)
+    before = w.detach().clone()
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert torch.equal(w, before) and not opt.state[w]
+
+
+def test_a_safe_distance_of_one_is_refused():
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9)))
+    with pytest.raises(ValueError, match="safe_distance"):
+        LandingSGD([dict(params=[w], orthogonal=True)], lr=0.1, safe_distance=1.0)
+
+
+def test_a_group_that_lost_a_key_is_refused_with_the_fix():
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9)))
+    opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    del opt.param_groups[0]["attraction"]
+    w.grad = torch.randn_like(w)
+    with pytest.raises(ValueError, match="has no 'attraction'.*put the key"):
+        opt.step()
+
+
+def test_euclidean_groups_take_nesterov_and_dampening_as_torch_sgd():
+    a, b = (torch.nn.Parameter(torch.ones(4, 3)) for _ in range(2))
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    ours = LandingSGD([dict(params=[a])], nesterov=True, **kw)
+    theirs = torch.optim.SGD([b], nesterov=True, **kw)
+    damped, damped_ref = (torch.nn.Parameter(torch.ones(4, 3)) for _ in range(2))
+    ours_d = LandingSGD([dict(params=[damped])], dampening=0.3, **kw)
+    theirs_d = torch.optim.SGD([damped_ref], dampening=0.3, **kw)
+    for k in range(4):
+        g = torch.full((4, 3), 0.5 + k)
+        for p in (a, b, damped, damped_ref):
+            p.grad = g.clone()
+        for o in (ours, theirs, ours_d, theirs_d):
+            o.step()
+    assert torch.equal(a, b) and torch.equal(damped, damped_ref)
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (9, 4), (6, 2, 3, 3)])
+def test_the_momentum_buffer_is_stored_contiguous_in_the_parameters_shape(shape):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape)))
+    opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=0.1, momentum=0.9)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    buf = opt.state[w]["momentum_buffer"]
+    assert buf.shape == w.shape and buf.is_contiguous()

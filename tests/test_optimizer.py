@@ -363,3 +363,26 @@ def test_a_step_at_lr_zero_makes_a_momentum_buffer_only_with_momentum(momentum):
     opt.step()
     assert ("momentum_buffer" in opt.state[w]) == (momentum > 0)
     assert "guard_count" in opt.state[w]
+
+
+def test_the_paper_rule_takes_a_square_convolution_and_an_exclude_name_only_its_own_subtree():
+    """``c_i·k1·k2 >= c_o`` includes equality (a 9-output conv over 1 × 3 × 3 inputs is square);
+    ``exclude="c1"`` leaves out ``c1`` and what lies below it, not ``c10``."""
+    net = torch.nn.Module()
+    net.c1 = torch.nn.Conv2d(1, 9, 3)  # c_i·k1·k2 = 9 = c_o
+    net.c10 = torch.nn.Conv2d(9, 8, 3)
+    net.c2 = torch.nn.Conv2d(1, 10, 3)  # 9 < 10: a wide conv, not the paper's
+    assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["c1.weight", "c10.weight"]
+    assert [n for n, _ in fgd_fast.select_stiefel(net, "paper", exclude="c1")] == ["c10.weight"]
+
+
+def test_frozen_parameters_are_in_no_group():
+    """``stiefel_param_groups`` puts every *trainable* parameter in a group: a frozen weight or
+    bias (``requires_grad=False``) is in none, orthogonal or not."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    net[0].bias.requires_grad_(False)
+    net[1].weight.requires_grad_(False)
+    groups = fgd_fast.stiefel_param_groups(net, "paper")
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert id(net[0].bias) not in grouped and id(net[1].weight) not in grouped
+    assert sorted(grouped) == sorted(id(p) for p in net.parameters() if p.requires_grad)
