@@ -224,3 +224,60 @@ def test_fgd_inside_inference_mode_takes_buffers_made_there():
         bufs = [torch.zeros_like(p) for p in ps]
         fgd_fast.fgd(ps, gs, bufs, lr=0.1, momentum=0.9, feedback=0.4, backend="reference")
     assert all(b.abs().sum() > 0 for b in bufs)
+
+
+def _orthonormal():
+    torch.manual_seed(0)
+    return nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4)))
+
+
+def _gradient():
+    return 0.1 * torch.randn(8, 4)
+
+
+# -- from a mutation review: the options, the saved counters, construction, the feedback warning
+def test_precision_none_set_on_an_optimizer_is_refused():
+    opt = fgd_fast.FGD([{"params": [_orthonormal()], "orthogonal": True}], lr=0.1, backend="torch")
+    before = opt.precision
+    with pytest.raises(ValueError, match="precision"):
+        opt.precision = None
+    assert opt.precision == before
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        g["precision"] = None
+    with pytest.raises(ValueError, match="precision"):
+        opt.load_state_dict(sd)
+    assert opt.precision == before
+
+
+def test_a_bool_guard_count_is_refused_at_load():
+    p = _orthonormal()
+    opt = fgd_fast.FGD([{"params": [p], "orthogonal": True}], lr=0.1)
+    p.grad = _gradient()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["guard_count"] = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="guard_count"):
+        opt.load_state_dict(sd)
+    assert opt.state[p]["guard_count"].dtype == torch.int64
+
+
+def test_invalid_optimizer_wide_defaults_are_refused_even_when_every_group_overrides_them():
+    with pytest.raises(ValueError, match="lr"):
+        fgd_fast.FGD([{"params": [_orthonormal()], "orthogonal": True, "lr": 0.1}], lr=-1.0)
+    with pytest.raises(ValueError, match="feedback"):
+        fgd_fast.FGD([{"params": [_orthonormal()], "orthogonal": True, "feedback": 0.4}], lr=0.1, feedback=1.5)
+
+
+@pytest.mark.parametrize("alpha,warns", [(0.07, True), (0.93, True), (0.1, False), (0.9, False)])
+def test_feedback_range_edges(alpha, warns):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fgd_fast.FGD([{"params": [_orthonormal()], "orthogonal": True}], lr=0.1, feedback=alpha)
+    assert any(issubclass(x.category, RuntimeWarning) and "feedback" in str(x.message) for x in w) == warns
+
+
+def test_resolved_backend_without_orthogonal_parameters_names_the_cpu():
+    opt = fgd_fast.FGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, backend="cuda")
+    with pytest.raises(fgd_fast.backends.BackendUnavailable, match="cpu tensors"):
+        opt.resolved_backend()
