@@ -28,6 +28,7 @@ from .validation import (
     check_nesterov,
     check_nonnegative,
     check_orthogonal_params,
+    check_state_tensor,
     check_trust_radius,
     check_unit_interval,
     user_stacklevel,
@@ -400,32 +401,11 @@ class FGD(StiefelOptimizer):
     def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
         """Before any write: the guard's counters, which the step adds to after θ and Φ are
         written, are two int64 counts on ``p``'s device (a model moved after a step without
-        momentum left them behind), no inference tensor. (Φ: the step's own check.)"""
+        momentum left them behind). (Φ: the step's own check.)"""
         super()._check_orthogonal_state(p, group, label)
         counts = self.state.get(p, {}).get("guard_count")
-        if counts is None or not self.defaults["guard"]:
-            return
-        fits = isinstance(counts, torch.Tensor) and (counts.shape, counts.dtype, counts.device) == (
-            (2,),
-            torch.int64,
-            p.device,
-        )
-        inside = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # (inside, it can be written)
-        if fits and (inside or not counts.is_inference()):
-            return
-        got = (
-            f"{tuple(counts.shape)} {counts.dtype} on {counts.device}"
-            if isinstance(counts, torch.Tensor)
-            else repr(counts)
-        )
-        got += " (an inference tensor)" if fits else ""
-        raise ValueError(
-            f"{label}: guard_count is {got}, expected two int64 counts on {p.device} (the step adds to them "
-            "after writing the parameter); the step was not applied and nothing changed. If the model was moved "
-            "after the optimizer stepped, move them with it (opt.state[param]['guard_count'] = "
-            f"opt.state[param]['guard_count'].to({str(p.device)!r}, torch.int64).clone()), or drop them to restart "
-            "the counts (opt.state[param].pop('guard_count'))"
-        )
+        if counts is not None and self.defaults["guard"]:
+            check_state_tensor(counts, p, torch.int64, label, "guard_count", shape=(2,))
 
     def _count_guarded(self, params: list[torch.Tensor], report: GuardReport) -> None:
         """Add this step's guard decisions to ``state[p]["guard_count"]`` = [scaled, reset]

@@ -271,24 +271,28 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
         stiefel_shape(p.shape)
 
 
-def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str) -> None:
-    """A state tensor of ``p`` must have its shape, ``dtype`` and its device (e.g. after
-    ``load_state_dict`` from another model), and, outside ``torch.inference_mode``, be no
-    inference tensor (a step outside the mode cannot update one in place)."""
-    fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (p.shape, dtype, p.device)
+def check_state_tensor(
+    value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str, shape: tuple | None = None
+) -> None:
+    """A state tensor of ``p`` must have its shape (or ``shape``: the guard's two counters),
+    ``dtype`` and its device (e.g. after ``load_state_dict`` from another model, or a model moved
+    after a step), and, outside ``torch.inference_mode``, be no inference tensor (a step outside
+    the mode cannot update one in place)."""
+    shape = p.shape if shape is None else torch.Size(shape)
+    fits = isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) == (shape, dtype, p.device)
     inside = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # (inside, it can be written)
     if fits and not inside and value.is_inference():
         raise ValueError(
             f"{label}: {name} is an inference tensor (made inside torch.inference_mode), which a step outside that "
-            f"mode (FGD's step always is) cannot update in place; give it an ordinary copy made outside the mode "
-            f"(opt.state[param][{name!r}] = opt.state[param][{name!r}].clone()) before stepping; the step was not "
-            "applied and nothing changed"
+            f"mode (FGD's step always is) cannot update in place; the step was not applied and nothing changed. "
+            f"Give it an ordinary copy made outside the mode (opt.state[param][{name!r}] = "
+            f"opt.state[param][{name!r}].clone()) before stepping, or drop it (opt.state[param].pop({name!r}))"
         )
     if not fits:
         got = (
             f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor) else repr(value)
         )
-        same_shape = isinstance(value, torch.Tensor) and value.shape == p.shape
+        same_shape = isinstance(value, torch.Tensor) and value.shape == shape
         keep = (
             f"move or cast the entry with it, which keeps it (opt.state[param][{name!r}] = "
             f"opt.state[param][{name!r}].to(device={str(p.device)!r}, dtype={dtype})), or drop it"
@@ -296,10 +300,10 @@ def check_state_tensor(value: Any, p: torch.Tensor, dtype: torch.dtype, label: s
             else "drop the entry"
         )
         raise ValueError(
-            f"{label}: {name} is {got}, expected {tuple(p.shape)} {dtype} on {p.device}. If the model was "
-            f"moved or cast (model.to(...), .double()) after the optimizer stepped, {keep} "
-            f"(opt.state[param].pop({name!r})), or move or cast the model before building the optimizer; "
-            "if this state was loaded, it belongs to another model"
+            f"{label}: {name} is {got}, expected {tuple(shape)} {dtype} on {p.device}; the step was not applied "
+            f"and nothing changed. If the model was moved or cast (model.to(...), .double()) after the optimizer "
+            f"stepped, {keep} (opt.state[param].pop({name!r})), or move or cast the model before building the "
+            "optimizer; if this state was loaded, it belongs to another model"
         )
 
 
