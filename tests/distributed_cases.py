@@ -602,6 +602,42 @@ def fsdp_mismatched_gradients(rank, world, out, *, kind):
     return dict(message=message, unchanged=all(torch.equal(b, p.to_local()) for b, p in zip(before, ps)))
 
 
+def fsdp_other_layouts(rank, world, out, *, steps=3):
+    """Two row-sharded layers (``Shard(0)`` of a 32 × 8 θ = W2) whose gradient (layer 0) or,
+    from the second step, momentum buffer (layer 1) is replicated instead: neither fits the row
+    all-reduce or the owner path, so both are gathered and stepped whole, with a warning. Returns
+    the largest difference from one process stepping plain tensors, and the warnings."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    mesh = _mesh(world)
+    start = [fgd_fast.orthogonalize_(torch.randn(32, 8, dtype=DTYPE)) for _ in range(2)]
+    ps = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in start]
+    plain = [torch.nn.Parameter(w.clone()) for w in start]
+    opt = fgd_fast.FGD([dict(params=ps, orthogonal=True)], lr=0.05, momentum=0.9)
+    one = fgd_fast.FGD([dict(params=plain, orthogonal=True)], lr=0.05, momentum=0.9)
+    said = []
+    for step in range(steps):
+        for i, (p, q) in enumerate(zip(ps, plain)):
+            g = 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i), dtype=DTYPE)
+            p.grad = distribute_tensor(g, mesh, [Replicate()] if i == 0 else p.placements)
+            q.grad = g
+        if step == 1:  # (the buffer as a loaded state might hold it: another placement, the same values)
+            state = opt.state[ps[1]]
+            state["momentum_buffer"] = state["momentum_buffer"].redistribute(mesh, [Replicate()])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()
+        said += [str(w.message) for w in seen if "all-gathers" in str(w.message)]
+        one.step()
+    diff = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(ps, plain))
+    buf = max(
+        float((opt.state[p]["momentum_buffer"].full_tensor() - one.state[q]["momentum_buffer"]).abs().max())
+        for p, q in zip(ps, plain)
+    )
+    return dict(diff=diff, buf=buf, said=said)
+
+
 def fsdp_local_check_on_a_submesh(rank, world, out):
     """A review (4 ranks): an unsharded orthogonal layer beside sharded layers on a 2-rank
     sub-mesh and on the whole mesh, the last rank's unsharded gradient NaN. The ranks agreed on
@@ -1146,6 +1182,7 @@ CASES = {
         ddp_train,
         zero_steps,
         fsdp_submesh,
+        fsdp_other_layouts,
         fsdp_local_check_on_a_submesh,
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,

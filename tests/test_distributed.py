@@ -152,16 +152,20 @@ def test_the_guard_binding_on_one_row_sharded_layer_matches_one_process(world):
         assert res["guard"] == want
 
 
-def test_float32_row_shards_match_one_process(monkeypatch):
+@pytest.mark.parametrize("spike", [None, ("conv.weight", 2, 3000.0)], ids=["calm", "guard-binds"])
+def test_float32_row_shards_match_one_process(monkeypatch, spike):
     """float32 parameters: the same step as one process to float32 rounding (the partial Grams
-    and UᵀU summed in another order), the guard's inputs reduced alike."""
-    results = run(2, "fsdp_steps", dtype=torch.float32)
+    and UᵀU summed in another order), the guard's inputs reduced alike: with a spike, the guard
+    scales from the ranks' summed ‖g‖² (float64 values that travel folded into float32 pairs)."""
+    results = run(2, "fsdp_steps", dtype=torch.float32, spike=spike)
     monkeypatch.setattr(cases, "DTYPE", torch.float32)
-    params, bufs, orth = cases.reference(5, 2)
+    params, bufs, orth = cases.reference(5, 2, spike=spike)
+    want = cases.reference.guard_stats
+    assert (want["conv.weight"]["scaled"] >= 1) == (spike is not None)
     for res in results:
         assert_close(res["params"], params, tol=2e-6)
         assert_close(res["bufs"], bufs, tol=2e-6)
-        assert all(v == {"scaled": 0, "reset": 0} for v in res["guard"].values())
+        assert res["guard"] == want
         # the float32 blocks and the float64 ‖g‖² sums (folded into float32 pairs) in one all-reduce
         # (and the stem's owner-path checks in the other)
         assert all(count == 2 for count in res["reduces"]), res["reduces"]
@@ -422,6 +426,18 @@ def test_ranks_with_gradients_for_different_sharded_layers_raise_alike(world, ki
     assert named and all("disagree" in r["message"] for r in results)
 
 
+def test_layers_whose_gradient_or_momentum_has_another_layout_are_gathered_exactly_and_said():
+    """A gradient, or a (loaded) momentum buffer, placed otherwise than its row-sharded parameter
+    fits neither the row all-reduce nor the owner path: the layer is gathered and stepped whole,
+    as one process steps it, and a warning names it (once per set of such layers)."""
+    results = run(2, "fsdp_other_layouts")
+    for res in results:
+        assert res["diff"] < TOL and res["buf"] < TOL, res
+        assert len(res["said"]) == 2, res["said"]  # layer 0 from the first step; both from the second
+        assert res["said"][0].startswith("FGD all-gathers 1 sharded parameter(s)") and "(32, 8)" in res["said"][0]
+        assert res["said"][1].startswith("FGD all-gathers 2 sharded parameter(s)")
+
+
 def test_a_local_check_failing_on_a_submesh_rank_raises_on_every_rank():
     """A review: the ranks' agreement on the unsharded layers' checks raised at the first
     mesh that disagreed, so the ranks of another sub-mesh waited on the whole mesh (a hang);
@@ -620,6 +636,27 @@ def test_shard_placement_rules():
     assert fgd_fast.shard_placement(torch.empty(10), world_size=4) is None
 
 
+def test_row_shards_are_whole_rows_of_theta_with_every_other_mesh_dimension_replicating():
+    """Which DTensor placements the row all-reduce takes (the mesh dimension that splits θ's
+    rows), from the placements alone: θ = W2ᵀ (c_o ≤ m) is split into rows by Shard(d ≥ 1),
+    θ = W2 by Shard(0); one sharded mesh dimension, every other one replicating (HSDP)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from fgd_fast.distributed import row_mesh_dim
+
+    def dim(shape, *placements):
+        return row_mesh_dim(SimpleNamespace(shape=torch.Size(shape), placements=placements, dim=lambda: len(shape)))
+
+    wide, tall = (16, 64), (64, 16)  # θ = W2ᵀ (rows along dim 1), θ = W2 (rows along dim 0)
+    assert dim(wide, Shard(1)) == 0 and dim(wide, Shard(-1)) == 0 and dim(tall, Shard(0)) == 0
+    assert dim(wide, Replicate(), Shard(1)) == 1  # HSDP
+    assert dim(wide, Shard(0)) is None and dim(tall, Shard(1)) is None  # θ's columns
+    assert dim(wide, Shard(1), Shard(0)) is None and dim(wide, Replicate()) is None
+    assert dim(wide, Shard(1), Partial()) is None  # a pending sum is not a replica
+
+
 def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
     """The guard's float64 ‖g‖² ride in the float32 all-reduce as scaled [hi, lo] pairs: the sum
     over ranks of the pairs decodes to the float64 sum to ~1e-7; beyond float32's range (after
@@ -638,6 +675,25 @@ def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
     got = unfold_float64(fold_float64(edge) + fold_float64(edge))
     assert got[0] == 0 and abs(float(got[1])) < 1e-25 and got[2] == pytest.approx(4e57, rel=1e-7)
     assert torch.isinf(got[3]) and torch.isinf(got[4]) and torch.isnan(got[5])
+    # one rank's pair (or a sum with the others' zeros) decodes to its float64 value: hi carries
+    # float32's 24 bits, lo the next 24 (a pair without lo, or decoded without it, keeps ~6e-8)
+    alone = torch.rand(64, generator=gen, dtype=torch.float64) * torch.logspace(-10, 30, 64, dtype=torch.float64)
+    assert torch.allclose(unfold_float64(fold_float64(alone)), alone, rtol=1e-14, atol=0)
+    with_zeros = fold_float64(alone) + fold_float64(torch.zeros_like(alone))
+    assert torch.allclose(unfold_float64(with_zeros), alone, rtol=1e-14, atol=0)
+
+
+def test_packed_collectives_fill_each_call_up_to_the_cap():
+    """The packed all-reduces and all-gathers cut their tensors into consecutive runs of at most
+    the cap in bytes, each run as full as it can be (a run of exactly the cap is one call), and a
+    tensor larger than the cap travels alone."""
+    from fgd_fast.collectives import packed
+
+    size = lambda x: x  # noqa: E731
+    assert packed([1, 1], size, 2) == [[1, 1]]  # exactly the cap: one call
+    assert packed([1, 2, 1], size, 3) == [[1, 2], [1]]
+    assert packed([5, 1, 1], size, 2) == [[5], [1, 1]]  # past the cap: alone
+    assert packed([], size, 2) == []
 
 
 def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
@@ -646,6 +702,7 @@ def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
     owners; on more ranks a lone convolution stays (its owner would receive it whole) while
     many spread over the ranks move; small layers stay summed (< 1 MiB saved)."""
     from fgd_fast.distributed import moved_to_owners, path_bytes
+    from fgd_fast.owners import busiest_bytes
 
     def layer(*shape):
         return torch.empty(shape, device="meta")
@@ -659,6 +716,13 @@ def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
     assert moved([conv], 16) == () and moved([conv] * 16, 16) == tuple(range(16))  # alone no, spread yes
     assert moved([(768, 768)], 8) == (0,)  # square: its owner receives 6.2 MB, 13.8 MB summed
     assert moved([(64, 64)] * 4, 64) == ()  # < 1 MiB saved: stays summed
+    # 1.7 MiB saved: not worth the owner path's own collectives, worth it where they run anyway
+    assert moved([(384, 384)], 4) == () and moved([(384, 384)], 4, owned=[(16, 16)]) == (0,)
+    # the busiest rank's bytes on the owner path (float32 θ, g, Φ: 12 bytes an entry out, 8 back)
+    pair = (layer(768, 768), layer(768, 768))
+    assert busiest_bytes([pair], 4) == 0.75 * 12 * 768**2  # the owner receives 3/4 of θ, g, Φ whole
+    # two owners on 2 ranks: half of its own layer's θ, g, Φ in, half of the other's θ₊, Φ₊ back
+    assert busiest_bytes([pair] * 2, 2) == (0.5 * 12 + 0.5 * 8) * 768**2
     cost = path_bytes(layer(4096, 1024), layer(4096, 1024), 8)  # float32 θ = W2ᵀ: n = 4096, p = 1024
     assert cost["gather"] == pytest.approx(7 / 8 * 3 * 4096 * 1024 * 4)
     assert cost["owner"] == pytest.approx(7 / 64 * 5 * 4096 * 1024 * 4)
@@ -677,5 +741,8 @@ def test_owner_layout_accepts_only_pieces_that_tile_the_tensor():
     assert not _tiles((6, 4), rows[:2] + [((1, 4), (5, 0))])  # row 5 twice
     assert not _tiles((6, 4), [((3, 4), (0, 0)), ((2, 4), (4, 0))])  # a gap
     assert not _tiles((6, 4), [((3, 4), (0, 0)), ((4, 4), (3, 0))])  # out of bounds
+    # the right volume, yet row 2 twice and row 5 never; rows 6 and 7 past the end and row 3 never
+    assert not _tiles((6, 4), [((3, 4), (0, 0)), ((3, 4), (2, 0))])
+    assert not _tiles((6, 4), [((3, 4), (0, 0)), ((3, 4), (4, 0))])
     # owners: the largest layer first, each to the least loaded rank, ties to the lower rank
     assert _deal([5, 1, 4, 4], 2) == (0, 0, 1, 1) and _deal([1, 1, 1], 4) == (0, 1, 2)
