@@ -203,19 +203,28 @@ def _exchanged_layout(params: list, group) -> Layout:
     # as the parameter is, must be the box the table gives this rank
     odd = [i for i, p in enumerate(params) if ok[i] and any(type(pl) not in (Shard, Replicate) for pl in p.placements)]
     if odd:
-        agree = torch.ones(len(odd), dtype=torch.float64, device=device)
-        for k, i in enumerate(odd):
-            shape, offset = boxes[i][me]
-            where = _positions(params[i], device)
-            agree[k] = float(torch.equal(_box(where.full, shape, offset), where.local))
-        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
-        for k, i in enumerate(odd):
-            ok[i] = bool(agree[k] > 0)
+        placed = _placed_as_the_table_says([params[i] for i in odd], [boxes[i][me] for i in odd], device, group)
+        for i, fits in zip(odd, placed):
+            ok[i] = fits
     owned = [i for i in range(len(params)) if ok[i]]
     owners = [-1] * len(params)
     for i, o in zip(owned, _deal([deal_cost(params[i]) for i in owned], size)):
         owners[i] = o
     return Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
+
+
+def _placed_as_the_table_says(params: list, mine: list, device, group) -> list[bool]:
+    """Per DTensor of ``params``: whether on every rank of ``group`` its local piece is the box
+    ``mine`` (``(shape, offset)``, this rank's) of the whole tensor, compared by the positions
+    of the elements (a collective: one all-reduce)."""
+    import torch.distributed as dist
+
+    agree = torch.ones(len(params), dtype=torch.float64, device=device)
+    for k, (p, (shape, offset)) in enumerate(zip(params, mine)):
+        where = _positions(p, device)
+        agree[k] = float(torch.equal(_box(where.full, shape, offset), where.local))
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+    return [bool(a > 0) for a in agree.tolist()]
 
 
 class _Positions(NamedTuple):

@@ -301,13 +301,39 @@ def _set_tp_grads(model, step, spike=None):
         p.grad = g
 
 
-def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="auto"):
+def _lying_layout_table():
+    """While the owner path's layout table is made, torch's shard geometry placing a strided
+    shard as plain ``Shard`` does (a torch that splits ``_StridedShard`` otherwise than its
+    geometry says): the table's boxes tile θ but are not where the pieces are."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import _utils as geometry
+
+    from fgd_fast import owners
+
+    real_table, real_geometry = owners._exchanged_layout, geometry.compute_local_shape_and_global_offset
+
+    def plain(shape, mesh, placements, *args, **kwargs):
+        placements = [Shard(pl.dim) if type(pl).__name__ == "_StridedShard" else pl for pl in placements]
+        return real_geometry(shape, mesh, placements, *args, **kwargs)
+
+    def lying(params, group):
+        geometry.compute_local_shape_and_global_offset = plain
+        try:
+            return real_table(params, group)
+        finally:
+            geometry.compute_local_shape_and_global_offset = real_geometry
+
+    owners._exchanged_layout = lying
+
+
+def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="auto", lying_table=False):
     """Tensor parallel on ``Mixed``: ``fc1`` ColwiseParallel (θ's columns split: the owner path),
     ``odd`` RowwiseParallel (θ = W2's 2 columns over the ranks: empty pieces on 4), ``fc2``
     RowwiseParallel (SGD); the other layers plain. With ``fsdp``, a 2 × world/2 (dp, tp) mesh
     and FSDP2 over dp on top (its default ``Shard(0)``): ``fc1`` becomes (_StridedShard(0),
     Shard(0)), ``odd`` (Shard(0), Shard(1)) — 2-D placements on the owner path over all ranks —
-    and the convolutions row shards (``expand``) or owner layers within each dp group."""
+    and the convolutions row shards (``expand``) or owner layers within each dp group.
+    ``lying_table``: :func:`_lying_layout_table`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -323,6 +349,8 @@ def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="aut
     if fsdp:
         fully_shard(model, mesh=mesh["dp"])  # FSDP2's default Shard(0)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), sharding=sharding, **HYPER)
+    if lying_table:
+        _lying_layout_table()
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     to_all, gathers, said = [], [], []
     for step in range(steps):

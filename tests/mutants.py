@@ -85,6 +85,10 @@ MUTANTS = {
         "an owner rank's failure (out of memory) not carried by the checks' all-reduce: the others wait",
         [f"{DIST}::test_a_failure_on_the_owner_rank_stops_every_rank"],
     ),
+    "strided_layout_unchecked": (
+        "the owner path's table of a strided shard's pieces not checked against the pieces: a misplaced box is stepped",
+        [f"{DIST}::test_a_layout_table_that_misplaces_a_strided_shard_sends_the_layer_to_the_gather"],
+    ),
     "step_refusal_unshared": (
         "FGD.step's own refusal on one rank (a buffer that does not fit there) not agreed: the others wait",
         [f"{DIST}::test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank[plain]"],
@@ -290,6 +294,7 @@ def plant(name: str) -> Callable[[], None]:
         "local_checks_unshared",
         "sharded_checks_kept_in_groups",
         "owner_failure_unshared",
+        "strided_layout_unchecked",
         "step_refusal_unshared",
         "saved_state_unshared",
     ):
@@ -609,6 +614,8 @@ def plant_here(name: str) -> None:
         owners._share_checks = lambda checks, group: None
     elif name == "owner_failure_unshared":
         owners._raise_if_an_owner_failed = lambda failed, params, lay: None
+    elif name == "strided_layout_unchecked":
+        owners._placed_as_the_table_says = lambda params, mine, device, group: [True] * len(params)
     elif name == "step_refusal_unshared":
         from fgd_fast.optimizer import FGD
 

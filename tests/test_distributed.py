@@ -291,6 +291,23 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh_steps_exactly():
     assert_identical_ranks(results, "params")
 
 
+def test_a_layout_table_that_misplaces_a_strided_shard_sends_the_layer_to_the_gather():
+    """The owner path's table of where each rank's piece lies comes from torch's shard geometry;
+    for placements other than ``Shard``/``Replicate`` (FSDP over TP's ``_StridedShard``) it is
+    checked once against the pieces themselves. A geometry that misplaces them (here: the strided
+    shard taken as a plain one; tiles θ, wrong boxes) is caught: fc1 is gathered every step and
+    said, and the steps stay exact."""
+    spike = ("fc1.weight", 2, 3000.0)
+    results = run(4, "tp_steps", fsdp=True, spike=spike, lying_table=True)
+    params, bufs, _ = cases.reference(5, 4, spike=spike)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert len(res["said"]) == 1 and "(16, 26)" in res["said"][0], res["said"]
+        # every step: fc1's θ, Φ and g gathered whole (nothing at all with the true geometry)
+        assert all(g == (0, 3) for g in res["gathers"][1:]), res["gathers"]
+
+
 def test_compiled_step_under_fsdp_matches_one_process():
     """Why 5: ``torch.compile(opt.step)`` failed under FSDP2 (dynamo inside DTensor code; a
     traced ``zeros_like`` gave the uneven shard of a first step's Φ the wrong local shape)."""
