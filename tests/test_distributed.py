@@ -190,12 +190,18 @@ def test_buckets_of_gram_blocks_are_summed_while_the_next_grams_are_made():
 def test_sharding_gather_steps_row_shards_whole_and_exactly():
     """``sharding="gather"``: every layer, the row-sharded ones too, is gathered (one packed
     all-gather, no Gram all-reduce, no all-to-all) and stepped whole; the step is still the
-    single process's, and no warning (gathering was asked for)."""
-    results = run(2, "fsdp_steps", sharding="gather")
-    params, bufs, orth = cases.reference(5, 2)
+    single process's, the guard's verdicts too (it binds on the row-sharded conv at step 2: the
+    gathered step's guard codes reach the ranks' statistics), and no warning (gathering was
+    asked for)."""
+    spike = ("conv.weight", 2, 3000.0)
+    results = run(2, "fsdp_steps", sharding="gather", spike=spike)
+    params, bufs, orth = cases.reference(5, 2, spike=spike)
+    want = cases.reference.guard_stats
+    assert want["conv.weight"]["scaled"] + want["conv.weight"]["reset"] >= 1
     for res in results:
         assert_close(res["params"], params)
         assert_close(res["bufs"], bufs)
+        assert res["guard"] == want
         assert all(count == 0 for count in res["reduces"]) and all(g == (1, 0) for g in res["gathers"])
         assert all(count == 0 for count, _ in res["to_all"]) and res["said"] == []
 
@@ -216,6 +222,9 @@ def test_hsdp_reduces_over_the_shard_dimension():
     results = run(4, "fsdp_steps", hsdp=True)  # 2 replicas × 2 shards
     params, bufs, orth = cases.reference(5, 4)
     for res in results:
+        # the distances before any step: the row shards' Grams summed over the shard dimension
+        # only (summed over the replicas too, θᵀθ would be 2I: a distance of √2·√p)
+        assert max(res["start_orth"].values()) < 1e-13, res["start_orth"]
         assert_close(res["params"], params)
         assert_close(res["bufs"], bufs)
         for name in orth:
@@ -288,6 +297,21 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh_steps_exactly():
         assert res["placements"]["odd.weight"] == "(Shard(dim=0), Shard(dim=1))"
         assert res["said"] == []
         assert all(g == (0, 0) for g in res["gathers"][1:]), res["gathers"]
+    assert_identical_ranks(results, "params")
+
+
+def test_sharding_gather_on_fsdp_over_tensor_parallel_steps_exactly():
+    """``sharding="gather"`` on the 2 × 2 (dp, tp) mesh: 2-D placements (fc1's strided one
+    included) are gathered as DTensor gathers them, not packed as FSDP2's 1-D shards are; the
+    steps and the guard's verdicts are one process's."""
+    spike = ("fc1.weight", 2, 3000.0)
+    results = run(4, "tp_steps", fsdp=True, spike=spike, sharding="gather")
+    params, bufs, _ = cases.reference(5, 4, spike=spike)
+    for res in results:
+        assert_close(res["params"], params)
+        assert_close(res["bufs"], bufs)
+        assert res["guard"] == cases.reference.guard_stats
+        assert res["said"] == [] and all(count == 0 for count, _ in res["to_all"])
     assert_identical_ranks(results, "params")
 
 
