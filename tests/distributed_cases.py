@@ -925,11 +925,12 @@ def owner_step_without_received(rank, world, out):
     return dict(error=max(float((p.full_tensor() - r.detach()).abs().max()) for p, r in zip(ps, ref)))
 
 
-def rows_float64_beside_float32(rank, world, out, *, steps=6):
+def rows_float64_beside_float32(rank, world, out, *, steps=6, sharding="rows", float32_first=False):
     """An ownership review: row shards of a float64 layer beside a float32 one: the float64 Gram
     blocks rode folded in the float32 all-reduce (hi + lo pairs, ~1e-7 of the sum), so the float64
     layer stepped at float32 accuracy (4.9e-9 from one process). Returns the float64 layer and
-    its state after ``steps`` steps, and one process's."""
+    its state after ``steps`` steps, and one process's. ``sharding="gather"`` with
+    ``float32_first``: the layers gathered, the float32 one listed first."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = _mesh(world)
@@ -938,7 +939,7 @@ def rows_float64_beside_float32(rank, world, out, *, steps=6):
     w32 = fgd_fast.orthogonalize_(torch.randn(64, 16))
     ws = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in (w64, w32)]
     hyper = dict(lr=0.05, momentum=0.9, feedback=0.4, backend="torch")
-    opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], sharding="rows", **hyper)
+    opt = fgd_fast.FGD([dict(params=ws[::-1] if float32_first else ws, orthogonal=True)], sharding=sharding, **hyper)
     ref = torch.nn.Parameter(w64.clone())
     ropt = fgd_fast.FGD([dict(params=[ref], orthogonal=True)], **hyper)
     for s in range(steps):

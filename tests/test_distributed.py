@@ -537,11 +537,15 @@ def test_the_owner_steps_without_the_received_pieces():
         assert res["error"] < 1e-12, res
 
 
-def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64():
+@pytest.mark.parametrize(
+    "kwargs", [{}, dict(sharding="gather", float32_first=True)], ids=["rows", "gathered_float32_first"]
+)
+def test_a_float64_row_shard_beside_a_float32_one_is_summed_in_float64(kwargs):
     """An ownership review: the float64 layer's Gram blocks rode folded in the float32 all-reduce
     (4.9e-9 from one process after 20 steps). Only per-layer scalars fold now; the float64 layer
-    matches one process to float64 rounding."""
-    for res in run(2, "rows_float64_beside_float32"):
+    matches one process to float64 rounding. Gathered, each dtype has its own all-gather (the
+    float64 shards never ride in the float32 layer's message)."""
+    for res in run(2, "rows_float64_beside_float32", **kwargs):
         assert (res["theta"] - res["ref_theta"]).abs().max() <= 1e-14, (res["theta"] - res["ref_theta"]).abs().max()
         assert (res["phi"] - res["ref_phi"]).abs().max() <= 1e-14
 
