@@ -1190,6 +1190,73 @@ def zero_steps(rank, world, out, *, steps=5):
     )
 
 
+def _weights_steps(weights, placements, mesh, *, steps=3, seed=0, **options):
+    """``weights`` distributed on ``mesh`` with ``placements`` (one per weight) and stepped
+    ``steps`` times in one orthogonal group, beside one process stepping the same whole weights
+    on the same gradients; both results (whole)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    hyper = dict(HYPER, **options)
+    dts = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl)) for w, pl in zip(weights, placements)]
+    opt = fgd_fast.FGD([dict(params=dts, orthogonal=True)], **hyper)
+    refs = [torch.nn.Parameter(w.clone()) for w in weights]
+    hyper.pop("sharding", None)
+    ropt = fgd_fast.FGD([dict(params=refs, orthogonal=True)], **hyper)
+    for step in range(steps):
+        for k, (d, r) in enumerate(zip(dts, refs)):
+            gen = torch.Generator().manual_seed(1000 * seed + 10 * step + k)
+            g = 0.01 * torch.randn(r.shape, generator=gen, dtype=r.dtype)
+            d.grad, r.grad = distribute_tensor(g, mesh, d.placements), g
+        opt.step()
+        ropt.step()
+    return dict(
+        got=[d.full_tensor() for d in dts] + [opt.state[d]["momentum_buffer"].full_tensor() for d in dts],
+        want=[r.detach().clone() for r in refs] + [ropt.state[r]["momentum_buffer"].clone() for r in refs],
+    )
+
+
+def owner_layouts(rank, world, out):
+    """The owner path's layout table on a 1-D mesh: a Linear listed before a convolution (the
+    table sized by the largest number of dimensions, not the first layer's), then a second
+    optimizer over layers of the same shapes placed otherwise (Shard(0) for Shard(1)): its own
+    table (the cache is keyed by placements too). Both steps are one process's."""
+    from torch.distributed.tensor import Shard
+
+    mesh = _mesh(world)
+    torch.manual_seed(0)
+    weights = [fgd_fast.orthogonalize_(torch.randn(shape, dtype=torch.float64)) for shape in ((26, 16), (12, 8, 3, 3))]
+    return [_weights_steps(weights, [[Shard(dim)]] * 2, mesh, sharding="owner", seed=dim) for dim in (1, 0)]
+
+
+def submesh_2d(rank, world, out):
+    """A 2-D (1 × 2) mesh over ranks 0 and 1, and a 1 × 1 mesh over the last rank stepping a layer
+    of its own (the second below) at another lr. On the first: a layer sharded along both mesh dimensions (no group
+    of its own: gathered within the mesh, never over the default group, which would wait for the
+    last rank) and a layer replicated along the first and sharded along the second (the owner
+    path within the second's group): both one process's steps. Then ranks 0 and 1 disagree on
+    lr: both raise (the agreement reduced over each of the mesh's dimensions), nothing written."""
+    import pytest
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    first = rank < world - 1
+    meshes = [DeviceMesh("cpu", [list(range(world - 1))]), DeviceMesh("cpu", [[world - 1]])]
+    mesh = meshes[0] if first else meshes[1]
+    torch.manual_seed(0)
+    weights = [fgd_fast.orthogonalize_(torch.randn(shape, dtype=torch.float64)) for shape in ((26, 16), (12, 8, 3, 3))]
+    placements = [[Shard(0), Shard(1)], [Replicate(), Shard(1)]]
+    if not first:  # (the HSDP-like layer only, at another lr)
+        return _weights_steps(weights[1:], placements[1:], mesh, lr=0.1)
+    result = _weights_steps(weights, placements, mesh)
+    w = torch.nn.Parameter(distribute_tensor(weights[0].clone(), mesh, placements[0]))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], **dict(HYPER, lr=0.05 + 0.01 * rank))
+    w.grad = distribute_tensor(torch.full(w.shape, 0.01, dtype=w.dtype), mesh, placements[0])
+    before = w.to_local().clone()
+    with pytest.raises(ValueError) as info:
+        opt.step()
+    return dict(result, message=str(info.value), unchanged=torch.equal(before, w.to_local()))
+
+
 CASES = {
     f.__name__: f
     for f in (
@@ -1212,6 +1279,8 @@ CASES = {
         zero_steps,
         fsdp_submesh,
         fsdp_other_layouts,
+        owner_layouts,
+        submesh_2d,
         fsdp_local_check_on_a_submesh,
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,

@@ -537,6 +537,27 @@ def test_the_owner_steps_without_the_received_pieces():
         assert res["error"] < 1e-12, res
 
 
+def test_owner_layout_tables_follow_dimensions_and_placements():
+    """On the owner path: a Linear listed before a convolution, then layers of the same shapes
+    placed otherwise, in a second optimizer: each steps as one process would."""
+    for res in run(2, "owner_layouts"):
+        for steps in res:
+            for got, want in zip(steps["got"], steps["want"]):
+                assert (got - want).abs().max() <= TOL
+
+
+def test_a_2d_mesh_over_some_ranks_steps_and_agrees_within_itself():
+    """A 1 × 2 mesh over ranks 0, 1 beside a 1 × 1 mesh over rank 2 (another lr): a layer sharded
+    along both dimensions (gathered within the mesh) and an HSDP-like one (owner path within the
+    shard group) step exactly; ranks 0, 1 disagreeing on lr both raise and write nothing."""
+    results = run(3, "submesh_2d")
+    for rank, res in enumerate(results):
+        for got, want in zip(res["got"], res["want"]):
+            assert (got - want).abs().max() <= TOL, rank
+        if rank < 2:
+            assert "the ranks disagree on lr" in res["message"] and res["unchanged"], res["message"]
+
+
 @pytest.mark.parametrize(
     "kwargs", [{}, dict(sharding="gather", float32_first=True)], ids=["rows", "gathered_float32_first"]
 )
