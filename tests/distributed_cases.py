@@ -1257,6 +1257,28 @@ def submesh_2d(rank, world, out):
     return dict(result, message=str(info.value), unchanged=torch.equal(before, w.to_local()))
 
 
+def sums_by_dtype(rank, world, out):
+    """``summing_over(None)`` of three mixes (float64 scalars alone; beside float32 tensors;
+    beside float64 blocks and float32 scalars): ``(sum, expected sum, rtol)`` per tensor."""
+    from fgd_fast.collectives import summing_over
+
+    def tensors(r):
+        gen = torch.Generator().manual_seed(r)
+        f64 = lambda *shape: torch.rand(shape, generator=gen, dtype=torch.float64) * 1e10  # noqa: E731
+        f32 = lambda *shape: torch.rand(shape, generator=gen) * 1e3  # noqa: E731
+        return [[f64(3), f64(1)], [f64(2), f32(4, 4), f32(5)], [f64(3, 3), f64(2), f32(3)]]
+
+    mine, every = tensors(rank), [tensors(r) for r in range(world)]
+    out = []
+    for k, mix in enumerate(mine):
+        summing_over(None)(mix)()
+        for j, t in enumerate(mix):
+            want = sum(ts[k][j] for ts in every)
+            folded = k == 1 and t.dtype == torch.float64
+            out.append((t, want, 1e-6 if folded or t.dtype == torch.float32 else 1e-15))
+    return out
+
+
 CASES = {
     f.__name__: f
     for f in (
@@ -1281,6 +1303,7 @@ CASES = {
         fsdp_other_layouts,
         owner_layouts,
         submesh_2d,
+        sums_by_dtype,
         fsdp_local_check_on_a_submesh,
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,

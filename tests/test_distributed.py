@@ -749,6 +749,15 @@ def test_float64_sums_folded_into_float32_pairs_survive_the_sum():
     assert torch.allclose(unfold_float64(with_zeros), alone, rtol=1e-14, atol=0)
 
 
+def test_sums_over_ranks_by_dtype():
+    """``summing_over``'s packed all-reduce: float64 scalars alone are summed in float64, beside
+    float32 tensors they ride folded in the float32 call (~1e-7), beside a float64 layer's Gram
+    blocks they stay in its float64 call; every sum lands in its own tensor."""
+    for res in run(2, "sums_by_dtype"):
+        for got, want, rel in res:
+            assert got.dtype == want.dtype and torch.allclose(got, want, rtol=rel, atol=0), (got, want)
+
+
 def test_packed_collectives_fill_each_call_up_to_the_cap():
     """The packed all-reduces and all-gathers cut their tensors into consecutive runs of at most
     the cap in bytes, each run as full as it can be (a run of exactly the cap is one call), and a
@@ -793,6 +802,12 @@ def test_auto_sharding_sums_tall_row_shards_and_sends_the_rest_to_owners():
     assert cost["gather"] == pytest.approx(7 / 8 * 3 * 4096 * 1024 * 4)
     assert cost["owner"] == pytest.approx(7 / 64 * 5 * 4096 * 1024 * 4)
     assert cost["rows"] == pytest.approx(2 * 7 / 8 * (2 * 1024**2 + 1.5 * 1024 * 1025 + 1) * 4)
+    # float64: every path's bytes double (the blocks are summed in float64), so a move worth
+    # 1.7 MiB in float32 is worth 3.4 MiB — past the ×3 margin — and the choice is made per dtype
+    wide64 = torch.empty(4096, 1024, device="meta", dtype=torch.float64)
+    assert path_bytes(wide64, wide64, 8) == {k: 2 * v for k, v in cost.items()}
+    square64 = torch.empty(384, 384, device="meta", dtype=torch.float64)
+    assert moved([(384, 384)], 4) == () and moved_to_owners([(square64, square64)], [], 4) == (0,)
 
 
 def test_owner_layout_accepts_only_pieces_that_tile_the_tensor():
