@@ -471,6 +471,19 @@ def _record_refusal(model, opt, error, messages, unchanged):
     unchanged.append(_same(before, _local_state(model, opt)))
 
 
+def fsdp_step_beyond_the_limit(rank, world, out, *, sharding):
+    """The guard off and a ×3000 gradient on ``conv`` (a row shard): the step would leave θ
+    beyond ``max_distance``; ``check_manifold``'s check after the step (the distance θ₊ would
+    have, from the path's own plan: row sums, owners' checks or the gathered step's) refuses it
+    on every rank and nothing is written."""
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), guard=False, sharding=sharding, **HYPER)
+    _set_grads(model, 0, spike=("conv.weight", 0, 3000.0))
+    messages, unchanged = [], []
+    _record_refusal(model, opt, ValueError, messages, unchanged)
+    return dict(messages=messages, unchanged=unchanged)
+
+
 def fsdp_partial(rank, world, out, *, steps=3):
     """Only ``conv`` sharded (FSDP2 on a submodule): the plain group mixes DTensor and plain
     biases, which crashed the Euclidean step (``_foreach_add`` got mixed tensor types)."""
@@ -1287,6 +1300,7 @@ CASES = {
         fsdp_compiled,
         fsdp_train,
         fsdp_refusals,
+        fsdp_step_beyond_the_limit,
         fsdp_disagreements,
         fsdp_orthogonality_on_one_rank,
         fsdp_plain_check_on_one_rank,

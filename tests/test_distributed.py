@@ -341,6 +341,13 @@ def test_compiled_step_under_fsdp_matches_one_process():
         assert_close(res["bufs"], bufs)
 
 
+@pytest.mark.parametrize("sharding", ["rows", "owner", "gather"])
+def test_a_step_that_would_leave_the_manifold_is_refused_on_every_path(sharding):
+    results = run(2, "fsdp_step_beyond_the_limit", sharding=sharding)
+    for res in results:
+        assert res["unchanged"] == [True] and "conv.weight" in res["messages"][0], res["messages"]
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_training_matches_mean_gradient(world):
     results = run(world, "fsdp_train")
