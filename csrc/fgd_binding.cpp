@@ -9,7 +9,7 @@
 // only describe tensor arguments); registering them with the dispatcher would give
 // torch.compile and functionalization a false picture. The optimizer step runs eagerly
 // under no_grad, so a plain Python-callable function is the honest interface.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -58,7 +58,7 @@ void gram(const at::Tensor& meta, at::Tensor& partial, int64_t gram_total, int64
     check_acc(partial, meta, dtype, splits * gram_total, "partial");
     const c10::cuda::CUDAGuard guard(meta.device());
     check_cuda(fgd_gram_launch((int)dtype, meta_ptr(meta), (int)meta.size(0), partial.data_ptr(), gram_total,
-                               total_tiles, (int)splits, at::cuda::getCurrentCUDAStream()),
+                               total_tiles, (int)splits, c10::cuda::getCurrentCUDAStream()),
                "Gram kernel launch");
 }
 
@@ -71,7 +71,7 @@ void sum_splits(const at::Tensor& partial, at::Tensor& out, int64_t total, int64
                 " × ", total, " and ", total, " elements on one device");
     const c10::cuda::CUDAGuard guard(partial.device());
     check_cuda(fgd_sum_splits_launch(out.scalar_type() == at::kDouble, partial.data_ptr(), out.data_ptr(), total,
-                                     (int)splits, at::cuda::getCurrentCUDAStream()),
+                                     (int)splits, c10::cuda::getCurrentCUDAStream()),
                "split reduction launch");
 }
 
@@ -85,14 +85,14 @@ void update(const at::Tensor& meta, const at::Tensor& hyper, const at::Tensor& m
     TORCH_CHECK(grid >= 1 && grid <= INT32_MAX, "fgd_fast CUDA extension: bad update grid ", grid);
     const c10::cuda::CUDAGuard guard(meta.device());
     check_cuda(fgd_update_launch((int)dtype, meta_ptr(meta), hyper.data_ptr(), (int)meta.size(0), mats.data_ptr(),
-                                 scratch.data_ptr(), total_blocks, (int)grid, p_max, at::cuda::getCurrentCUDAStream()),
+                                 scratch.data_ptr(), total_blocks, (int)grid, p_max, c10::cuda::getCurrentCUDAStream()),
                "update kernel launch");
 }
 
 // Debugging aid: wait for the current stream and raise the first asynchronous error.
 void synchronize(const at::Tensor& like) {
     const c10::cuda::CUDAGuard guard(like.device());
-    check_cuda(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()), "stream synchronize");
+    check_cuda(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream()), "stream synchronize");
     check_cuda(cudaGetLastError(), "a kernel");
 }
 

@@ -66,6 +66,39 @@ def test_cu_file_compiles_without_spills(source, arch, tmp_path):
     assert spills and all(s == "0" for s in spills), report  # a spilling kernel is a performance bug
 
 
+def _cuda_include() -> Path | None:
+    """The CUDA toolkit's include directory (the one with ``cuda_runtime_api.h``), if any."""
+    nvcc = _nvcc()
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    homes += [str(Path(nvcc).resolve().parent.parent)] if nvcc else []
+    found = [Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime_api.h").exists()]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("std", ["c++17", "c++20"])
+def test_the_binding_compiles_against_torchs_headers(std):
+    """``fgd_binding.cpp`` (pybind11, the device guard, the current stream, TORCH_CHECK) compiles
+    with g++ against this torch's headers and the CUDA runtime's, in both C++ standards torch's
+    builds use (syntax only: a CPU torch has no libtorch_cuda to link against). It includes
+    c10's CUDA headers only; ATen/cuda/CUDAContext.h would also need cuBLAS', cuSPARSE's and
+    cuSOLVER's headers, which a toolkit with nvcc alone lacks."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    gxx, cuda = shutil.which("g++"), _cuda_include()
+    if gxx is None or cuda is None:
+        pytest.skip(f"needs g++ and the CUDA runtime's headers (g++: {gxx}, CUDA include: {cuda})")
+    torch_include = [Path(p) for p in include_paths()]
+    # a CPU build of torch ships c10/cuda's headers without the file its CMake writes (export macros only)
+    generated = any((p / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists() for p in torch_include)
+    cmd = [gxx, f"-std={std}", "-fsyntax-only", *[f"-I{p}" for p in torch_include]]
+    cmd += [f"-I{sysconfig.get_paths()['include']}", f"-I{cuda}", f"-I{CSRC}", "-DTORCH_EXTENSION_NAME=_C"]
+    cmd += ["-DTORCH_API_INCLUDE_EXTENSION_H"] + ([] if generated else ["-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"])
+    run = subprocess.run([*cmd, str(CSRC / "fgd_binding.cpp")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-6000:]
+
+
 def test_import_never_needs_the_extension():
     out = subprocess.run(
         [sys.executable, "-c", "import fgd_fast, sys; print('fgd_fast._C' in sys.modules)"],
