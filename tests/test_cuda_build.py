@@ -99,6 +99,30 @@ def test_the_binding_compiles_against_torchs_headers(std):
     assert run.returncode == 0, run.stderr[-6000:]
 
 
+def test_a_built_extension_loads_with_the_backends_constants():
+    """Where ``fgd_fast._C`` was built (``setup.py`` with ``FGD_FAST_BUILD_CUDA=1``; on a machine
+    without a GPU, ``BUILD_CUDA=1 bash benchmarks/gpu/gpu_versions_on_cpu.sh`` builds it with nvcc
+    under a CUDA torch): it loads without a GPU, carries these sources' hash, exports the
+    binding's functions and the constants the cuda backend reads (its module checks the block
+    order at import)."""
+    try:
+        from fgd_fast import _C
+    except ImportError as exc:
+        pytest.skip(f"fgd_fast._C is not built here ({exc}); BUILD_CUDA=1 gpu_versions_on_cpu.sh builds it")
+    from fgd_fast import _cuda_build
+
+    _cuda_build._result = None  # (loaded afresh)
+    assert _cuda_build.load() is _C  # the sources' hash: not rebuilt just in time
+    src = (CSRC / "fgd_binding.cpp").read_text()
+    assert {name for name in re.findall(r'm\.def\("(\w+)"', src)} <= set(dir(_C))
+    consts = _C.constants()
+    assert set(re.findall(r'\bd\["(\w+)"\]', src)) == set(consts)
+    assert set(re.findall(r'\bfields\["(\w+)"\]', src)) == set(consts["FIELDS"])
+    from fgd_fast.backends import cuda
+
+    assert cuda._K == consts and cuda._F["CHUNK"] == consts["META_FIELDS"] - 1
+
+
 def test_import_never_needs_the_extension():
     out = subprocess.run(
         [sys.executable, "-c", "import fgd_fast, sys; print('fgd_fast._C' in sys.modules)"],

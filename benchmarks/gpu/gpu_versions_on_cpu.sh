@@ -3,7 +3,7 @@
 # (the versions of the lent GPU machine; CI pins torch 2.13.0 and Triton 3.8.0). Run it before a
 # GPU session, so that a version difference fails here and not in the few device minutes.
 #
-#   [PYTHON=python3.12] bash benchmarks/gpu/gpu_versions_on_cpu.sh [VENV] [pytest arguments ...]
+#   [PYTHON=python3.12] [BUILD_CUDA=1] bash benchmarks/gpu/gpu_versions_on_cpu.sh [VENV] [pytest arguments ...]
 #
 # VENV (default /tmp/fgd-gpu-versions) is created once, with $PYTHON (default python3; the GPU
 # machine has Python 3.12): about 4.7 GB, the CUDA build of torch 2.11.0 from PyPI (the CPU
@@ -29,6 +29,12 @@ git clone -q "$root" "$work"
 cd "$work"
 # (no GPU is visible: setup.py skips the CUDA extension with one line)
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+if [ "${BUILD_CUDA:-0}" = 1 ]; then
+  # the real fgd_fast._C with nvcc (CUDA_HOME's major version must be torch's: 13 for 2.11.0+cu130),
+  # for the GPU's architectures; tests/test_cuda_build.py then loads it without a GPU (~2 min)
+  FGD_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" MAX_JOBS="${MAX_JOBS:-2}" \
+    "$venv/bin/python" setup.py -q build_ext --inplace
+fi
 "$venv/bin/python" -c "import torch, triton, numpy, sys; print(f'torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}, Python {sys.version.split()[0]}, commit', end=' ')"
 git rev-parse --short HEAD
 PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -n 2 -q -p no:cacheprovider "$@"
