@@ -32,7 +32,8 @@ cd "$work"
 if [ "${BUILD_CUDA:-0}" = 1 ]; then
   # the real fgd_fast._C with nvcc (CUDA_HOME's major version must be torch's: 13 for 2.11.0+cu130),
   # for the GPU's architectures; tests/test_cuda_build.py then loads it without a GPU (~2 min)
-  FGD_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" MAX_JOBS="${MAX_JOBS:-2}" \
+  # (CUDA_HOME: the toolkit, not where a wrapper nvcc on PATH lies)
+  CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" FGD_FAST_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" MAX_JOBS="${MAX_JOBS:-2}" \
     "$venv/bin/python" setup.py -q build_ext --inplace
 fi
 "$venv/bin/python" -c "import torch, triton, numpy, sys; print(f'torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}, Python {sys.version.split()[0]}, commit', end=' ')"
