@@ -1292,6 +1292,52 @@ def sums_by_dtype(rank, world, out):
     return out
 
 
+def owner_replicated_pieces(rank, world, out, *, steps=3):
+    """A 2 × 2 mesh over all ranks, θ split along the second mesh dimension by a strided shard
+    (``_StridedShard``, split factor 1: the rows as ``Shard(0)`` would split them) and replicated
+    along the first: no mesh dimension of its own (not a plain ``Shard``), so the owner path
+    over the default group, where two ranks hold each piece. Each distinct piece is sent to the
+    owner once (by its first holder), θ₊ and Φ₊ come back to every holder; the steps are one
+    process's. Returns the numbers each step sent from this rank, and the states."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    placements = (Replicate(), _StridedShard(0, split_factor=1))
+    torch.manual_seed(0)
+    weight = fgd_fast.orthogonalize_(torch.randn(26, 16, dtype=torch.float64))
+
+    def local(full):
+        shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+        return full[offset[0] : offset[0] + shape[0]].contiguous()
+
+    w = torch.nn.Parameter(
+        DTensor.from_local(local(weight), mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
+    )
+    ref = torch.nn.Parameter(weight.clone())
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], **HYPER)
+    ropt = fgd_fast.FGD([dict(params=[ref], orthogonal=True)], **HYPER)
+    sent = []
+    for step in range(steps):
+        g = full_grad("w", weight.shape, step)
+        w.grad = DTensor.from_local(local(g), mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
+        ref.grad = g
+        counted = _CountGathers()
+        with counted:
+            opt.step()
+        ropt.step()
+        sent.append((counted.to_all, counted.sent, counted.packed, counted.whole))
+    return dict(
+        sent=sent,
+        theta=w.full_tensor(),
+        phi=opt.state[w]["momentum_buffer"].full_tensor(),
+        ref_theta=ref.detach().clone(),
+        ref_phi=ropt.state[ref]["momentum_buffer"].clone(),
+    )
+
+
 CASES = {
     f.__name__: f
     for f in (
@@ -1318,6 +1364,7 @@ CASES = {
         owner_layouts,
         submesh_2d,
         sums_by_dtype,
+        owner_replicated_pieces,
         fsdp_local_check_on_a_submesh,
         fsdp_sharded_check_on_part_of_the_ranks,
         fsdp_backend_on_some_ranks,

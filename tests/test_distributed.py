@@ -565,6 +565,21 @@ def test_a_2d_mesh_over_some_ranks_steps_and_agrees_within_itself():
             assert "the ranks disagree on lr" in res["message"] and res["unchanged"], res["message"]
 
 
+def test_replicated_pieces_travel_to_the_owner_once():
+    """A strided shard replicated along the other mesh dimension (2 × 2): the owner path over
+    all ranks, two holders per piece. Only each piece's first holder sends it (ranks 2 and 3
+    send nothing); θ₊, Φ₊ return to all four; the steps are one process's, exactly."""
+    results = run(4, "owner_replicated_pieces")
+    n = 26 * 16
+    for res in results:
+        assert torch.equal(res["theta"], res["ref_theta"]) and torch.equal(res["phi"], res["ref_phi"])
+        assert all(calls == 2 and whole == 0 for calls, _, _, whole in res["sent"]), res["sent"]
+    assert [res["sent"][0][1] for res in results[2:]] == [0, 0] and [res["sent"][1][1] for res in results[2:]] == [0, 0]
+    # all ranks: θ, g (and Φ after the first step) once to the owner; θ₊, Φ₊ to the 4 holders of halves
+    totals = [sum(res["sent"][step][1] for res in results) for step in range(3)]
+    assert totals == [2 * n + 2 * 4 * n // 2] + [3 * n + 2 * 4 * n // 2] * 2, totals
+
+
 @pytest.mark.parametrize(
     "kwargs", [{}, dict(sharding="gather", float32_first=True)], ids=["rows", "gathered_float32_first"]
 )
