@@ -89,6 +89,22 @@ MUTANTS = {
         "the owner path's table of a strided shard's pieces not checked against the pieces: a misplaced box is stepped",
         [f"{DIST}::test_a_layout_table_that_misplaces_a_strided_shard_sends_the_layer_to_the_gather"],
     ),
+    "gathered_plan_unchecked": (
+        "a gathered layer's guard verdicts and distance after the step dropped by the write-back: no guard statistics, "
+        "and a step beyond max_distance written",
+        [
+            f"{DIST}::test_sharding_gather_steps_row_shards_whole_and_exactly",
+            f"{DIST}::test_a_step_that_would_leave_the_manifold_is_refused_on_every_path[gather]",
+        ],
+    ),
+    "distance_summed_over_replicas": (
+        "a row-sharded layer's float64 Gram (orthogonality(), stiefel_distance) summed over HSDP's replicas too",
+        [f"{DIST}::test_hsdp_reduces_over_the_shard_dimension"],
+    ),
+    "gather_packs_2d_meshes": (
+        "the packed all-gather taking a 2-D mesh's first placement for a 1-D shard (FSDP over TP gathered wrong)",
+        [f"{DIST}::test_sharding_gather_on_fsdp_over_tensor_parallel_steps_exactly"],
+    ),
     "step_refusal_unshared": (
         "FGD.step's own refusal on one rank (a buffer that does not fit there) not agreed: the others wait",
         [f"{DIST}::test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank[plain]"],
@@ -295,6 +311,9 @@ def plant(name: str) -> Callable[[], None]:
         "sharded_checks_kept_in_groups",
         "owner_failure_unshared",
         "strided_layout_unchecked",
+        "gathered_plan_unchecked",
+        "distance_summed_over_replicas",
+        "gather_packs_2d_meshes",
         "step_refusal_unshared",
         "saved_state_unshared",
     ):
@@ -616,6 +635,34 @@ def plant_here(name: str) -> None:
         owners._raise_if_an_owner_failed = lambda failed, params, lay: None
     elif name == "strided_layout_unchecked":
         owners._placed_as_the_table_says = lambda params, mine, device, group: [True] * len(params)
+    elif name == "gathered_plan_unchecked":
+        import dataclasses
+
+        writing_back = distributed._writing_back
+        distributed._writing_back = lambda *args: dataclasses.replace(writing_back(*args), guarded=None, dist_next=None)
+    elif name == "distance_summed_over_replicas":
+        from fgd_fast import manifold
+
+        gram64 = manifold.gram64
+
+        def over_mesh_dim_0(t):
+            if not (distributed.is_dtensor(t) and distributed.row_mesh_dim(t) is not None):
+                return gram64(t)
+            theta = distributed._local_theta(t).to(torch.float64)
+            gram = theta.t() @ theta
+            distributed.summing_over(t.device_mesh.get_group(0))([gram])()
+            return gram
+
+        manifold.gram64 = over_mesh_dim_0
+    elif name == "gather_packs_2d_meshes":
+        from fgd_fast import collectives
+
+        def first_placement(t):
+            if not collectives.is_dtensor(t) or not t.placements[0].is_shard():
+                return None
+            return t.placements[0].dim
+
+        collectives._one_dim_shard = first_placement
     elif name == "step_refusal_unshared":
         from fgd_fast.optimizer import FGD
 
