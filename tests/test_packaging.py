@@ -5,10 +5,13 @@ which shows the sdist is complete and leaves no build/ folder in the checkout.""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -33,7 +36,12 @@ def dists(tmp_path_factory):
     """``(sdist path, wheel path)``."""
     out = tmp_path_factory.mktemp("dist")
     build_sdist = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
-    sdist = out / _run([sys.executable, "-c", build_sdist, str(out)], cwd=ROOT).strip().splitlines()[-1]
+    # setuptools assembles the sdist in a folder of the checkout (fgd_fast-<version>/) and deletes it:
+    # one build at a time (pytest-xdist workers each build theirs)
+    lock = Path(tempfile.gettempdir()) / f"fgd_fast-sdist-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]}.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        sdist = out / _run([sys.executable, "-c", build_sdist, str(out)], cwd=ROOT).strip().splitlines()[-1]
     src = out / "src"
     with tarfile.open(sdist) as tar:
         tar.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
