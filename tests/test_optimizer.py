@@ -312,6 +312,24 @@ def test_an_exclude_name_that_matches_nothing_is_refused_with_the_near_names():
     with pytest.raises(TypeError, match="exclude= takes parameter or module names"):
         fgd_fast.select_stiefel(net, "all", exclude=[net.fc])
     assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude=["fc"])] == ["body.weight"]  # module name
+    with pytest.raises(ValueError, match="exclude='bod' matches no"):  # a name's beginning is no name
+        fgd_fast.select_stiefel(net, "all", exclude=["bod"])
+
+
+def test_rules_take_conv2d_weights_and_a_callable_rule_answers_a_bool():
+    """``"paper"`` and ``"official"`` take ``nn.Conv2d`` weights only (a ``ConvTranspose2d``'s
+    4-D weight is laid out (c_i, c_o, k, k): not a bank of filters as rows); a callable rule's
+    answer must be a bool (a tensor is refused, naming the parameter); a shape of fewer than 2
+    dims has no Stiefel matrix."""
+    from fgd_fast._matrix import stiefel_shape
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3), torch.nn.ConvTranspose2d(8, 8, 3))
+    for rule in ("paper", "official"):
+        assert [n for n, _ in fgd_fast.select_stiefel(net, rule)] == ["0.weight"], rule
+    with pytest.raises(TypeError, match=r"rule\('0.weight', param\) must return a bool, got Tensor"):
+        fgd_fast.select_stiefel(net, lambda name, p: torch.tensor(p.dim() == 4))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        stiefel_shape((10,))
 
 
 def test_a_rule_that_selects_nothing_warns():
