@@ -69,6 +69,22 @@ def test_construction_rejects_bad_types():
         fgd_fast.FGD([dict(params=net.parameters(), orthogonal="yes")], lr=0.1)
     with pytest.raises(TypeError, match="gram_refresh"):  # (a bool is no count)
         fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.1, gram_refresh=True)
+    # a hyper-parameter tensor holds one real number (a pair, or a flag, is no momentum)
+    for bad in (torch.tensor([0.9, 0.1]), torch.tensor(True)):
+        with pytest.raises(TypeError, match="momentum as a tensor must hold one real number on the CPU"):
+            fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.1, momentum=bad)
+
+
+def test_a_complex_parameter_is_refused_with_the_split_to_make_and_nothing_written():
+    real = nn.Parameter(torch.randn(4))
+    cplx = nn.Parameter(torch.randn(3, 2, dtype=torch.complex64))
+    real.grad, cplx.grad = torch.ones(4), torch.ones(3, 2, dtype=torch.complex64)
+    net = nn.ParameterList([real, cplx])
+    opt = fgd_fast.FGD(net.parameters(), lr=0.1)
+    before = snapshot(net, opt)
+    with pytest.raises(ValueError, match=r"is complex \(torch.complex64\).*torch.view_as_real"):
+        opt.step()
+    assert_unchanged(net, opt, before)
 
 
 def test_numpy_bools_are_flags_as_in_torch_optim():
