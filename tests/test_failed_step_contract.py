@@ -54,9 +54,12 @@ def test_non_finite_gradient_raises_and_changes_nothing(optimizer, bad):
     net, opt = _trained(optimizer)
     net[1].weight.grad[0, 0, 0, 0] = bad
     snap = snapshot(net, opt)
-    with pytest.raises(FloatingPointError, match="non-finite"):
+    with pytest.raises(FloatingPointError, match="non-finite") as raised:
         opt.step()
     assert_unchanged(net, opt, snap)  # Euclidean parameters and all state (Φ, M, v, steps) included
+    # the advice is this optimizer's: a baseline has no reset_parameter (its state is cleared by hand)
+    advice = "opt.reset_parameter(param)" if hasattr(opt, "reset_parameter") else "opt.state[param].clear()"
+    assert advice in str(raised.value) and ("reset_parameter" in str(raised.value)) == hasattr(opt, "reset_parameter")
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

@@ -230,3 +230,35 @@ def test_blocks_of_freed_tensors_are_dropped():
         p.grad = torch.randn(p.shape, dtype=p.dtype) * 0.01
     opt.step()
     assert len(carry._store) == 1 and all(r() is not None for e in carry._store.values() for r in e.refs)
+
+
+def test_an_entry_is_taken_only_for_the_tensors_it_was_made_from():
+    """The key holds the tensors' ids, which Python reuses once a tensor is freed: an entry found
+    under its key is still refused for other tensor objects, even at the same version counts."""
+    carry.forget()
+    made, other = torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float64)
+    assert made._version == other._version
+    carry.keep(("key",), (torch.eye(2, dtype=torch.float64)[None],), [made], age=0)
+    assert carry.take(("key",), [other], refresh=4) is None
+    carry.keep(("key",), (torch.eye(2, dtype=torch.float64)[None],), [made], age=0)
+    assert carry.take(("key",), [made, other], refresh=4) is None  # (another number of tensors)
+    carry.keep(("key",), (torch.eye(2, dtype=torch.float64)[None],), [made], age=0)
+    assert carry.take(("key",), [made], refresh=4) is not None
+    carry.forget()
+
+
+def test_the_store_keeps_a_few_entries_the_oldest_going_first():
+    """Many models stepping with carried Grams (all alive) hold the blocks of the latest few only."""
+    carry.forget()
+    models = []
+    for seed in range(carry._CAPACITY + 3):
+        params = _params(seed=seed)
+        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="torch", gram_refresh=4)
+        for p in params:
+            p.grad = torch.randn(p.shape, dtype=p.dtype) * 0.01
+        opt.step()
+        models.append((params, opt))  # (the entries hold the momentum buffers too: the optimizers stay alive)
+    assert len(carry._store) == carry._CAPACITY
+    kept = {id(r()) for e in carry._store.values() for r in e.refs}
+    assert not kept & {id(p) for p in models[0][0]} and {id(p) for p in models[-1][0]} <= kept
+    carry.forget()

@@ -329,3 +329,38 @@ def test_guard_stats_count_each_kind_of_step_apart(backend):
             opt.step()
         counts.append(dict(opt.guard_stats()[0]))
     assert counts == [{"scaled": 1, "reset": 0}, {"scaled": 1, "reset": 1}, {"scaled": 1, "reset": 1}]
+
+
+def _table(rows):
+    """One backend call's checks as its ``(L, 5)`` float64 table: dist, finite, dist₊, finite₊, guarded."""
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("bad", ["finite", "dist_next", "none"])
+def test_every_table_of_calls_sharing_a_device_is_read(bad):
+    """Two backend calls on one device, each with its own checks table (a sharded layer's call
+    beside a plain layer's): the second call's rows are read too: its non-finite gradient or its
+    step beyond max_distance raises naming its layer, and its guard decisions come back."""
+    from fgd_fast.guards import RESET, SCALED, raise_if_invalid
+
+    second = {"finite": [0.1, 0.0, 0.1, 1.0, 0.0], "dist_next": [0.1, 1.0, 0.9, 1.0, 0.0]}
+    second = second.get(bad, [0.1, 1.0, 0.1, 1.0, RESET])
+    tables = [_table([[0.0, 1.0, 0.0, 1.0, SCALED]]), _table([second])]
+    kwargs = dict(
+        dist=[t[:, 0] for t in tables],
+        finite=[t[:, 1] for t in tables],
+        index=[[0], [1]],
+        labels=["'a'", "'b'"],
+        check_finite=True,
+        check_manifold=True,
+        dist_next=[t[:, 2] for t in tables],
+        finite_next=[t[:, 3] for t in tables],
+        guarded=[t[:, 4] for t in tables],
+        tables=tables,
+    )
+    if bad == "none":
+        assert raise_if_invalid(**kwargs) == [SCALED, RESET]
+        return
+    error = FloatingPointError if bad == "finite" else ValueError
+    with pytest.raises(error, match="'b'"):
+        raise_if_invalid(**kwargs)
