@@ -277,6 +277,10 @@ MUTANTS = {
         "the functional step finds a parameter it cannot write only after writing the ones before it",
         [f"{FAILED}::test_the_functional_step_refuses_an_unwritable_parameter_before_writing_any[inference-torch]"],
     ),
+    "other_calls_checks_unread": (
+        "only the first backend call's checks read (a second call on the device, e.g. a sharded layer's, unread)",
+        [f"{GUARD}::test_every_table_of_calls_sharing_a_device_is_read[finite]"],
+    ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
         [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
@@ -330,6 +334,18 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((fgd_fast.functional, "raise_if_invalid", original))
         fgd_fast.functional.raise_if_invalid = raising
+    elif name == "other_calls_checks_unread":
+        original = guards.raise_if_invalid
+
+        def first_call_only(dist, finite, index, labels, **kwargs):
+            for key in ("dist_next", "finite_next", "guarded", "tables"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = list(kwargs[key])[:1]
+            return original(list(dist)[:1], list(finite)[:1], list(index)[:1], labels, **kwargs)
+
+        for module in (guards, fgd_fast.functional):
+            undo.append((module, "raise_if_invalid", original))
+            module.raise_if_invalid = first_call_only
     elif name in ("never_reset", "no_newton_reset"):
         original = guard_rule.choose_weight
 
