@@ -281,3 +281,15 @@ def test_resolved_backend_without_orthogonal_parameters_names_the_cpu():
     opt = fgd_fast.FGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, backend="cuda")
     with pytest.raises(fgd_fast.backends.BackendUnavailable, match="cpu tensors"):
         opt.resolved_backend()
+
+
+@pytest.mark.parametrize("make", ["FGD", "CayleySGD", "LandingSGD"])
+def test_a_groups_params_given_as_a_generator_are_all_kept(make):
+    """A group's ``params`` may be a generator (``dict(params=model.parameters())``, as torch
+    takes it): the checks read it once, and the group still holds every parameter."""
+    cls = getattr(fgd_fast, make, None) or getattr(fgd_fast.baselines, make)
+    net = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+    opt = cls([dict(params=(p for p in net.parameters()))], lr=0.1)
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in net.parameters()]
+    opt.add_param_group(dict(params=(nn.Parameter(torch.randn(3)) for _ in range(2))))
+    assert len(opt.param_groups[1]["params"]) == 2

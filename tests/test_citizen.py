@@ -668,8 +668,10 @@ def test_a_misspelled_group_key_warns_with_the_option_it_resembles(cls):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make([dict(params=[w], orthogonal=True, name="w", names=["w"], initial_lr=0.1, lr_scale=2.0)], lr=0.1)
-        # a scheduler's own keys (OneCycleLR's max_momentum, base_momentum) and others extending an option
+        # a scheduler's own keys (OneCycleLR's max_momentum, base_momentum) and others extending an option,
+        # also those as close to it as a typo (a schedule's starting values momentum0, weight_decay0)
         make([dict(params=[w], max_momentum=0.95, base_momentum=0.85, lr0=0.1, weight_decay_rate=0.1)], lr=0.1)
+        make([dict(params=[w], momentum0=0.9, weight_decay0=0.0)], lr=0.1)
 
 
 def test_a_step_with_nothing_orthogonal_warns_once():
