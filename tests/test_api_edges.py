@@ -133,6 +133,21 @@ def test_state_made_under_the_other_flag_is_refused_after_a_copy_or_a_load(how):
     assert torch.equal(net.weight.detach(), before)
 
 
+def test_a_loaded_state_counts_as_made_under_the_groups_flag_it_was_checked_against():
+    """The other way round: a warm-up's plain momentum, the flag then set to True and an orthogonal
+    state loaded in its place: the loaded state is FGD's own (the load checked its flag), and the
+    steps take it, with no memory of the momentum it replaced."""
+    net, opt = _warmed_up()
+    source = fgd_fast.FGD([dict(params=[net.weight], orthogonal=True)], lr=0.1)
+    net.weight.grad = torch.randn_like(net.weight) * 0.01
+    source.step()
+    opt.param_groups[0]["orthogonal"] = True
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))
+    net.weight.grad = torch.randn_like(net.weight) * 0.01
+    opt.step()
+    assert fgd_fast.stiefel_distance(net.weight) < 1e-3
+
+
 @pytest.mark.parametrize("backend", backend_params(("reference", "torch")))
 def test_a_load_inside_inference_mode_makes_ordinary_state(backend):
     """A review: ``load_state_dict`` inside ``torch.inference_mode`` rebuilt ``guard_count`` (and

@@ -162,3 +162,12 @@ def test_a_group_flag_flipped_between_steps_does_not_reuse_the_state(name, made_
     assert_unchanged(net, opt, snap)
     opt.state[net.weight].clear()
     opt.step()
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_orthogonality_measures_the_orthogonal_parameters_only(name):
+    """``orthogonality()`` of a baseline, as FGD's: the orthogonal parameters' distances, keyed
+    by flat index (no bias, which has no manifold)."""
+    net, opt = _net(BASELINES[name])
+    distances = opt.orthogonality()
+    assert list(distances) == [0] and distances[0] < 1e-5

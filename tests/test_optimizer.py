@@ -280,6 +280,11 @@ def test_orthogonality_keys_by_name_or_index():
     keys = list(opt.orthogonality())
     assert all(isinstance(k, str) for k in keys) and keys[-1] == f"#{len(list(net.parameters()))}"
     assert list(opt.guard_stats()) == keys  # one type of key, also for the guard's counters
+    # a hand-made names list that does not line up with its params (tensors no helper named) is not
+    # guessed from: the flat index, not the first name for the first tensor
+    loose = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 4))) for _ in range(2)]
+    short = fgd_fast.FGD([dict(params=loose, orthogonal=True, names=["only"])], lr=0.1)
+    assert list(short.orthogonality()) == ["#0", "#1"]
 
 
 def test_auto_backend_resolves_to_torch_on_cpu():
