@@ -409,3 +409,16 @@ def test_frozen_parameters_are_in_no_group():
     grouped = [id(p) for g in groups for p in g["params"]]
     assert id(net[0].bias) not in grouped and id(net[1].weight) not in grouped
     assert sorted(grouped) == sorted(id(p) for p in net.parameters() if p.requires_grad)
+
+
+def test_messages_name_an_unnamed_parameter_of_a_named_optimizer_by_its_index():
+    """Beside named groups, a parameter without a name is ``#i`` in messages (its key), not the
+    quoted string ``'#i'`` a name would be."""
+    named = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 4)))
+    extra = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 4)))
+    opt = fgd_fast.FGD(
+        [dict(params=[named], orthogonal=True, names=["w"]), dict(params=[extra], orthogonal=True)], lr=0.1
+    )
+    named.grad, extra.grad = torch.zeros(6, 4), torch.full((6, 4), float("nan"))
+    with pytest.raises(FloatingPointError, match=r"orthogonal parameter\(s\) #1;"):
+        opt.step()
