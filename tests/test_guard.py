@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fgd_fast
-from fgd_fast.guards import MAX_DISTANCE
+from fgd_fast.guards import MAX_DISTANCE, TRUST_RADIUS
 from helpers import backend_params
 
 BACKENDS = backend_params(("reference", "torch", "triton"))
@@ -364,3 +364,31 @@ def test_every_table_of_calls_sharing_a_device_is_read(bad):
     error = FloatingPointError if bad == "finite" else ValueError
     with pytest.raises(error, match="'b'"):
         raise_if_invalid(**kwargs)
+
+
+@pytest.mark.parametrize("backend", SPIKE_BACKENDS)
+def test_the_optimizers_trust_radius_reaches_the_step(backend):
+    """``FGD(trust_radius=ρ)`` steps as ``fgd(trust_radius=ρ)`` does: a small ρ scales the inputs
+    (‖Φ‖ + η‖g‖ ≈ 0.1–0.2 here), so the steps differ from the default radius's."""
+
+    def run(radius, functional):
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, generator=gen, dtype=torch.float64)))
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend=backend, trust_radius=radius)
+        bufs = [None]
+        for _ in range(3):
+            g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # (the guard's one warning)
+                if functional:
+                    kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend=backend, trust_radius=radius)
+                    with torch.no_grad():
+                        fgd_fast.fgd([w], [g / g.norm()], bufs, **kw)
+                else:
+                    w.grad = g / g.norm()
+                    opt.step()
+        return w.detach()
+
+    small = run(0.05, functional=False)
+    assert torch.equal(small, run(0.05, functional=True))
+    assert (small - run(TRUST_RADIUS, functional=False)).abs().max() > 1e-4

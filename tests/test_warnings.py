@@ -23,6 +23,21 @@ def test_feedback_warning_at_construction_points_at_the_caller():
     assert caught[0].filename == __file__
 
 
+def test_a_feedback_set_on_a_group_later_warns_at_the_next_step_once():
+    """A schedule (or a hand) that moves a group's feedback out of [0.1, 0.9] after construction
+    is warned at the step that uses it, pointing at the caller's line; once per value."""
+    group, w = _group()
+    opt = fgd_fast.FGD([group], lr=0.1, feedback=0.4)
+    opt.param_groups[0]["feedback"] = 0.95
+    w.grad = torch.randn_like(w) * 0.01
+    with pytest.warns(RuntimeWarning, match="feedback=0.95") as caught:
+        opt.step()
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
 def test_an_option_that_does_nothing_on_an_orthogonal_group_warns_once():
     group, _ = _group(weight_decay=5e-4, nesterov=True)
     with pytest.warns(UserWarning, match="nesterov=True, weight_decay=0.0005 set on an orthogonal") as caught:
