@@ -445,7 +445,7 @@ def test_a_cayley_sgd_state_dict_does_not_load_into_cayley_adam_nor_back():
     """A review: both held the same group keys, so each loaded the other's state_dict, and every
     later step raised a bare KeyError ('betas' / 'momentum')."""
     net = _net(2)
-    for src, dst in ((CayleySGD, CayleyADAM), (CayleyADAM, CayleySGD)):
+    for src, dst in ((CayleySGD, CayleyADAM), (CayleyADAM, CayleySGD), (CayleySGD, fgd_fast.FGD)):
         opt = src(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)
         _train(net, opt, 1)
         other = dst(fgd_fast.stiefel_param_groups(net, "all", orthogonalize=False), lr=0.1)

@@ -217,6 +217,7 @@ def test_a_state_dict_with_unusable_buffers_is_refused(bad):
         ("guard_count_list", "guard_count"),
         ("guard_count_complex", "guard_count"),
         ("guard_count_past_2_53", "guard_count"),
+        ("guard_count_negative", "guard_count"),
         ("max_distance", "max_distance"),
         ("trust_radius", "trust_radius"),
         ("groups_disagree", "optimizer-wide option max_distance"),
@@ -239,6 +240,8 @@ def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, matc
         sd["state"][0]["guard_count"] = [0, 0]
     elif edit == "guard_count_complex":
         sd["state"][0]["guard_count"] = torch.zeros(2, dtype=torch.complex64)
+    elif edit == "guard_count_negative":  # (floating, as an earlier version saved them)
+        sd["state"][0]["guard_count"] = torch.tensor([-1.0, 0.0])
     elif edit == "guard_count_past_2_53":  # (float64 counts no longer exact: not what a run saved)
         sd["state"][0]["guard_count"] = torch.tensor([2.0**53, 0.0], dtype=torch.float64)
     elif edit in ("max_distance", "trust_radius"):
