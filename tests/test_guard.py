@@ -374,14 +374,14 @@ def test_the_optimizers_trust_radius_reaches_the_step(backend):
     def run(radius, functional):
         gen = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, generator=gen, dtype=torch.float64)))
-        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1, backend=backend, trust_radius=radius)
+        kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend=backend, trust_radius=radius)
+        opt = None if functional else fgd_fast.FGD([dict(params=[w], orthogonal=True)], **kw)
         bufs = [None]
         for _ in range(3):
             g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # (the guard's one warning)
-                if functional:
-                    kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend=backend, trust_radius=radius)
+                if opt is None:
                     with torch.no_grad():
                         fgd_fast.fgd([w], [g / g.norm()], bufs, **kw)
                 else:
