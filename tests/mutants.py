@@ -29,6 +29,7 @@ BASE = "tests/test_baselines.py"
 LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_options_is_refused"
 SAVED = "tests/test_checkpoint_load.py"
 BASE_STATE = "tests/test_baselines_state.py"
+BASE_CHECKS = "tests/test_baselines_checks.py"
 EDGES = "tests/test_api_edges.py"
 FAILED = "tests/test_failed_step_contract.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
@@ -280,6 +281,18 @@ MUTANTS = {
     "other_calls_checks_unread": (
         "only the first backend call's checks read (a second call on the device, e.g. a sharded layer's, unread)",
         [f"{GUARD}::test_every_table_of_calls_sharing_a_device_is_read[finite]"],
+    ),
+    "landing_hyper_unchecked": (
+        "LandingSGD's groups checked for their keys only (a negative lr, a momentum of 1 went in)",
+        [f"{BASE_CHECKS}::test_landing_refuses_bad_hyper_parameters[lr]"],
+    ),
+    "adapter_options_checked_late": (
+        "the adapters leave their options to torch's SGD, which refuses them after the model was changed",
+        [f"{BASE_CHECKS}::test_the_adapters_refuse_bad_options_before_touching_the_model[torch-lr]"],
+    ),
+    "cayley_saved_v_any_dtype": (
+        "Cayley ADAM's saved exp_avg_sq taken in any dtype (an integer v truncated every later average)",
+        [f"{BASE_CHECKS}::test_cayley_adam_refuses_a_boolean_step_or_an_integer_second_moment[integer-v]"],
     ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
@@ -606,6 +619,32 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((CayleyADAM, "_check_saved_state", CayleyADAM._check_saved_state))
         CayleyBase._check_saved_state = buffers_only
         CayleyADAM._check_saved_state = buffers_only
+    elif name == "landing_hyper_unchecked":
+        from fgd_fast.baselines import landing
+        from fgd_fast.validation import check_keys
+
+        undo.append((landing, "_check_group", landing._check_group))
+        landing._check_group = lambda group: check_keys(group, landing._GROUP_KEYS)
+    elif name == "adapter_options_checked_late":
+        from fgd_fast.baselines import adapters
+
+        undo.append((adapters, "_sgd_options", adapters._sgd_options))
+        adapters._sgd_options = lambda lr, momentum, weight_decay, nesterov, dampening: dict(
+            lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov
+        )
+    elif name == "cayley_saved_v_any_dtype":
+        from fgd_fast.baselines._base import CayleyBase
+
+        original = CayleyBase._check_saved_state
+
+        def any_dtype(self, p, group, state, text):  # (the check sees v cast to float; the load keeps it)
+            v = state.get("exp_avg_sq")
+            if isinstance(v, torch.Tensor) and not v.is_floating_point():
+                state = {**state, "exp_avg_sq": v.double()}
+            original(self, p, group, state, text)
+
+        undo.append((CayleyBase, "_check_saved_state", original))
+        CayleyBase._check_saved_state = any_dtype
     elif name == "cayley_one_bucket_per_shape":
         from fgd_fast.baselines import CayleyADAM, CayleySGD
 
