@@ -39,8 +39,8 @@ def _weight(seed=0, shape=(4, 9)):
     ids=["lr", "momentum", "dampening", "weight_decay", "nesterov", "orthogonal"],
 )
 def test_landing_refuses_bad_hyper_parameters(kwargs, error, match):
-    """Only λ and ε were tried: a negative lr, a momentum of 1 or a dampening past 1 went in,
-    as optimizer keywords, in a group, or in a group added later."""
+    """Every hyper-parameter of a Landing group is checked (the tests tried λ and ε only): as an
+    optimizer keyword, in a group, or in a group added later, which is then not added."""
     w = _weight()
     if "orthogonal" not in kwargs:  # (an optimizer keyword: every group's default)
         with pytest.raises(error, match=match):
@@ -56,7 +56,8 @@ def test_landing_refuses_bad_hyper_parameters(kwargs, error, match):
 @pytest.mark.parametrize("option", ["check_finite", "maximize"])
 @pytest.mark.parametrize("name", list(BASELINES))
 def test_the_flags_must_be_booleans(name, option):
-    """``check_finite="no"`` (a truthy string) went in unchecked, and so did ``maximize=1``."""
+    """A truthy non-bool (``check_finite="no"``, ``maximize=1``) is refused, at construction and
+    when set later (the option keeps its value)."""
     with pytest.raises(TypeError, match=f"{option} must be True or False"):
         BASELINES[name]([dict(params=[_weight()], orthogonal=True)], lr=0.1, **{option: "no"})
     opt = BASELINES[name]([dict(params=[_weight()], orthogonal=True)], lr=0.1)
@@ -90,7 +91,8 @@ def test_a_bad_default_is_refused_even_when_every_group_overrides_it(name):
     ids=["bool-step", "integer-v"],
 )
 def test_cayley_adam_refuses_a_boolean_step_or_an_integer_second_moment(edit, match):
-    """An integer v loaded, and each step then truncated the new average into it in place."""
+    """Loaded unchecked, an integer v stays integer: every later average is truncated into it in
+    place (seen with the check planted off: v stayed int64)."""
     w = _weight()
     opt = CayleyADAM([dict(params=[w], orthogonal=True)], lr=0.1)
     for seed in range(2):
@@ -106,8 +108,8 @@ def test_cayley_adam_refuses_a_boolean_step_or_an_integer_second_moment(edit, ma
 
 @pytest.mark.parametrize("lost", ["exp_avg", "exp_avg_sq"])
 def test_cayley_adam_refuses_moments_removed_by_hand_after_steps(lost):
-    """Moments dropped from opt.state after steps: the step refuses them with the fix (it raised a
-    bare KeyError), before any write."""
+    """Moments dropped from opt.state after steps: the step refuses them with the fix before any
+    write (without the check, a bare KeyError)."""
     net = nn.Linear(9, 4)
     fgd_fast.orthogonalize_(net.weight.data)
     opt = CayleyADAM([dict(params=[net.weight], orthogonal=True), dict(params=[net.bias])], lr=0.1)
@@ -167,8 +169,8 @@ _BAD_SGD = [dict(lr=-0.1), dict(momentum=1.0), dict(weight_decay=-1e-4), dict(mo
     + ["geoopt-canonical"],
 )
 def test_the_adapters_refuse_bad_options_before_touching_the_model(make, kwargs, error):
-    """torch's SGD refused a negative lr too, but only after every weight had been projected and
-    parametrized: the model came back changed."""
+    """torch's SGD refuses a negative lr too, but only after the weights are projected and
+    parametrized: the adapters check first, so the model comes back unchanged."""
     if make == "geoopt":
         pytest.importorskip("geoopt")
     build = geoopt_stiefel_sgd if make == "geoopt" else torch_orthogonal_sgd
@@ -183,8 +185,8 @@ def test_the_adapters_refuse_bad_options_before_touching_the_model(make, kwargs,
 
 @pytest.mark.parametrize("make", [torch_orthogonal_sgd, geoopt_stiefel_sgd])
 def test_the_adapters_leave_frozen_weights_alone(make):
-    """A frozen weight the rule selects is neither parametrized nor trained (it was parametrized,
-    and torch's orthogonal map made it a trainable parameter again)."""
+    """A frozen weight the rule selects is neither parametrized nor trained (parametrized, it
+    would become a trainable parameter again)."""
     if make is geoopt_stiefel_sgd:
         pytest.importorskip("geoopt")
     torch.manual_seed(0)
