@@ -30,6 +30,7 @@ LOAD = "tests/test_citizen.py::test_a_state_dict_with_unusable_guard_state_or_op
 SAVED = "tests/test_checkpoint_load.py"
 BASE_STATE = "tests/test_baselines_state.py"
 BASE_CHECKS = "tests/test_baselines_checks.py"
+LAZY = "tests/test_lazy_velocity.py"
 EDGES = "tests/test_api_edges.py"
 FAILED = "tests/test_failed_step_contract.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
@@ -293,6 +294,10 @@ MUTANTS = {
     "cayley_saved_v_any_dtype": (
         "Cayley ADAM's saved exp_avg_sq taken in any dtype (an integer v truncated every later average)",
         [f"{BASE_CHECKS}::test_cayley_adam_refuses_a_boolean_step_or_an_integer_second_moment[integer-v]"],
+    ),
+    "step_bound_without_m_squared": (
+        "the step distance's norm bound without its (1 + ‖D‖)‖M‖² term (below the distance: exact check skipped)",
+        [f"{LAZY}::test_step_bound_is_attained_with_every_second_order_term[0.0-0.5-0.0]"],
     ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
@@ -619,6 +624,14 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((CayleyADAM, "_check_saved_state", CayleyADAM._check_saved_state))
         CayleyBase._check_saved_state = buffers_only
         CayleyADAM._check_saved_state = buffers_only
+    elif name == "step_bound_without_m_squared":
+
+        def step_bound(dist, m, t, layout=None):
+            d = dist.to(torch.float64)
+            nm, nt, nmt = (layout or Layout.of(m)).norms([m, t, m + t]).to(torch.float64).unbind(0)
+            return d + 2.0 * nmt + nm * 2.0 * (d + nt)  # ‖D‖ + 2‖M + T‖ + 2‖M‖(‖D‖ + ‖T‖)
+
+        _replace("step_bound", step_bound, undo)
     elif name == "landing_hyper_unchecked":
         from fgd_fast.baselines import landing
         from fgd_fast.validation import check_keys

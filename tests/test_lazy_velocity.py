@@ -82,6 +82,24 @@ def test_step_bound_is_an_upper_bound_and_attained(scale):
     assert float(bound[0]) == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("d, c, t", [(0.0, 0.5, 0.0), (0.0, 0.3, 0.4), (0.2, 0.3, 0.4), (1e-3, 2.0, 1.5)])
+def test_step_bound_is_attained_with_every_second_order_term(d, c, t):
+    """The equality case of every term (p = 1, all of one sign): θ a column of norm √(1 + d), M = c
+    and U along θ with T = θᵀU = t give ``d + 2(c + t) + 2dc + (1 + d)c² + 2ct`` exactly, the
+    bound's ``‖D‖ + 2‖M + T‖ + ‖M‖(2‖D‖ + (1 + ‖D‖)‖M‖ + 2‖T‖)``; a bound without its ‖M‖² or
+    ‖M‖‖T‖ term (kept by the random cases above) would be below the distance here."""
+    gen = torch.Generator().manual_seed(1)
+    unit = torch.randn(9, 1, generator=gen, dtype=torch.float64)
+    unit /= unit.norm()
+    theta = (1.0 + d) ** 0.5 * unit
+    m = torch.full((1, 1), c, dtype=torch.float64)
+    exact, tt = _stiefel_step(theta, m, t / (1.0 + d) ** 0.5 * unit)
+    assert float(tt) == pytest.approx(t, rel=1e-12, abs=1e-15)
+    bound = guard_rule.step_bound(torch.tensor([d], dtype=torch.float64), m.unsqueeze(0), tt.unsqueeze(0))
+    assert float(bound[0]) == pytest.approx(float(exact.abs().max()), rel=1e-12)
+    assert float(bound[0]) == pytest.approx(d + 2 * (c + t) + 2 * d * c + (1 + d) * c * c + 2 * c * t, rel=1e-12)
+
+
 def _problem(seed: int, spike: float):
     gen = torch.Generator().manual_seed(seed)
     params = [fgd_fast.orthogonalize_(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
