@@ -26,13 +26,6 @@ def test_checked_precision_refuses_an_unknown_precision_with_the_choices(backend
         checked_precision(3, backend)
 
 
-def _call(prepare, params, grads, **kw):
-    """One backend call with FGD's defaults (nothing fresh: the momentum buffers are given)."""
-    bufs = [torch.zeros_like(g) for g in grads]
-    options = dict(lr=0.1, momentum=0.9, feedback=0.4, check_finite=True, **kw)
-    return prepare(params, grads, bufs, [False] * len(params), **options)
-
-
 @pytest.mark.parametrize("backend", backend_params(("torch", "triton")))
 def test_each_backend_refuses_an_unknown_precision_itself(backend):
     """The backends are called with one signature by more than the optimizer (the functional
@@ -40,8 +33,9 @@ def test_each_backend_refuses_an_unknown_precision_itself(backend):
     params, grads = stiefel_problem([(8, 4, 3, 3)])
     before = params[0].detach().clone()
     _, prepare = resolve_backend(backend, device_for_tests())
+    bufs, fresh = [torch.zeros_like(g) for g in grads], [False] * len(grads)
     with pytest.raises(ValueError, match="unknown precision='fp16'"):
-        _call(prepare, params, grads, precision="fp16")
+        prepare(params, grads, bufs, fresh, lr=0.1, momentum=0.9, feedback=0.4, check_finite=True, precision="fp16")
     assert torch.equal(params[0], before)
 
 

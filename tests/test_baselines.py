@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 import cayley_oracle as co
 import fgd_fast
-from fgd_fast.baselines import CayleyADAM, CayleySGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
 from fgd_fast.baselines.retraction import skew_fro_norm
 from helpers import assert_unchanged, snapshot, step_then_fresh_grad
 from oracle import random_stiefel
@@ -798,23 +798,26 @@ def test_layers_of_one_shape_due_for_qr_at_different_steps_step_as_apart(cls):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
-@pytest.mark.parametrize("form", ["lowrank", "dense"])
-def test_a_zero_size_orthogonal_parameter_steps_beside_others(cls, form):
-    """A zero-size orthogonal parameter (a layer pruned to nothing) is skipped; the others step
-    as they would alone."""
+@pytest.mark.parametrize(
+    "cls, options",
+    [(cls, dict(form=form)) for cls in (CayleySGD, CayleyADAM) for form in ("lowrank", "dense")] + [(LandingSGD, {})],
+    ids=[f"{cls}-{form}" for cls in ("CayleySGD", "CayleyADAM") for form in ("lowrank", "dense")] + ["LandingSGD"],
+)
+def test_a_zero_size_orthogonal_parameter_steps_beside_others(cls, options):
+    """A zero-size orthogonal parameter (a layer pruned to nothing) is skipped, no state made for
+    it; the others step as they would alone."""
     torch.manual_seed(0)
     empty = nn.Parameter(torch.empty(0, 5))
     w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(3, 5)))
     start = w.detach().clone()
     alone = nn.Parameter(start.clone())
-    opt = cls([dict(params=[empty, w], orthogonal=True)], lr=0.1, form=form)
-    ref = cls([dict(params=[alone], orthogonal=True)], lr=0.1, form=form)
+    opt = cls([dict(params=[empty, w], orthogonal=True)], lr=0.1, **options)
+    ref = cls([dict(params=[alone], orthogonal=True)], lr=0.1, **options)
     empty.grad, w.grad = torch.empty(0, 5), torch.randn(3, 5)
     alone.grad = w.grad.clone()
     opt.step()
     ref.step()
-    assert torch.equal(w, alone) and not torch.equal(w, start)
+    assert torch.equal(w, alone) and not torch.equal(w, start) and not opt.state.get(empty)
 
 
 def test_a_gradient_in_the_normal_space_moves_nothing_in_float32():

@@ -14,11 +14,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import fgd_fast
-from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
+from fgd_fast.baselines import CayleyADAM, LandingSGD, geoopt_stiefel_sgd, torch_orthogonal_sgd
 from fgd_fast.baselines.landing import safe_step_size
 from helpers import assert_unchanged, snapshot
-
-BASELINES = {"CayleySGD": CayleySGD, "CayleyADAM": CayleyADAM, "LandingSGD": LandingSGD}
+from test_baselines_state import BASELINES, _grads, _net
 
 
 def _weight(seed=0, shape=(4, 9)):
@@ -110,20 +109,16 @@ def test_cayley_adam_refuses_a_boolean_step_or_an_integer_second_moment(edit, ma
 def test_cayley_adam_refuses_moments_removed_by_hand_after_steps(lost):
     """Moments dropped from opt.state after steps: the step refuses them with the fix before any
     write (without the check, a bare KeyError)."""
-    net = nn.Linear(9, 4)
-    fgd_fast.orthogonalize_(net.weight.data)
-    opt = CayleyADAM([dict(params=[net.weight], orthogonal=True), dict(params=[net.bias])], lr=0.1)
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        net.weight.grad, net.bias.grad = torch.randn(4, 9, generator=g), torch.randn(4, generator=g)
-        if seed == 2:
-            del opt.state[net.weight][lost]
-            snap = snapshot(net, opt)
-            with pytest.raises(ValueError, match="moments do not fit.*opt.state\\[param\\].clear"):
-                opt.step()
-            assert_unchanged(net, opt, snap)
-        else:
-            opt.step()
+    net, opt = _net(CayleyADAM)
+    for seed in range(2):
+        _grads(net, seed)
+        opt.step()
+    del opt.state[net.weight][lost]
+    _grads(net, 2)
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match="moments do not fit.*opt.state\\[param\\].clear"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
 
 
 def test_safe_step_size_keeps_its_documented_contract():
@@ -141,13 +136,10 @@ def test_safe_step_size_keeps_its_documented_contract():
 def test_state_tensors_are_updated_in_place(name):
     """As ``torch.optim.SGD``'s momentum: a step writes into the state tensors it made, so a
     reference held to them (or a captured CUDA graph's address) sees the new values."""
-    net = nn.Linear(9, 4)
-    fgd_fast.orthogonalize_(net.weight.data)
-    opt = BASELINES[name]([dict(params=[net.weight], orthogonal=True), dict(params=[net.bias])], lr=0.1)
+    net, opt = _net(BASELINES[name])
     held = {}
     for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        net.weight.grad, net.bias.grad = torch.randn(4, 9, generator=g), torch.randn(4, generator=g)
+        _grads(net, seed)
         opt.step()
         state = {k: v for k, v in opt.state[net.weight].items() if isinstance(v, torch.Tensor)}
         assert state, "the orthogonal parameter has tensor state"
@@ -213,19 +205,3 @@ def test_the_torch_adapter_passes_its_orthogonal_map_on():
     net = nn.Sequential(nn.Linear(9, 4), nn.Linear(4, 3))
     torch_orthogonal_sgd(net, "all", lr=0.1, orthogonal_map="cayley")
     assert all(str(m.parametrizations.weight[0].orthogonal_map).endswith("cayley") for m in net)
-
-
-def test_landing_skips_a_zero_size_orthogonal_parameter():
-    """As the Cayley baselines: a layer pruned to nothing is skipped (no state made for it), and
-    the others step as they would alone."""
-    torch.manual_seed(0)
-    empty = nn.Parameter(torch.empty(0, 5))
-    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(3, 5)))
-    alone = nn.Parameter(w.detach().clone())
-    opt = LandingSGD([dict(params=[empty, w], orthogonal=True)], lr=0.1)
-    ref = LandingSGD([dict(params=[alone], orthogonal=True)], lr=0.1)
-    empty.grad, w.grad = torch.empty(0, 5), torch.randn(3, 5)
-    alone.grad = w.grad.clone()
-    opt.step()
-    ref.step()
-    assert torch.equal(w, alone) and not opt.state.get(empty)
