@@ -132,3 +132,58 @@ def test_indices_used_while_capturing_are_never_evicted(monkeypatch):
         Layout([(1, 2), (1, k)])._index()
     assert captured._index() is kept
     assert len(layout._indices) == 3  # the pinned one and the two newest
+    assert [key[0] for key in layout._indices] == [((1, 2), (1, 3)), ((1, 2), (1, 6)), ((1, 2), (1, 7))]
+
+
+def test_segmented_sums_and_norms_are_the_per_group_ones(monkeypatch):
+    """The one-launch segmented reductions (a GPU's) give each layer's sum and norm, as the
+    per-group reductions (a CPU's) do: both run here on the same blocks."""
+    from fgd_fast.backends import layout
+
+    gen = torch.Generator().manual_seed(4)
+    x = _flat(_random(gen))
+    lay = Layout(GROUPS, DEV)
+    monkeypatch.setattr(layout, "PER_GROUP_DEVICES", (DEV.type,))
+    per_group = lay.sums(x), lay.norm(x)
+    monkeypatch.setattr(layout, "PER_GROUP_DEVICES", ())
+    segmented = lay.sums(x), lay.norm(x)
+    want = torch.cat([b.sum((-2, -1)) for b in _random(torch.Generator().manual_seed(4))])
+    for got in (per_group[0], segmented[0]):
+        assert got.shape == (lay.count,) and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(segmented[1], per_group[1], rtol=1e-12, atol=0)
+
+
+def test_tiles_cover_every_layers_block_once_per_tile_size():
+    """A kernel's work table: every ``tile × tile`` item of every layer's block, once, and each
+    layer's row (its block's offset, its p, its first item, its item count); a table per tile."""
+    lay = Layout(GROUPS, DEV)
+    row = lambda k, at, p, first, items: [at, p, first, items]  # noqa: E731
+    offsets = torch.tensor([0] + [p * p for n, p in GROUPS for _ in range(n)]).cumsum(0)[:-1]
+    for tile in (2, 4):
+        work, rows = lay.tiles(tile, ("test",), row)
+        want = [
+            (k, i, j)
+            for k, p in enumerate(p for n, p in GROUPS for _ in range(n))
+            for i in range(-(-p // tile))
+            for j in range(-(-p // tile))
+        ]
+        assert work.dtype == torch.int32 and work.tolist() == [list(w) for w in want]
+        assert rows[:, 0].tolist() == offsets.tolist()
+        assert rows[:, 1].tolist() == [p for n, p in GROUPS for _ in range(n)]
+        assert rows[:, 3].tolist() == [(-(-p // tile)) ** 2 for n, p in GROUPS for _ in range(n)]
+        assert rows[:, 2].tolist() == (rows[:, 3].cumsum(0) - rows[:, 3]).tolist()
+
+
+def test_per_layer_values_in_any_shape():
+    """``per_layer``: a float, one value, or ``L`` values in any shape, as ``(L,)`` float64; and
+    ``p_per_layer``: each layer's own p (the guard's margin and range depend on it)."""
+    lay = Layout(GROUPS, DEV)
+    v = torch.arange(lay.count, dtype=torch.float32, device=DEV)
+    for given in (v, v.view(-1, 1, 1), v.view(1, -1)):
+        got = lay.per_layer(given)
+        assert got.dtype == torch.float64 and torch.equal(got, v.double())
+    assert torch.equal(lay.per_layer(torch.tensor(0.5, device=DEV)), torch.full((lay.count,), 0.5, device=DEV).double())
+    assert torch.equal(lay.per_layer(0.25), torch.full((lay.count,), 0.25, dtype=torch.float64, device=DEV))
+    assert torch.equal(lay.per_layer(0.5), torch.full((lay.count,), 0.5, dtype=torch.float64, device=DEV))
+    want = torch.tensor([float(p) for n, p in GROUPS for _ in range(n)], dtype=torch.float64, device=DEV)
+    assert torch.equal(lay.p_per_layer(), want)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Layout", "rows"]
+__all__ = ["Layout", "PER_GROUP_DEVICES", "rows"]
 
 
 def rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -73,6 +73,11 @@ class _Index:
                 self._layer = self._cat([torch.repeat_interleave(torch.arange(len(sizes)), sizes)])
         return self._layer
 
+
+#: Device types whose per-layer sums and norms run per group (one reduction per group), not as one
+#: segmented reduction over the flat buffer (one launch on a GPU; 4–10× slower on a CPU,
+#: ``studies/cpu_host_ops``). Both give the same values; the tests run the segmented one here too.
+PER_GROUP_DEVICES = ("cpu",)
 
 _PIECES_KEPT = 16  # blocks whose per-group views a layout keeps (pieces)
 _indices: dict[tuple, _Index] = {}
@@ -227,7 +232,7 @@ class Layout:
         """``(L,)`` the sum of each layer's entries."""
         if self.single:
             return x.sum((-2, -1))
-        if self.device.type == "cpu":  # per group (segment_reduce: 4–10× slower on a CPU, studies/cpu_host_ops)
+        if self.device.type in PER_GROUP_DEVICES:  # per group (see PER_GROUP_DEVICES)
             return torch.cat([piece.sum((-2, -1)) for piece in self.pieces(x)])
         # (unsafe: the lengths are right by construction, and their check would read the device on the host)
         return torch.segment_reduce(x, "sum", lengths=self._index().lengths, unsafe=True)
@@ -236,7 +241,7 @@ class Layout:
         """``(L,)`` each layer's Frobenius norm."""
         if self.single:
             return torch.linalg.matrix_norm(x)
-        if self.device.type == "cpu":  # per group, as sums
+        if self.device.type in PER_GROUP_DEVICES:  # per group, as sums
             return torch.cat([torch.linalg.matrix_norm(piece) for piece in self.pieces(x)])
         return self.sums(x * x).sqrt()
 
