@@ -84,7 +84,8 @@ FIELDS = ("m_theta", "m_phi", "feedback", "dist", "finite", "scale", "dist_next"
 @pytest.mark.parametrize("blend", [False, True], ids=["host-read", "blend-every-layer"])
 @pytest.mark.parametrize("variant", ["official", "paper"])
 @pytest.mark.parametrize("grad", [0.05, 30.0], ids=["calm", "spike"])  # a spike: the guard scales or resets
-def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad, monkeypatch):
+@pytest.mark.parametrize("unit", [1e-12, 0.03], ids=["fine", "coarse"])  # coarse: each p's own margin matters
+def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad, unit, monkeypatch):
     # blend: as on a GPU, every layer blended (no host read); else the full step checked first (a read)
     monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", () if blend else (DEV.type,))
     gen = torch.Generator().manual_seed(1)
@@ -92,7 +93,7 @@ def test_one_middle_over_several_p_is_the_per_group_middles(blend, variant, grad
     count = sum(n for n, _ in GROUPS)
     lrs = torch.linspace(0.01, 0.2, count, dtype=torch.float64, device=DEV)  # per-layer η (and α below)
     alphas = torch.linspace(0.3, 0.5, count, dtype=torch.float64, device=DEV)  # per-layer α
-    guard = dict(radius=4.0, limit=0.5, unit=1e-12, variant=variant, beta=0.9)
+    guard = dict(radius=4.0, limit=0.5, unit=unit, variant=variant, beta=0.9)
     mids, at = [], 0
     for blocks, (n, _) in zip(per, GROUPS):
         own = {k: v.clone() for k, v in blocks.items()}
