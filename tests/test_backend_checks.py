@@ -127,3 +127,32 @@ def test_each_set_of_layers_keeps_its_own_hyper_parameter_table():
     assert first[0, 0].item() == pytest.approx(0.1) and second[0, 0].item() == pytest.approx(0.2)
     again = hyper_table(((0.3, 0.9, 0.4),), torch.float32, torch.device("cpu"), owners=(1001,))
     assert again is first and first[0, 0].item() == pytest.approx(0.3)
+
+
+def test_a_reset_zeroes_the_update_kernels_step_even_for_a_non_finite_lr():
+    """``scaled_hyper``: ``[η, β, α] → [sη, sβ, α]``; a reset (s = 0) writes exact zeros even
+    where η is not finite (an lr tensor on the device, which no host read checks: 0·NaN = NaN
+    would write NaN into θ₊)."""
+    from fgd_fast.backends.algebra import scaled_hyper
+
+    nan, inf = float("nan"), float("inf")
+    hyper = torch.tensor([[nan, 0.9, 0.4], [inf, 0.9, 0.4], [0.1, 0.9, 0.4], [0.2, 0.5, 0.3]], dtype=torch.float64)
+    scale = torch.tensor([0.0, 0.0, 0.5, 1.0], dtype=torch.float64)
+    want = torch.tensor([[0.0, 0.0, 0.4], [0.0, 0.0, 0.4], [0.05, 0.45, 0.4], [0.2, 0.5, 0.3]], dtype=torch.float64)
+    assert torch.equal(scaled_hyper(hyper, scale), want)
+    assert scaled_hyper(hyper, None) is hyper  # no guard: the table itself
+
+
+@pytest.mark.parametrize("shapes", [[(7, 3)] * 2, [(7, 3), (5, 3)]], ids=["one-shape", "two-shapes"])
+def test_velocity_blocks_are_gtg_and_phitg(shapes):
+    """The guard's ``G = gᵀg`` and ``H = Φᵀg`` (not ``gᵀΦ``) where the Gram kernel does not form
+    them: by batched products for one shape, by one product per layer otherwise."""
+    from fgd_fast.backends.algebra import velocity_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    phis = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    gg, h = velocity_blocks(grads, phis, torch.float64)
+    assert torch.allclose(gg, torch.stack([g.T @ g for g in grads]), rtol=1e-14, atol=1e-14)
+    assert torch.allclose(h, torch.stack([f.T @ g for f, g in zip(phis, grads)]), rtol=1e-14, atol=1e-14)
+    assert velocity_blocks(grads, None, torch.float32)[1] is None
