@@ -299,6 +299,12 @@ MUTANTS = {
         "the step distance's norm bound without its (1 + ‖D‖)‖M‖² term (below the distance: exact check skipped)",
         [f"{LAZY}::test_step_bound_is_attained_with_every_second_order_term[0.0-0.5-0.0]"],
     ),
+    "guard_margin_of_first_p": (
+        "one middle over several p taking the first group's p for every layer's rounding margin",
+        [
+            "tests/test_layout.py::test_one_middle_over_several_p_is_the_per_group_middles[coarse-spike-official-host-read]"
+        ],
+    ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
         [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
@@ -632,6 +638,17 @@ def plant(name: str) -> Callable[[], None]:
             return d + 2.0 * nmt + nm * 2.0 * (d + nt)  # ‖D‖ + 2‖M + T‖ + 2‖M‖(‖D‖ + ‖T‖)
 
         _replace("step_bound", step_bound, undo)
+    elif name == "guard_margin_of_first_p":
+
+        def first_p(self):
+            return torch.full((self.count,), float(self.groups[0][1]), dtype=torch.float64, device=self.device)
+
+        from fgd_fast.backends import layout
+
+        undo.append((layout, "_indices", layout._indices))  # (targets memoized before the mutant not reused)
+        layout._indices = {}
+        undo.append((Layout, "p_per_layer", Layout.p_per_layer))
+        Layout.p_per_layer = first_p
     elif name == "landing_hyper_unchecked":
         from fgd_fast.baselines import landing
         from fgd_fast.validation import check_keys
