@@ -61,7 +61,7 @@ MUTANTS = {
     ),
     "no_rounding_margin": (
         "the prediction made before rounding to the stored dtype",
-        [f"{RULE}::test_16_bit_parameters_are_stored_within_the_limit[dtype0]"],
+        [f"{RULE}::test_16_bit_parameters_are_stored_within_the_limit[dtype0-auto]"],
     ),
     "finite_from_norm": (
         "‖g‖² overflow read as a non-finite gradient",

@@ -181,14 +181,15 @@ def test_high_feedback_with_spikes_never_raises(feedback):
                 assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_parameters_are_stored_within_the_limit(dtype):
+def test_16_bit_parameters_are_stored_within_the_limit(dtype, backend):
     """Why 5: the prediction was made before rounding to bfloat16 (20/200 seeds written past
     0.5, worst 0.5028, and the next step raised). The margin of the stored dtype keeps it in."""
     for seed in range(60):
         torch.manual_seed(seed)
         w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(1, 16, dtype=torch.float64)).to(dtype))
-        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.2, momentum=0.9, feedback=0.1)
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.2, momentum=0.9, feedback=0.1, backend=backend)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _ in range(20):
@@ -384,3 +385,27 @@ def test_a_weight_the_quartic_allows_but_the_direct_sum_refuses_falls_back_to_th
     assert float(blend.weight[0]) == 0.0 and not bool(blend.newton[0])
     assert float(blend.dist[0]) == pytest.approx(float(torch.linalg.matrix_norm(d0.double())), rel=1e-6)
     assert float(blend.dist[0]) <= target
+
+
+@pytest.mark.parametrize("variant", ["official", "paper"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_far_theta_is_reset_by_the_newton_schulz_step_in_every_backend(backend, variant):
+    """With ``check_manifold=False`` a θ beyond ``max_distance`` is stepped; where neither the
+    update nor the α pull-back brings it within, the guard resets to the Newton–Schulz step
+    ``θ(3I − A)/2`` with ``Φ₊ = 0``, in every backend (the reference's own θ_ns and choice of it
+    were otherwise reached by no test)."""
+    gen = torch.Generator().manual_seed(2)
+    theta = fgd_fast.orthogonalize_(torch.randn(12, 5, generator=gen, dtype=torch.float64))
+    theta += 0.04 * torch.randn(12, 5, generator=gen, dtype=torch.float64)  # far off the manifold
+    eye = torch.eye(5, dtype=torch.float64)
+    a = theta.T @ theta
+    assert 0.2 < float(torch.linalg.matrix_norm(a - eye)) < 0.4
+    want = theta @ (3.0 * eye - a) / 2.0  # the Newton–Schulz step
+    assert float(torch.linalg.matrix_norm(want.T @ want - eye)) < 0.1
+    param, buf = theta.clone(), 0.01 * torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    report = fgd_fast.functional.fgd(
+        [param], [torch.randn(12, 5, generator=gen, dtype=torch.float64)], [buf], lr=0.1, momentum=0.9,
+        feedback=0.05, max_distance=0.1, check_manifold=False, backend=backend, variant=variant,
+    )  # fmt: skip
+    assert report.read == [guards.RESET]
+    assert torch.allclose(param, want, rtol=0, atol=1e-12) and torch.equal(buf, torch.zeros_like(buf))
