@@ -62,6 +62,24 @@ def test_emulation_rounds_the_products_and_restores_them():
         pass
 
 
+@pytest.mark.parametrize("form", ["lean", "naive"])
+def test_emulated_products_keep_their_contract(form):
+    """Inside the emulation, ``mm_add`` is still ``Z + αXY`` (into ``out``) and ``i_plus_d``
+    still ``X + αDX + extra``, to TF32's rounding of the product (one ignored α or ``extra``
+    passed the accuracy studies)."""
+    gen = torch.Generator().manual_seed(1)
+    z, x, y, d = (torch.randn(3, 6, 6, generator=gen) for _ in range(4))
+    d = d * 1e-2
+    close = lambda got, want: torch.allclose(got, want, rtol=0, atol=2e-2)  # noqa: E731  (TF32 inputs: ~2⁻¹¹ each)
+    with emulated_tf32_middle(form):
+        out = torch.empty_like(z)
+        assert close(block_products.mm_add(z, x, y, alpha=-0.5), z - 0.5 * (x @ y))
+        assert block_products.mm_add(z, x, y, out=out, alpha=2.0) is out and close(out, z + 2.0 * (x @ y))
+        assert close(block_products.i_plus_d(d, x, -1.0), x - d @ x)
+        assert close(block_products.i_plus_d(d, x, 1.0, extra=y), x + d @ x + y)
+        assert not torch.equal(block_products.mm(x, y), x @ y)  # the products are rounded
+
+
 @pytest.mark.parametrize("lr", [1e-2, 1e-4])
 def test_a_tf32_middle_settles_where_the_fp32_middle_does(lr):
     """600 steps of unit-norm random gradients (1e-2: the O(η²) drift sets the distance; 1e-4:
