@@ -261,3 +261,37 @@ def test_the_store_keeps_a_few_entries_the_oldest_going_first():
     kept = {id(r()) for e in carry._store.values() for r in e.refs}
     assert not kept & {id(p) for p in models[0][0]} and {id(p) for p in models[-1][0]} <= kept
     carry.forget()
+
+
+@pytest.mark.parametrize("refresh", [1, 4])
+def test_the_guard_is_told_each_groups_stored_dtype_and_carried_rounding(refresh, monkeypatch):
+    """Each middle call of the torch backend serves one stored dtype (a float32 and a bfloat16
+    layer of one shape are not one group: each θ₊ must fit its own dtype's rounding) and its
+    guard's rounding unit is the stored dtype's, times the steps its carried Grams may lag the
+    stored θ (``refresh``: one rounding per step carried)."""
+    from fgd_fast.backends import torch_groups
+    from fgd_fast.backends.guard_rule import store_unit
+
+    told = []
+
+    def middle(*args, **kwargs):
+        told.append((kwargs["stored"], kwargs["unit"], kwargs["carry"], kwargs["layout"].count))
+        return real(*args, **kwargs)
+
+    real = torch_groups.middle
+    monkeypatch.setattr(torch_groups, "middle", middle)
+    carry.forget()
+    gen = torch.Generator().manual_seed(3)
+    params = [
+        torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(32, 8, generator=gen)).to(dtype))
+        for dtype in (torch.float32, torch.bfloat16, torch.float32)
+    ]
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="torch", gram_refresh=refresh)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+    assert {(stored, count) for stored, _, _, count in told} == {(torch.float32, 2), (torch.bfloat16, 1)}
+    for stored, unit, carried, _ in told:
+        assert unit == store_unit(stored) * (refresh if carried else 1)
+    assert any(carried for stored, _, carried, _ in told if stored == torch.float32) == (refresh > 1)
