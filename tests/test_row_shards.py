@@ -103,7 +103,8 @@ def _problem(shapes, dtype, seed, with_phi, device):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
 @pytest.mark.parametrize("halves", [False, True], ids=["one-product", "halves"])
-def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, halves, monkeypatch):
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf")], ids=["nan", "minus-inf"])  # (a max alone misses −Inf)
+def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, halves, bad, monkeypatch):
     device = device_for_tests()
     _, prepare = resolve_backend(backend, device)
     assert getattr(prepare, "row_shards", False)
@@ -113,7 +114,7 @@ def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, h
     # with 2 rows (empty shards on 3 ranks), and a Linear
     shapes = [(70, 9, 3, 3), (70, 9, 3, 3), (2, 1), (5, 7), (19, 4, 1, 1)]
     params, grads, bufs = _problem(shapes, dtype, seed=ranks, with_phi=with_phi, device=device)
-    grads[3][0, 0] = float("nan")  # reported as not finite by every rank
+    grads[3][0, 0] = bad  # reported as not finite by every rank (no prediction: the check's own pass over g)
     fresh = [not with_phi] * len(shapes)
     kw = dict(lr=[0.1] * 5, momentum=[0.9] * 5, feedback=[0.4] * 5, check_finite=True)
 
