@@ -111,6 +111,28 @@ def test_tensor_and_float_lrs_in_one_step(backend):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+def test_two_tensor_lrs_over_layers_of_one_shape_step_as_their_floats(backend):
+    """Per-layer lrs that are two tensors (handed to the backends as they are: the functional
+    step), over layers of one shape (one bucket of the torch backend had they been one value):
+    each layer steps with its own η, as with floats."""
+
+    def run(lrs):
+        params, grads = stiefel_problem([(12, 5)] * 4)
+        bufs = [None] * len(params)
+        for _ in range(3):
+            with torch.no_grad():
+                fgd_fast.fgd(
+                    params, [g.clone() for g in grads], bufs, lr=lrs, momentum=0.9, feedback=0.4, backend=backend
+                )
+        return params
+
+    first, second = torch.tensor(0.05, device=device_for_tests()), torch.tensor(0.01, device=device_for_tests())
+    floats, tensors = run([0.05, 0.05, 0.01, 0.01]), run([first, first, second, second])
+    for a, b in zip(floats, tensors):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's NaN arithmetic)
 @pytest.mark.parametrize("host_reads", [True, False], ids=["host-reads", "device-only"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
