@@ -130,3 +130,42 @@ def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, h
             torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=tol)
             if with_phi:
                 torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "bucket_bytes, count", [(None, 1), (1, 4), (500, 3)], ids=["one-call", "a-call-per-chunk", "two-chunks-a-call"]
+)
+def test_overlapped_sums_send_each_block_once(bucket_bytes, count):
+    """``OverlappedSums`` with a reducer standing in for two equal ranks (each sum doubles): every
+    block, symmetric ones as upper triangles mirrored back, and the extra tensors are summed
+    exactly once, whatever the bucket size; and a step with nothing to sum still makes its call
+    (every rank makes the same calls)."""
+    from fgd_fast.backends.gram_sums import OverlappedSums
+
+    calls = []
+
+    def reduce(tensors):
+        calls.append(len(tensors))
+        for t in tensors:
+            t.mul_(2.0)
+
+    if bucket_bytes is not None:
+        reduce.bucket_bytes = bucket_bytes
+    gen = torch.Generator().manual_seed(0)
+    chunks = []
+    for p in (3, 5, 4):
+        a = torch.randn(2, p, p, generator=gen, dtype=torch.float64)
+        chunks.append([a + a.mT, torch.randn(2, p, p, generator=gen, dtype=torch.float64)])  # [A (symmetric), E]
+    want = [[2.0 * b for b in blocks] for blocks in chunks]
+    extra = torch.arange(3.0)
+    sums = OverlappedSums(reduce)
+    for blocks in chunks:
+        sums.add(blocks, (0,))
+    sums.finish([extra])
+    for got, expected in zip(chunks, want):
+        for b, w in zip(got, expected):
+            assert torch.equal(b, w)
+    assert torch.equal(extra, 2.0 * torch.arange(3.0)) and len(calls) == count  # (the extra with the last blocks)
+    calls.clear()
+    OverlappedSums(reduce).finish([])
+    assert calls == [0]
