@@ -409,3 +409,27 @@ def test_a_far_theta_is_reset_by_the_newton_schulz_step_in_every_backend(backend
     )  # fmt: skip
     assert report.read == [guards.RESET]
     assert torch.allclose(param, want, rtol=0, atol=1e-12) and torch.equal(buf, torch.zeros_like(buf))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_that_would_overflow_a_16_bit_parameter_is_refused_unchanged(backend):
+    """With ``check_manifold=False`` a float16 θ far off the manifold (300 × orthonormal) is
+    stepped; the guard resets it to the α pull-back, whose entries (~300·α·300²) overflow
+    float16: the step is refused and θ unchanged (a kernel without the dtype's range check wrote
+    Inf), while at 30 × orthonormal it fits and is written."""
+    for scale, fits in ((30.0, True), (300.0, False)):
+        gen = torch.Generator().manual_seed(0)
+        theta = scale * fgd_fast.orthogonalize_(torch.randn(8, 4, generator=gen, dtype=torch.float64))
+        w = torch.nn.Parameter(theta.to(torch.float16))
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.01, backend=backend, check_manifold=False)
+        w.grad = torch.randn(8, 4, generator=gen).to(torch.float16)
+        before = w.detach().clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if fits:
+                opt.step()
+                assert torch.isfinite(w).all() and opt.guard_stats()[0] == {"scaled": 0, "reset": 1}
+            else:
+                with pytest.raises(FloatingPointError, match="overflow"):
+                    opt.step()
+                assert torch.equal(w.detach(), before)
