@@ -59,13 +59,12 @@ def test_the_elementwise_helpers():
 def test_block_forms_are_each_layers_products(groups):
     lay = Layout(groups)
 
+    def joined(layers):  # the layout's block of per-group (n, p, p) layers
+        return layers[0] if lay.single else torch.cat([m.reshape(-1) for m in layers])
+
     def block():
         layers = [_randn(n, p, p) for n, p in groups]
-        flat = layers[0] if lay.single else torch.cat([m.reshape(-1) for m in layers])
-        return flat, layers
-
-    def joined(layers):
-        return layers[0] if lay.single else torch.cat([m.reshape(-1) for m in layers])
+        return joined(layers), layers
 
     (x, xs), (y, ys), (z, zs), (d, ds) = block(), block(), block(), block()
     alpha = torch.linspace(-1.0, 1.0, lay.count, dtype=torch.float64)

@@ -13,6 +13,7 @@ from helpers import device_for_tests
 DEV = device_for_tests()  # (on a GPU: the index tensors and segmented sums there)
 
 GROUPS = [(3, 5), (1, 1), (2, 8), (4, 3)]  # odd sizes, a 1 × 1 block, unsorted p
+EACH_P = [p for n, p in GROUPS for _ in range(n)]  # each layer's p, in layout order
 
 
 def _flat(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -141,14 +142,14 @@ def test_segmented_sums_and_norms_are_the_per_group_ones(monkeypatch):
     per-group reductions (a CPU's) do: both run here on the same blocks."""
     from fgd_fast.backends import layout
 
-    gen = torch.Generator().manual_seed(4)
-    x = _flat(_random(gen))
+    blocks = _random(torch.Generator().manual_seed(4))
+    x = _flat(blocks)
     lay = Layout(GROUPS, DEV)
     monkeypatch.setattr(layout, "PER_GROUP_DEVICES", (DEV.type,))
     per_group = lay.sums(x), lay.norm(x)
     monkeypatch.setattr(layout, "PER_GROUP_DEVICES", ())
     segmented = lay.sums(x), lay.norm(x)
-    want = torch.cat([b.sum((-2, -1)) for b in _random(torch.Generator().manual_seed(4))])
+    want = torch.cat([b.sum((-2, -1)) for b in blocks])
     for got in (per_group[0], segmented[0]):
         assert got.shape == (lay.count,) and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
     assert torch.allclose(segmented[1], per_group[1], rtol=1e-12, atol=0)
@@ -159,19 +160,15 @@ def test_tiles_cover_every_layers_block_once_per_tile_size():
     layer's row (its block's offset, its p, its first item, its item count); a table per tile."""
     lay = Layout(GROUPS, DEV)
     row = lambda k, at, p, first, items: [at, p, first, items]  # noqa: E731
-    offsets = torch.tensor([0] + [p * p for n, p in GROUPS for _ in range(n)]).cumsum(0)[:-1]
+    offsets = torch.tensor([0] + [p * p for p in EACH_P]).cumsum(0)[:-1]
     for tile in (2, 4):
         work, rows = lay.tiles(tile, ("test",), row)
-        want = [
-            (k, i, j)
-            for k, p in enumerate(p for n, p in GROUPS for _ in range(n))
-            for i in range(-(-p // tile))
-            for j in range(-(-p // tile))
-        ]
-        assert work.dtype == torch.int32 and work.tolist() == [list(w) for w in want]
+        tiles = [-(-p // tile) for p in EACH_P]  # each layer's tiles per side
+        want = [[k, i, j] for k, t in enumerate(tiles) for i in range(t) for j in range(t)]
+        assert work.dtype == torch.int32 and work.tolist() == want
         assert rows[:, 0].tolist() == offsets.tolist()
-        assert rows[:, 1].tolist() == [p for n, p in GROUPS for _ in range(n)]
-        assert rows[:, 3].tolist() == [(-(-p // tile)) ** 2 for n, p in GROUPS for _ in range(n)]
+        assert rows[:, 1].tolist() == EACH_P
+        assert rows[:, 3].tolist() == [t * t for t in tiles]
         assert rows[:, 2].tolist() == (rows[:, 3].cumsum(0) - rows[:, 3]).tolist()
 
 
@@ -186,5 +183,5 @@ def test_per_layer_values_in_any_shape():
     assert torch.equal(lay.per_layer(torch.tensor(0.5, device=DEV)), torch.full((lay.count,), 0.5, device=DEV).double())
     assert torch.equal(lay.per_layer(0.25), torch.full((lay.count,), 0.25, dtype=torch.float64, device=DEV))
     assert torch.equal(lay.per_layer(0.5), torch.full((lay.count,), 0.5, dtype=torch.float64, device=DEV))
-    want = torch.tensor([float(p) for n, p in GROUPS for _ in range(n)], dtype=torch.float64, device=DEV)
+    want = torch.tensor(EACH_P, dtype=torch.float64, device=DEV)
     assert torch.equal(lay.p_per_layer(), want)

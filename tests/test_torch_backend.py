@@ -256,18 +256,9 @@ def test_layers_of_different_shapes_with_one_w2_share_a_bucket_and_match_the_ref
     layer's shape for all failed only here)."""
     out = {}
     for backend in ("reference", "torch"):
-        gen = torch.Generator().manual_seed(0)
-        shapes = [(6, 40), (6, 10, 2, 2), (6, 40), (6, 5, 8)]
-        ws = [
-            torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen, dtype=torch.float64)))
-            for s in shapes
-        ]
-        opt = fgd_fast.FGD([dict(params=ws, orthogonal=True)], lr=0.05, momentum=0.9, backend=backend)
-        for _ in range(3):
-            for w in ws:
-                w.grad = torch.randn(w.shape, generator=gen, dtype=torch.float64)
-            opt.step()
-        out[backend] = [(w.detach().clone(), opt.state[w]["momentum_buffer"].clone()) for w in ws]
+        params, grads = stiefel_problem([(6, 40), (6, 10, 2, 2), (6, 40), (6, 5, 8)], dtype=torch.float64)
+        opt = fgd_steps(params, grads, backend, steps=3, momentum=0.9)
+        out[backend] = [(p.detach().clone(), opt.state[p]["momentum_buffer"].clone()) for p in params]
     for (w_ref, b_ref), (w, b) in zip(out["reference"], out["torch"]):
         torch.testing.assert_close(w, w_ref, rtol=0, atol=1e-12)
         torch.testing.assert_close(b, b_ref, rtol=0, atol=1e-12)
