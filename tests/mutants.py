@@ -305,6 +305,10 @@ MUTANTS = {
             "tests/test_layout.py::test_one_middle_over_several_p_is_the_per_group_middles[coarse-spike-official-host-read]"
         ],
     ),
+    "row_shard_velocity_unsummed": (
+        "row shards re-forming (sU)ᵀ(sU) after an overflow without summing it over the ranks",
+        ["tests/test_row_shards.py::test_a_gradient_past_the_float32_gram_range_is_scaled_as_on_whole_matrices[phi-2]"],
+    ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
         [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
@@ -649,6 +653,13 @@ def plant(name: str) -> Callable[[], None]:
         layout._indices = {}
         undo.append((Layout, "p_per_layer", Layout.p_per_layer))
         Layout.p_per_layer = first_p
+    elif name == "row_shard_velocity_unsummed":
+        from fgd_fast.backends import torch_groups
+
+        original = torch_groups.reduce_packed
+        undo.append((torch_groups, "reduce_packed", original))
+        # the call made on every rank, with nothing in it: each rank keeps its own part
+        torch_groups.reduce_packed = lambda reduce, chunks, extra: original(reduce, [], extra)
     elif name == "landing_hyper_unchecked":
         from fgd_fast.baselines import landing
         from fgd_fast.validation import check_keys

@@ -38,7 +38,7 @@ def _split(t: torch.Tensor, ranks: int) -> list[torch.Tensor]:
     ]
 
 
-def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
+def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1):
     barrier = threading.Barrier(ranks)
     lists: dict[int, list[torch.Tensor]] = {}
     calls = [0] * ranks
@@ -78,7 +78,7 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert calls == [1] * ranks  # one reduce per prepare, on every rank
+    assert calls == [reduces] * ranks  # one reduce per prepare (unless told), on every rank
     return out
 
 
@@ -130,6 +130,35 @@ def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, h
             torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=tol)
             if with_phi:
                 torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
+def test_a_gradient_past_the_float32_gram_range_is_scaled_as_on_whole_matrices(ranks, with_phi):
+    """A finite float32 gradient so large (‖g‖ ~ 1e22) that its Gram gᵀg overflows float32, with
+    the guard on: on whole matrices the guard scales the step, (sU)ᵀ(sU) formed again from sU.
+    Row shards do the same: each rank forms its rows' part and the ranks sum it (a second
+    ``reduce``, on every rank alike); every rank's rows equal the whole matrices' step (a rank's
+    own part alone, or none, made other distances or a reset)."""
+    _, prepare = resolve_backend("torch", torch.device("cpu"))  # (the host read that asks for the sum: a CPU)
+    shapes = [(70, 9, 3, 3), (5, 7), (19, 4, 1, 1)]
+    params, grads, bufs = _problem(shapes, torch.float32, seed=ranks, with_phi=with_phi, device="cpu")
+    grads[1].mul_(1e22)  # finite; ‖g‖² ~ 1e44 is not a float32
+    fresh = [not with_phi] * len(shapes)
+    kw = dict(lr=[0.1] * 3, momentum=[0.9] * 3, feedback=[0.4] * 3, check_finite=True, trust_radius=1.0)
+    kw.update(max_distance=1e-3)
+    whole = [t.clone() for t in params], [t.clone() if t is not None else None for t in bufs]
+    plan = prepare(whole[0], [g.clone() for g in grads], whole[1], fresh, **kw)
+    assert plan.guarded.tolist() == [0, 1, 0]  # the huge layer scaled, not reset
+    plan.apply()
+    out = _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=2)
+    for rank, (p, b, dist, finite) in out.items():
+        assert finite.tolist() == [True] * 3 and torch.equal(dist, out[0][2])
+        torch.testing.assert_close(dist, plan.dist, rtol=0, atol=2e-5)
+        for i in range(3):
+            torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=2e-5)
+            if with_phi:
+                torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,9 @@ guard's UᵀU), ``reduce`` sums them — in buckets of ``reduce.bucket_bytes`` s
 Grams are computed, one call for a small model — A, C and UᵀU as upper triangles: ``3p² +
 p`` numbers per layer, ``3.5p² + 1.5p + 1`` with the guard's UᵀU and ‖g‖² — and, without a
 prediction, the per-layer non-finite-gradient counts over the ranks, and then runs
-the middle on the summed blocks; ``apply`` updates the local rows as above (the update of a
+the middle on the summed blocks (where the guard scales a layer whose float32 UᵀU overflowed
+for finite inputs, a CPU's middle asks for (sU)ᵀ(sU): each rank's rows' part, summed by one more
+``reduce``, made on every rank alike); ``apply`` updates the local rows as above (the update of a
 row of θ needs only that row of θ, Φ and g). Middle chunks then follow the full parameters'
 sizes, so that every rank packs the same list.
 """
@@ -214,7 +216,7 @@ def _planned(
     carrying = gram_refresh > 1 and reduce is None and host_reads_free(device)
     # the guard's velocity Grams only where a bound leaves the target: where a host read decides it
     lazy = not exact_next and reduce is None and host_reads_free(device)
-    groups = middle_groups(buckets, middle_numel, gram_refresh if carrying else 1, by_p=reduce is not None, lazy=lazy)
+    groups = middle_groups(buckets, middle_numel, gram_refresh if carrying else 1, lazy=lazy, reduce=reduce)
     with fp32_matmuls(precision):  # IEEE fp32 or TF32 products, whatever the global setting
         if reduce is None:
             for g in groups:  # the Grams of one group alive at once

@@ -18,6 +18,7 @@ import torch
 from ..collectives import packed
 from . import carry
 from .algebra import Middle, grad_norm, grad_sq, middle
+from .gram_sums import reduce_packed
 from .guard_rule import host_reads_free
 from .layout import Layout
 from .layout import rows as _rows
@@ -44,11 +45,9 @@ class Group:
     their p's: one ``(L, p, p)`` batch, or several p in one flat buffer) and one middle call
     serves them all (per-layer η, β, α where the buckets differ)."""
 
-    def __init__(
-        self, members: list[tuple[Bucket, list[Chunk]]], refresh: int = 1, lazy: bool = False, local: bool = True
-    ):
+    def __init__(self, members: list[tuple[Bucket, list[Chunk]]], refresh: int = 1, lazy: bool = False, reduce=None):
         self.members = members
-        self.local = local  # whole layers (not row shards whose Grams are summed across ranks)
+        self.reduce = reduce  # row shards: their Grams are partial sums, summed over the ranks by this
         self.sizes = [gc[-1].e - gc[0].s for _, gc in members]
         self.first = b = members[0][0]
         runs: list[list[int]] = []  # [p, layers] of consecutive members with one p
@@ -152,7 +151,7 @@ class Group:
             extra.update(phi_sq_later=lambda: grad_sq(self._of("bufs")))
         if self.lazy:  # UᵀU only if the middle's bound leaves the target
             extra.update(gg=None, uu=None)
-        if b.predict and self.local:  # (also s²UᵀU from sU, where the unscaled Gram overflowed float32)
+        if b.predict:  # (also s²UᵀU from sU, where the unscaled Gram overflowed float32)
             extra.update(uu_later=lambda scale=None: self.velocity_grams(lay.empty(b.cdt), scratch, scale))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
         self.ahead, mid = mid.carried, mid._replace(carried=None, dist=mid.dist.to(torch.float64))
@@ -181,29 +180,33 @@ class Group:
     ) -> torch.Tensor:
         """``out`` = every member's velocity block of :meth:`grams` (``UᵀU``, ``U = βΦ − ηg``;
         without Φ ``gᵀg``) in the layout, in a pass of its own; with ``scale`` (``(L,)``, the trust
-        scales s) ``(sU)ᵀ(sU)`` with Φ or without."""
+        scales s) ``(sU)ᵀ(sU)`` with Φ or without. Row shards: each rank's rows give a partial sum,
+        summed over the ranks here (a collective: the middle asks for it from blocks and scales
+        already summed, so every rank asks alike)."""
         for member, gemm_chunks, s, e in self._spans():
             part = scale[s:e] if scale is not None else None
             member.velocity_grams(scratch[member.cdt], gemm_chunks, self.layout.layers(out, s, e), part)
+        if self.reduce is not None:  # Σ over the ranks (a symmetric block: its upper triangle)
+            reduce_packed(self.reduce, [([out], (0,))], [])()
         return out
 
 
 def middle_groups(
-    buckets: list[Bucket], middle_numel: int, refresh: int = 1, by_p: bool = False, lazy: bool = False
+    buckets: list[Bucket], middle_numel: int, refresh: int = 1, lazy: bool = False, reduce=None
 ) -> list[Group]:
     """The buckets' middle chunks, packed into groups of one block layout and at most
     ``middle_numel`` elements of live ``p × p`` blocks (as a bucket's middle chunks are), in a
-    fixed order (the same on every rank). ``by_p``: one p per group (row shards: their Gram
-    blocks are summed as ``(L, p, p)`` upper triangles)."""
+    fixed order (the same on every rank). ``reduce`` (row shards: the ranks' sum): one p per
+    group (their Gram blocks are summed as ``(L, p, p)`` upper triangles)."""
     by_layout: dict[tuple, list[tuple[Bucket, list[Chunk]]]] = defaultdict(list)
     for b in buckets:
         for gemm_chunks in b.plan:
-            key = (b.cdt, b.dtype, b.reads_phi, b.writes_phi) + ((b.p,) if by_p else ())
+            key = (b.cdt, b.dtype, b.reads_phi, b.writes_phi) + ((b.p,) if reduce is not None else ())
             by_layout[key].append((b, gemm_chunks))
     # a middle chunk's live elements (its layers' blocks)
     numel = lambda member: (member[1][-1].e - member[1][0].s) * MIDDLE_BLOCKS * member[0].p ** 2  # noqa: E731
     return [
-        Group(run, refresh, lazy, local=not by_p)
+        Group(run, refresh, lazy, reduce)
         for members in by_layout.values()
         for run in packed(sorted(members, key=lambda m: m[0].p), numel, max(1, middle_numel))
     ]
