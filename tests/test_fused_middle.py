@@ -42,13 +42,23 @@ def _hyper(count: int, per_layer: bool) -> torch.Tensor:
 
 
 def _both(
-    lay, blocks, g_sq, hyper, *, momentum: bool, limit: float, radius: float | None = RADIUS, feedback: bool = False
+    lay,
+    blocks,
+    g_sq,
+    hyper,
+    *,
+    momentum: bool,
+    limit: float,
+    radius: float | None = RADIUS,
+    feedback: bool = False,
+    unit: float | None = None,
 ):
     """``(torch ops' Middle, fused result, fused buffers)`` of the same blocks (``radius=None``:
-    the guard off, only the prediction; ``feedback``: F in M_θ's place)."""
+    the guard off, only the prediction; ``feedback``: F in M_θ's place; ``unit``: the guard's
+    rounding unit, float32's by default)."""
     from fgd_fast.backends import fused_middle
 
-    unit = guard_rule.store_unit(torch.float32)
+    unit = guard_rule.store_unit(torch.float32) if unit is None else unit
     a, e, b, c, gg, h = (x.clone() for x in blocks)
     if not momentum:
         b = c = h = None
@@ -154,6 +164,26 @@ def test_for_the_cuda_core_classes_the_fused_middle_writes_the_feedback_term(mon
         assert got.guarded.tolist() == ref.guarded.tolist()
         _close(got.m_theta, ref.feedback, "feedback")
         _close(got.m_phi, ref.m_phi, "m_phi")
+
+
+def test_each_layer_keeps_its_own_p_s_rounding_margin(monkeypatch):
+    """A coarse rounding unit (0.01: the targets under the limit 0.5 are 0.44, 0.39 and 0.34 for
+    p = 5, 17 and 40) and spikes that the guard scales to just within each layer's target: each
+    layer's weight, decision and matrices are the torch ops' (which take each layer's own p), so
+    a target of one p for all shows."""
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(19)
+    seen = set()
+    for scale in (0.3, 1.0, 3.0):
+        lay = Layout(LAYOUTS["three-p"], device_for_tests())
+        blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=scale, off=1e-3)
+        ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, True), momentum=True, limit=0.5, unit=0.01)
+        assert got.guarded.tolist() == ref.guarded.tolist(), scale
+        for name in ("m_theta", "m_phi", "dist_next"):
+            _close(getattr(got, name), getattr(ref, name), name)
+        _close(got.scale, ref.scale, "scale")  # (the weight chosen)
+        seen.update(ref.guarded.tolist())
+    assert 1 in seen, seen
 
 
 def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
