@@ -186,6 +186,28 @@ def test_each_layer_keeps_its_own_p_s_rounding_margin(monkeypatch):
     assert 1 in seen, seen
 
 
+def test_the_rule_follows_each_calls_radius_limit_and_unit(monkeypatch):
+    """The per-layer rule table (ρ and the target) is cached with the layout, which every
+    optimizer with these shapes shares: calls with another ρ, limit or rounding unit over the
+    same layers each follow their own rule (the torch ops' decisions and matrices)."""
+    from fgd_fast.backends import layout
+
+    monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
+    monkeypatch.setattr(layout, "_indices", {})  # (no table from an earlier test)
+    gen = torch.Generator().manual_seed(23)
+    lay = Layout(LAYOUTS["three-p"], device_for_tests())
+    blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=0.3, off=1e-3)
+    hyper = _hyper(lay.count, True)
+    scales = []
+    for radius, limit, unit in ((RADIUS, 0.5, None), (0.05, 0.5, None), (RADIUS, 0.1, None), (RADIUS, 0.5, 0.01)):
+        ref, got, _ = _both(lay, blocks, g_sq, hyper, momentum=True, limit=limit, radius=radius, unit=unit)
+        assert got.guarded.tolist() == ref.guarded.tolist(), (radius, limit, unit)
+        for name in ("m_theta", "m_phi", "dist_next", "scale"):
+            _close(getattr(got, name), getattr(ref, name), name)
+        scales.append(tuple(ref.scale.tolist()))
+    assert len(set(scales)) == len(scales)  # each rule binds differently
+
+
 def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
     """p = 1 and 3 beside p = 257 (the products take their 64-entry tiles from p = 256 on, and a
     257 leaves a one-entry edge): the torch ops' decisions and matrices."""
