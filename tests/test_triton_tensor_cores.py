@@ -30,8 +30,9 @@ REASON = backend_reason("triton", str(device_for_tests()))
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
 INTERPRETED = device_for_tests().type == "cpu"
 
-# odd sizes, both layouts (θ = W2ᵀ for conv-like shapes, θ = W2 for tall ones), several p
-SHAPES = [(16, 8, 3, 3), (33, 70), (9, 130), (20, 6), (5, 40), (150, 17)]
+# odd sizes, both layouts (θ = W2ᵀ for conv-like shapes, θ = W2 for tall ones), several p (p = 67:
+# two Gram tiles of the unaligned 64 × 64, the symmetric blocks from their upper tiles)
+SHAPES = [(16, 8, 3, 3), (33, 70), (9, 130), (20, 6), (5, 40), (150, 17), (100, 67)]
 # n (θ = W2ᵀ) and p (θ = W2) multiples of 4: the ALIGNED kernels with their larger tiles
 ALIGNED_SHAPES = [(16, 8, 3, 3), (12, 100), (200, 24), (40, 36)]
 
