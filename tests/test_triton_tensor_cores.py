@@ -17,6 +17,8 @@ float64 oracle (tests/oracle.py) to the accuracy TF32 operands allow.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -207,6 +209,29 @@ def test_stays_on_the_manifold():
         assert stiefel_dist(a) <= max(3 * stiefel_dist(c), 1e-5)
 
 
+def test_the_predicted_distance_is_the_distance_written():
+    """The guard's prediction ‖θ₊ᵀθ₊ − I‖_F (``GuardReport.distance``) from the tensor-core Gram
+    blocks — gᵀg and Φᵀg (H, not symmetric: every tile) among them — on steps large enough that
+    it is the step's own second-order terms (~2e-3, far above fp32 rounding), p = 67 included
+    (two Gram tiles; without H's lower tiles the guard reset that layer): the guard keeps every
+    step, and the prediction is within 2⁻⁷ relative of the distance of the θ₊ written, in
+    float64 (TF32 operands, 2⁻¹¹ relative each, in E, B, G, H and the update's products: up to
+    2.7e-3 measured on the CPU emulation)."""
+    rng = np.random.default_rng(21)
+    dev = device_for_tests()
+    params = [torch.tensor(random_stiefel(rng, s).astype(np.float32), device=dev) for s in SHAPES]
+    bufs = [None] * len(params)
+    for _ in range(2):  # the second with Φ
+        raw = [rng.standard_normal(p.shape) for p in params]
+        grads = [torch.tensor((g / np.linalg.norm(g)).astype(np.float32), device=dev) for g in raw]  # ‖g‖ = 1
+        kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend="triton", precision="tf32x3")
+        report = fgd_fast.fgd(params, grads, bufs, **kw)
+        assert [int(code) for code in report.guarded] == [0] * len(params)  # (the guard kept every step)
+    for k, (p, d) in enumerate(zip(params, report.distance)):
+        actual = stiefel_dist(p.cpu().double().numpy())
+        assert actual > 1e-3 and abs(float(d) - actual) <= 2.0**-7 * actual, (k, float(d), actual)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tensor-core accumulation needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_tf32x3_gram_of_an_orthonormal_matrix_is_unbiased(backend):
@@ -326,15 +351,23 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
         assert (p - t).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("shape", [(30, 16, 3, 3), (41, 12)], ids=["rows-n144-p30", "cols-n41-p12"])
-def test_a_layer_is_aligned_only_where_n_and_p_both_are(shape, monkeypatch):
+@pytest.mark.parametrize(
+    "shape, offset",
+    [((30, 16, 3, 3), 0), ((41, 12), 0), ((16, 8, 3, 3), 1)],
+    ids=["rows-n144-p30", "cols-n41-p12", "aligned-shape-4-bytes-in"],
+)
+def test_a_layer_is_aligned_only_where_n_and_p_both_are(shape, offset, monkeypatch):
     """The ALIGNED kernels assert ``n`` and ``p`` multiples of 4 (the p × p block offsets and the
-    M loads depend on p whatever the layout): a layer whose contiguous dimension alone is a
-    multiple of 4 (θ = W2ᵀ with n = 144, p = 30; θ = W2 with p = 12, n = 41) must not get them —
+    M loads depend on p whatever the layout) and 16-byte aligned addresses: a layer whose
+    contiguous dimension alone is a multiple of 4 (θ = W2ᵀ with n = 144, p = 30; θ = W2 with
+    p = 12, n = 41), or whose memory starts 4 bytes into a buffer (a view), must not get them —
     on a GPU a hint that does not hold is a misaligned 16-byte access. The step is still right."""
     launches = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(1)
-    param = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape, generator=gen)))
+    numel = math.prod(shape)
+    memory = torch.empty(numel + offset)[offset:].view(shape)  # (offset 1: 4 bytes past an aligned start)
+    param = torch.nn.Parameter(memory.copy_(fgd_fast.orthogonalize_(torch.randn(shape, generator=gen))))
+    assert param.data_ptr() % 16 == 4 * offset
     twin = torch.nn.Parameter(param.detach().clone())
     opt = fgd_fast.FGD([dict(params=[param], orthogonal=True)], lr=0.05, backend="triton", precision="tf32x3")
     ref = fgd_fast.FGD([dict(params=[twin], orthogonal=True)], lr=0.05, backend="reference")
@@ -355,6 +388,25 @@ def test_every_row_tile_divides_the_padding_of_hi_and_lo():
     configs = [*TC.GRAM_CONFIG.values(), *TC.UPDATE_CONFIG.values()]
     tiles = [cfg[name] for cfg in configs for name in ("BK", "BR") if name in cfg]
     assert tiles and all(TC.LD_ALIGN % t == 0 for t in tiles), (TC.LD_ALIGN, tiles)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_every_split_of_n_is_whole_bk_steps(splits):
+    """The Gram kernel asserts a split's rows start at a multiple of ``BK``
+    (``tl.multiple_of(chunk, BK)``): every layer's rows per split, whatever n and the number of
+    splits, are whole ``BK`` steps (a last split may be shorter or empty)."""
+    from fgd_fast.backends import triton_tables as tables
+    from fgd_fast.kernels import tc_step as TC
+
+    np_list = [(147, 64), (33, 5), (1000, 17), (4, 4), (130, 129)]
+    for (precision, aligned), cfg in TC.GRAM_CONFIG.items():
+        ucfg = TC.UPDATE_CONFIG[precision, aligned]
+        sh = tables.tc_shapes(
+            np_list, torch.device("cpu"), 1, True, True, cfg, ucfg, TC.SPLIT_CONFIG, True, forced_splits=splits
+        )
+        assert sh.splits == splits
+        for (n, _), chunk in zip(np_list, sh.chunk):
+            assert chunk % cfg["BK"] == 0 and chunk * splits >= n, (n, chunk, cfg)
 
 
 def test_m_blocks_that_break_the_aligned_hints_are_refused_before_any_write(monkeypatch):
