@@ -288,6 +288,40 @@ def test_steady_steps_reuse_the_split_buffer_and_the_metadata_table(monkeypatch)
     assert seen[3][0] == seen[2][0] and seen[3][2:] == seen[2][2:]
 
 
+def test_a_split_buffer_made_again_is_the_one_the_metadata_table_addresses(monkeypatch):
+    """The split buffers are few (a sweep of models in one process evicts old ones) and the
+    metadata table holds each layer's hi/lo address: a step after its buffer was evicted makes a
+    new one and a table with the new addresses, never the freed buffer's (memory reused at once)."""
+    from fgd_fast.backends import triton as tb
+    from fgd_fast.kernels import meta
+
+    tables = []
+    real = tb._TensorCoreClass.__init__
+
+    def recording(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        tables.append((self.split.data_ptr(), self.shapes, self.meta.cpu()))
+
+    monkeypatch.setattr(tb._TensorCoreClass, "__init__", recording)
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(16, 8, 3, 3), (12, 20)]
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, backend="triton", precision="tf32x3")
+    grads = [torch.randn(p.shape, generator=gen) * 0.01 for p in params]
+    hogs = []
+    for _ in range(2):
+        for p, g in zip(params, grads):
+            p.grad = g  # (the same tensors: only the split buffer moves)
+        opt.step()
+        for key in [k for k in tb._split_buffers if k[0] == "tc-split"]:  # evicted
+            hogs.append(torch.full_like(tb._split_buffers.pop(key), float("nan")))  # (its memory, were it freed)
+    assert len(tables) == 2
+    for base, sh, table in tables:
+        for k, at in enumerate(sh.split_off):
+            assert int(table[k, meta.F_HI]) == base + 4 * at
+            assert int(table[k, meta.F_LO]) == base + 4 * (sh.split_total + at)
+
+
 def test_a_scheduler_rewrites_the_hyper_parameter_table_in_place(monkeypatch):
     """lr and momentum changed every step (a scheduler): the kernels' [η, β, α] table keeps its
     memory (a captured step reads it; no table built per step), holds each step's values, and
