@@ -211,15 +211,14 @@ def test_stays_on_the_manifold():
 
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 def test_the_predicted_distance_is_the_distance_written(precision):
-    """The guard's prediction ‖θ₊ᵀθ₊ − I‖_F (``GuardReport.distance``) from the tensor-core Gram
-    blocks — gᵀg and Φᵀg (H, not symmetric: every tile) among them — on steps large enough that
-    it is the step's own second-order terms (~2e-3, far above fp32 rounding), p = 67 included
-    (two Gram tiles; without H's lower tiles the guard reset that layer): the guard keeps every
-    step, and the prediction is within 2⁻⁷ relative of the distance of the θ₊ written, in
-    float64 (TF32 operands, 2⁻¹¹ relative each, in E, B, G, H and the update's products: up to
-    2.7e-3 measured on the CPU emulation; IEEE products, the CUDA-core kernels, whose H is also
-    every tile: only θ₊'s float32 rounding, up to 4.5e-5 measured).
-    """
+    """The guard's prediction ‖θ₊ᵀθ₊ − I‖_F (``GuardReport.distance``) from the Gram blocks —
+    gᵀg and Φᵀg (H, not symmetric: every tile) among them — on steps large enough that it is the
+    step's own second-order terms (~2e-3, far above fp32 rounding), p = 67 included (two Gram
+    tiles of either kernel set; without H's lower tiles the tensor-core step reset that layer):
+    the guard keeps every step, and the prediction is within ``TOL`` relative of the distance of
+    the θ₊ written, in float64. tf32x3 (tensor cores): TF32 operands, 2⁻¹¹ relative each, in E,
+    B, G, H and the update's products, up to 2.7e-3 measured on the CPU emulation; ieee (the
+    CUDA-core kernels): only θ₊'s float32 rounding, up to 4.5e-5 measured."""
     TOL = {"tf32x3": 2.0**-7, "ieee": 2.0**-12}
     rng = np.random.default_rng(21)
     dev = device_for_tests()
