@@ -325,6 +325,59 @@ def test_a_split_buffer_made_again_is_the_one_the_metadata_table_addresses(monke
             assert int(table[k, meta.F_LO]) == base + 4 * (sh.split_total + at)
 
 
+def _twins(shapes, seed):
+    """Orthonormal parameters of ``shapes`` and reference copies of them."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+    return params, [torch.nn.Parameter(p.detach().clone()) for p in params], gen
+
+
+def test_two_classes_of_the_same_shapes_keep_their_own_tables_and_buffers():
+    """Two groups of the same layer shapes, one with momentum and one without, are two launch
+    classes in one step (Φ read or not) that look alike but for Φ: each keeps its own work tables
+    (B, C, H tiles only where Φ is) and its own fused-middle buffer (both middles run before
+    either update). Both match the reference."""
+    shapes = [(16, 8, 3, 3), (12, 20)] * 2
+    params, twins, gen = _twins(shapes, seed=5)
+    groups = (
+        lambda ps: [  # noqa: E731
+            dict(params=ps[:2], orthogonal=True, momentum=0.0),
+            dict(params=ps[2:], orthogonal=True, momentum=0.9),
+        ]
+    )
+    opt = fgd_fast.FGD(groups(params), lr=0.05, backend="triton", precision="tf32x3")
+    ref = fgd_fast.FGD(groups(twins), lr=0.05, backend="reference")
+    for _ in range(3):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen) * 0.1
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
+        assert (p - t).abs().max() < 1e-3
+
+
+def test_the_same_parameters_stepped_at_another_precision_or_without_a_prediction():
+    """The split buffer (hi, and lo for tf32x3: twice the size) and the work tables (G, H tiles
+    only with a prediction) are kept per set of parameters: the same parameters stepped with
+    neither guard nor checks, then with the guard, in ``"tf32"`` and then ``"tf32x3"``, get
+    their own, and each step is the reference's."""
+    from fgd_fast import fgd
+
+    shapes = [(16, 8, 3, 3), (12, 20), (40, 36)]
+    params, twins, gen = _twins(shapes, seed=6)
+    bufs, twin_bufs = [None] * len(shapes), [None] * len(shapes)
+    off = dict(guard=False, check_finite=False, check_manifold=False)
+    for precision, options in (("tf32", off), ("tf32", {}), ("tf32x3", {})):
+        grads = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]
+        kw = dict(lr=0.05, momentum=0.9, feedback=0.4, **options)
+        with torch.no_grad():
+            fgd(params, grads, bufs, backend="triton", precision=precision, **kw)
+            fgd(twins, [g.clone() for g in grads], twin_bufs, backend="reference", **kw)
+        for p, t in zip(params, twins):  # (tf32: A in TF32, ~1e-3 relative; the file's bound)
+            assert (p - t).abs().max() < 1e-3, (precision, options)
+
+
 def test_a_scheduler_rewrites_the_hyper_parameter_table_in_place(monkeypatch):
     """lr and momentum changed every step (a scheduler): the kernels' [η, β, α] table keeps its
     memory (a captured step reads it; no table built per step), holds each step's values, and
