@@ -339,12 +339,10 @@ def test_two_classes_of_the_same_shapes_keep_their_own_tables_and_buffers():
     either update). Both match the reference."""
     shapes = [(16, 8, 3, 3), (12, 20)] * 2
     params, twins, gen = _twins(shapes, seed=5)
-    groups = (
-        lambda ps: [  # noqa: E731
-            dict(params=ps[:2], orthogonal=True, momentum=0.0),
-            dict(params=ps[2:], orthogonal=True, momentum=0.9),
-        ]
-    )
+
+    def groups(ps):
+        return [dict(params=ps[:2], orthogonal=True, momentum=0.0), dict(params=ps[2:], orthogonal=True, momentum=0.9)]
+
     opt = fgd_fast.FGD(groups(params), lr=0.05, backend="triton", precision="tf32x3")
     ref = fgd_fast.FGD(groups(twins), lr=0.05, backend="reference")
     for _ in range(3):
