@@ -309,6 +309,10 @@ MUTANTS = {
         "row shards re-forming (sU)ᵀ(sU) after an overflow without summing it over the ranks",
         ["tests/test_row_shards.py::test_a_gradient_past_the_float32_gram_range_is_scaled_as_on_whole_matrices[phi-2]"],
     ),
+    "fused_rule_cached_without_radius": (
+        "the fused middle's per-layer rule table (ρ, target) reused for another trust radius",
+        ["tests/test_fused_middle.py::test_the_rule_follows_each_calls_radius_limit_and_unit"],
+    ),
     "step_guard_count_unchecked": (
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
         [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
@@ -660,6 +664,16 @@ def plant(name: str) -> Callable[[], None]:
         undo.append((torch_groups, "reduce_packed", original))
         # the call made on every rank, with nothing in it: each rank keeps its own part
         torch_groups.reduce_packed = lambda reduce, chunks, extra: original(reduce, [], extra)
+    elif name == "fused_rule_cached_without_radius":
+        from fgd_fast.backends import fused_middle
+
+        original = fused_middle._rule
+
+        def rule(lay, radius, limit, unit):  # the table of the first radius seen, for any radius
+            return lay.cached(("any-radius", float(limit), float(unit)), lambda: original(lay, radius, limit, unit))
+
+        undo.append((fused_middle, "_rule", original))
+        fused_middle._rule = rule
     elif name == "landing_hyper_unchecked":
         from fgd_fast.baselines import landing
         from fgd_fast.validation import check_keys
