@@ -38,11 +38,26 @@ def test_the_paper_variant_in_float32_matches_the_reference(backend):
         assert (a - b).abs().max() < 1e-3  # (TF32 operands on a GPU's Triton step: this file's bound)
 
 
+# (float32: the Triton backend's tensor-core step, its own update kernel; TF32 operands: 1e-3)
+DTYPES = pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-3)], ids=["f64", "f32"])
+
+
+def _compare(results: dict, backend: str, tol: float) -> None:
+    """θ and Φ of ``backend`` finite and within ``tol`` of the reference's."""
+    for a, b in zip(*(results[n][0] for n in ("reference", backend))):
+        assert torch.isfinite(b).all() and (a - b).abs().max() < tol
+    for a, b in zip(*(results[n][1] for n in ("reference", backend))):
+        assert (a is None) == (b is None) and (a is None or (torch.isfinite(b).all() and (a - b).abs().max() < tol))
+
+
 @pytest.mark.filterwarnings("ignore:the FGD step guard bound")
+@DTYPES
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("layers", [1, 2], ids=["one-layer", "stacked"])
 @pytest.mark.parametrize("backend", FUSED)
-def test_a_nan_gradient_with_the_checks_off_is_reset_and_writes_nothing_non_finite(backend, layers, momentum):
+def test_a_nan_gradient_with_the_checks_off_is_reset_and_writes_nothing_non_finite(
+    backend, layers, momentum, dtype, tol
+):
     """``check_finite=False`` and a NaN gradient at the first step: the guard resets that layer
     (s = 0: the pull-back, Φ₊ = 0), and the reset's terms must be exact zeros, not 0·NaN (a
     mutant that dropped them wrote NaN into θ and Φ); the other layer steps as the reference's."""
@@ -52,20 +67,46 @@ def test_a_nan_gradient_with_the_checks_off_is_reset_and_writes_nothing_non_fini
     good = torch.randn(20, 5, generator=gen, dtype=torch.float64)
     results = {}
     for name in ("reference", backend):
-        params = [torch.nn.Parameter(w.clone().to(dev)) for w in start]
+        params = [torch.nn.Parameter(w.clone().to(dev, dtype)) for w in start]
         kw = dict(lr=0.1, momentum=momentum, check_finite=False, backend=name)
         opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], **kw)
-        params[0].grad = torch.full((20, 5), float("nan"), dtype=torch.float64, device=dev)
+        params[0].grad = torch.full((20, 5), float("nan"), dtype=dtype, device=dev)
         for p in params[1:]:
-            p.grad = good.to(dev)
+            p.grad = good.to(dev, dtype)
         opt.step()
         bufs = [opt.state[p].get("momentum_buffer") for p in params]
         results[name] = [p.detach().cpu() for p in params], [b.cpu() if b is not None else None for b in bufs]
         assert opt.guard_stats()[0]["reset"] == 1, name
-    for a, b in zip(*(results[n][0] for n in ("reference", backend))):
-        assert torch.isfinite(b).all() and (a - b).abs().max() < 1e-10
-    for a, b in zip(*(results[n][1] for n in ("reference", backend))):
-        assert (a is None) == (b is None) and (a is None or (torch.isfinite(b).all() and (a - b).abs().max() < 1e-10))
+    _compare(results, backend, tol)
+
+
+@pytest.mark.filterwarnings("ignore:the FGD step guard bound")
+@DTYPES
+@pytest.mark.parametrize("backend", FUSED)
+def test_a_nan_momentum_buffer_with_the_checks_off_is_reset_and_writes_nothing_non_finite(backend, dtype, tol):
+    """A NaN in a momentum buffer (a loaded or edited state) with ``check_finite=False``: the
+    guard resets that layer (s = 0) and the update reads no 0·NaN from Φ (βΦ's coefficient is an
+    exact zero: Φ₊ = 0, θ₊ the pull-back); the other layer steps as the reference's."""
+    dev = device_for_tests()
+    gen = torch.Generator().manual_seed(1)
+    start = [fgd_fast.orthogonalize_(torch.randn(20, 5, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    grads = [[torch.randn(20, 5, generator=gen, dtype=torch.float64) for _ in start] for _ in range(2)]
+    results = {}
+    for name in ("reference", backend):
+        params = [torch.nn.Parameter(w.clone().to(dev, dtype)) for w in start]
+        opt = fgd_fast.FGD(
+            [dict(params=params, orthogonal=True)], lr=0.1, momentum=0.9, check_finite=False, backend=name
+        )
+        for step, gs in enumerate(grads):
+            for p, g in zip(params, gs):
+                p.grad = g.to(dev, dtype)
+            if step == 1:
+                opt.state[params[0]]["momentum_buffer"][3, 2] = float("nan")
+            opt.step()
+        bufs = [opt.state[p]["momentum_buffer"] for p in params]
+        results[name] = [p.detach().cpu() for p in params], [b.cpu() for b in bufs]
+        assert opt.guard_stats()[0]["reset"] == 1 and not results[name][1][0].any(), name  # Φ₊ = 0
+    _compare(results, backend, tol)
 
 
 @pytest.mark.parametrize("backend", backend_params(("torch",)))
