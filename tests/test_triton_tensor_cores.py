@@ -103,7 +103,7 @@ def _run(shapes, precision, momentum, steps, seed, lr=0.1, feedback=0.4):
 def test_split_pass_writes_exact_tf32_halves(rows):
     """hi = tf32(θ), lo = tf32(θ − hi) bit for bit as the torch backend's split (low 13 bits
     zero), |θ − hi − lo| ≤ 2⁻²² |θ| against float64, zero padding rows past n, θ's layout;
-    Inf and NaN stay Inf and NaN."""
+    Inf and NaN stay Inf and NaN, whatever the NaN's payload."""
     from fgd_fast.backends import triton as tb
     from fgd_fast.kernels import meta
 
@@ -112,6 +112,9 @@ def test_split_pass_writes_exact_tf32_halves(rows):
     dev = device_for_tests()
     values = [(rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 3, s)).astype(np.float32) for s in shapes]
     values[0].flat[:3] = [np.inf, -np.inf, np.nan]
+    # NaNs whose mantissa is all ones (CUDA's canonical NaN, and its negative): a rounding carry
+    # out of them would make ±0 or Inf, a NaN θ that the step then no longer sees
+    values[0].flat[3:5] = np.array([0x7FFFFFFF, 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
     params = [torch.tensor(v, device=dev) for v in values]
     grads = [torch.zeros_like(p) for p in params]
     cls = tb._TensorCoreClass(
