@@ -77,14 +77,6 @@ def _at(rk, ci, ld, p, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _at_t(ci, rk, ld, p, ROWS: tl.constexpr):
-    """Offsets of Xᵀ[ci, rk] = X[rk, ci], shaped (len(ci), len(rk))."""
-    if ROWS:
-        return ci[:, None] * ld + rk[None, :]
-    return rk[None, :] * p + ci[:, None]
-
-
-@triton.jit
 def _load_t(ptr, ci, rk, ld, p, r1, ROWS: tl.constexpr, K_MASK: tl.constexpr):
     """Xᵀ[ci, rk] for a K step. Along p, ROWS clamps the indices into range (the extra rows
     are computed and never stored; no mask, so the K-contiguous loads stay 16 bytes wide);
