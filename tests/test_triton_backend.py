@@ -72,17 +72,21 @@ def test_deterministic_run_to_run():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "no-momentum"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
-def test_precision_mode_matches_the_reference_within_the_mode_bound(precision):
+def test_precision_mode_matches_the_reference_within_the_mode_bound(precision, momentum):
     """Each precision launches its own kernels: "ieee" the CUDA-core ones (fp32: 1e-5),
     "tf32x3"/"tf32" the tensor-core ones, whose operands are rounded to TF32 by their split pass
     even under the interpreter: tf32x3 (A in 3×TF32, the rest TF32) within 3e-5 after three
-    steps of lr 0.1, tf32 (A in TF32: ~1e-3 relative error in θᵀθ) within 5e-3."""
-    shapes = [(16, 8, 3, 3), (24, 40)]
+    steps of lr 0.1, tf32 (A in TF32: ~1e-3 relative error in θᵀθ) within 5e-3. p = 67 takes
+    two column blocks of the updates: without momentum θ₊ = θ − ηg + θM_θ with a large M_θ, so
+    the CUDA-core update, in place, must read θ from its snapshot of the row block, never
+    columns it has already written."""
+    shapes = [(16, 8, 3, 3), (24, 40), (100, 67)]
     params, grads = _problem(shapes, seed=2)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    _steps(params, grads, "triton", steps=3, precision=precision)
-    _steps(ref, grads, "reference", steps=3)
+    _steps(params, grads, "triton", steps=3, precision=precision, momentum=momentum)
+    _steps(ref, grads, "reference", steps=3, momentum=momentum)
     tol = {"ieee": 1e-5, "tf32x3": 3e-5, "tf32": 5e-3}[precision]
     for a, b in zip(params, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
