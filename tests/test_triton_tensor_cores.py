@@ -215,11 +215,12 @@ def test_stays_on_the_manifold():
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 def test_the_predicted_distance_is_the_distance_written(precision):
     """The guard's prediction ‖θ₊ᵀθ₊ − I‖_F (``GuardReport.distance``) from the Gram blocks —
-    gᵀg and Φᵀg (H, not symmetric: every tile) among them — on steps large enough that it is the
-    step's own second-order terms (~2e-3, far above fp32 rounding), p = 67 included (two Gram
-    tiles of either kernel set; without H's lower tiles the tensor-core step reset that layer):
-    the guard keeps every step, and the prediction is within ``TOL`` relative of the distance of
-    the θ₊ written, in float64. tf32x3 (tensor cores): TF32 operands, 2⁻¹¹ relative each, in E,
+    gᵀg (a large corner entry: two equal columns of g) and Φᵀg (H, not symmetric: every tile)
+    among them — on steps large enough that it is the step's own second-order terms (~2e-3, far
+    above fp32 rounding), p = 67 included (two Gram tiles of either kernel set; without H's lower
+    tiles the tensor-core step reset that layer, with G's its corner was lost): the guard keeps
+    every step, and the prediction is within ``TOL`` relative of the distance of the θ₊ written,
+    in float64. tf32x3 (tensor cores): TF32 operands, 2⁻¹¹ relative each, in E,
     B, G, H and the update's products, up to 2.7e-3 measured on the CPU emulation; ieee (the
     CUDA-core kernels): only θ₊'s float32 rounding, up to 4.5e-5 measured."""
     TOL = {"tf32x3": 2.0**-7, "ieee": 2.0**-12}
@@ -228,8 +229,11 @@ def test_the_predicted_distance_is_the_distance_written(precision):
     params = [torch.tensor(random_stiefel(rng, s).astype(np.float32), device=dev) for s in SHAPES]
     bufs = [None] * len(params)
     for _ in range(2):  # the second with Φ
-        raw = [rng.standard_normal(p.shape) for p in params]
-        grads = [torch.tensor((g / np.linalg.norm(g)).astype(np.float32), device=dev) for g in raw]  # ‖g‖ = 1
+        raw = [to_theta(rng.standard_normal(p.shape)) for p in params]
+        for g in raw:  # the last column of g that of the first: gᵀg's corner (in a lower tile) its largest
+            g[:, -1] = g[:, 0]
+        raw = [from_theta(g / np.linalg.norm(g), p.shape) for g, p in zip(raw, params)]  # ‖g‖ = 1
+        grads = [torch.tensor(g.astype(np.float32), device=dev) for g in raw]
         kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend="triton", precision=precision)
         report = fgd_fast.fgd(params, grads, bufs, **kw)
         assert [int(code) for code in report.guarded] == [0] * len(params)  # (the guard kept every step)
