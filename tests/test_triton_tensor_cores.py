@@ -339,6 +339,16 @@ def _twins(shapes, seed):
     return params, [torch.nn.Parameter(p.detach().clone()) for p in params], gen
 
 
+def _step_both(opt, ref, params, twins, gen, steps: int, scale: float) -> None:
+    """``steps`` steps of ``opt`` and of ``ref`` on the same random gradients (× ``scale``)."""
+    for _ in range(steps):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen) * scale
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+
+
 def test_two_classes_of_the_same_shapes_keep_their_own_tables_and_buffers():
     """Two groups of the same layer shapes, one with momentum and one without, are two launch
     classes in one step (Φ read or not) that look alike but for Φ: each keeps its own work tables
@@ -352,12 +362,7 @@ def test_two_classes_of_the_same_shapes_keep_their_own_tables_and_buffers():
 
     opt = fgd_fast.FGD(groups(params), lr=0.05, backend="triton", precision="tf32x3")
     ref = fgd_fast.FGD(groups(twins), lr=0.05, backend="reference")
-    for _ in range(3):
-        for p, t in zip(params, twins):
-            p.grad = torch.randn(p.shape, generator=gen) * 0.1
-            t.grad = p.grad.clone()
-        opt.step()
-        ref.step()
+    _step_both(opt, ref, params, twins, gen, steps=3, scale=0.1)
     for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
         assert (p - t).abs().max() < 1e-3
 
@@ -429,17 +434,10 @@ def test_an_odd_layer_does_not_take_the_aligned_kernels_from_the_others(monkeypa
     own class, and both classes compute the step."""
     launches = record_launches(monkeypatch)
     shapes = [(16, 8, 3, 3), (8, 3, 7, 7), (16, 8, 3, 3)]  # the second: n = 147 (a stem's)
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    params, twins, gen = _twins(shapes, seed=0)
     opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.05, backend="triton", precision="tf32x3")
     ref = fgd_fast.FGD([dict(params=twins, orthogonal=True)], lr=0.05, backend="reference")
-    for _ in range(2):
-        for p, t in zip(params, twins):
-            p.grad = torch.randn(p.shape, generator=gen) * 0.01
-            t.grad = p.grad.clone()
-        opt.step()
-        ref.step()
+    _step_both(opt, ref, params, twins, gen, steps=2, scale=0.01)
     aligned = [kw["ALIGNED"] for name, kw in launches if "ALIGNED" in kw and "gram" in name]
     assert sorted(set(aligned)) == [False, True]
     for p, t in zip(params, twins):  # TF32 operands: the tensor-core bound of this file
