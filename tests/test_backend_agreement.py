@@ -1,7 +1,8 @@
 """Cases where a backend's own code path decides what the reference decides, found by a
 mutation review (a planted mutant in that path changed the result and no test failed): the
 Triton backend's float32 paper variant (its middle outside the fused kernels), a non-finite
-gradient with the checks off (the torch backend zeroes the reset layer's terms), the functional
+gradient or momentum buffer with the checks off (the fused backends' updates read no 0·NaN of
+the reset layer's terms, in float64 and in float32, the tensor-core update), the functional
 step at lr = 0 with momentum, and ``orthogonalize_`` of a matrix with a zero column."""
 
 from __future__ import annotations

@@ -220,9 +220,9 @@ def test_the_predicted_distance_is_the_distance_written(precision):
     above fp32 rounding), p = 67 included (two Gram tiles of either kernel set; without H's lower
     tiles the tensor-core step reset that layer, with G's its corner was lost): the guard keeps
     every step, and the prediction is within ``TOL`` relative of the distance of the θ₊ written,
-    in float64. tf32x3 (tensor cores): TF32 operands, 2⁻¹¹ relative each, in E,
-    B, G, H and the update's products, up to 2.7e-3 measured on the CPU emulation; ieee (the
-    CUDA-core kernels): only θ₊'s float32 rounding, up to 4.5e-5 measured."""
+    in float64. tf32x3 (tensor cores): TF32 operands, 2⁻¹¹ relative each, in E, B, G, H and the
+    update's products, up to 2.7e-3 measured on the CPU emulation; ieee (the CUDA-core kernels):
+    only θ₊'s float32 rounding, up to 4.5e-5 measured."""
     TOL = {"tf32x3": 2.0**-7, "ieee": 2.0**-12}
     rng = np.random.default_rng(21)
     dev = device_for_tests()
@@ -349,11 +349,10 @@ def _step_both(opt, ref, params, twins, gen, steps: int, scale: float) -> None:
         ref.step()
 
 
-def test_two_classes_of_the_same_shapes_keep_their_own_tables_and_buffers():
+def test_two_classes_of_the_same_shapes_keep_their_own_tables():
     """Two groups of the same layer shapes, one with momentum and one without, are two launch
     classes in one step (Φ read or not) that look alike but for Φ: each keeps its own work tables
-    (B, C, H tiles only where Φ is) and its own fused-middle buffer (both middles run before
-    either update). Both match the reference."""
+    (B, C, H tiles only where Φ is). Both match the reference."""
     shapes = [(16, 8, 3, 3), (12, 20)] * 2
     params, twins, gen = _twins(shapes, seed=5)
 
