@@ -3,7 +3,7 @@ small emulator (tests/cuda_emulation, whose docstring says what this can and can
 driven by the real backend code of fgd_fast/backends/cuda.py with only the extension module
 swapped. Checked against the float64 NumPy oracle (float64 tightly, float32 within a small
 multiple of what plain float32 arithmetic loses), the reference backend (float16/bfloat16
-within one ulp), and for determinism, schedule independence, that ``prepare`` writes nothing
+within one ulp; the guard's decisions, scaled steps and float16 range check), and for determinism, schedule independence, that ``prepare`` writes nothing
 and that writes stay inside their tensors. Needs g++ only (no GPU, no nvcc)."""
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ CASES = {
     "channels-last": dict(
         layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2, channels_last=True
     ),
+    # channels_last Φ too (the optimizer's zeros_like(θ) keeps θ's memory format): every
+    # operand staged, and Φ₊ written back from its copy
+    "channels-last-phi": dict(layers=[((70, 8, 3, 3), 0.9), ((40, 2, 2, 3), 0.9)], splits=2, channels_last="all"),
     # momentum 0: no Φ at all
     "stateless": dict(layers=[((130, 150), 0.0), ((150, 65), 0.0), ((5, 11), 0.0)], splits=2),
 }
@@ -147,13 +150,14 @@ def _tensor(cuda, a, dtype, channels_last=False):
 
 def _run(cuda, layers, dtype, steps, *, seed=0, channels_last=False, oracle=True):
     """`steps` steps with the emulated backend beside the float64 oracle (unless not
-    `oracle`). Returns the parameters, Φ buffers, the oracle's θ and Φ, and (backend,
-    oracle) distances per step."""
+    `oracle`); ``channels_last``: θ and g in that memory format (``"all"``: Φ too). Returns the
+    parameters, Φ buffers, the oracle's θ and Φ, and (backend, oracle) distances per step."""
     w0, grads, hyper = _data(layers, steps, seed)
     count = len(layers)
     params = [_tensor(cuda, w, dtype, channels_last) for w in w0]
     strides = [p.stride() for p in params]
-    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), compute_dtype(dtype)) for s, m in layers]
+    phi_layout = channels_last == "all"  # (else Φ contiguous)
+    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), compute_dtype(dtype), phi_layout) for s, m in layers]
     ow, ophi, dists = [w.copy() for w in w0], [None] * count, []
     for step in range(steps):
         g = [_tensor(cuda, x, dtype, channels_last) for x in grads[step]]
@@ -264,6 +268,58 @@ def test_half_parameters_within_one_ulp_of_reference(cuda, monkeypatch, dtype):
                 assert b.dtype == torch.float32
                 torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6)
         assert all(guards_intact(t) for t in [*params, *g, *(b for b in bufs if b is not None)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_guard_decides_and_steps_as_the_reference(cuda, monkeypatch, dtype):
+    """With the guard (trust radius 1, a tight ``max_distance`` of 0.05, where float16's rounding
+    margin is a sixth of it) and gradients spiked 3× to 1000×: the backend's decisions (kept,
+    scaled, reset), scales and predicted distances are the reference backend's, and so is every
+    θ₊ and Φ₊ (float32: to float32 rounding; float16: one ulp)."""
+    monkeypatch.setattr(cuda, "force_splits", 2)
+    layers = [((130, 150), 0.9), ((150, 65), 0.9), ((8, 4, 3, 3), 0.0), ((40, 9), 0.9)]
+    w0, grads, hyper = _data(layers, 3, seed=3)
+    params = [_tensor(cuda, w, dtype) for w in w0]
+    bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), torch.float32) for s, m in layers]
+    guard = dict(check_finite=True, trust_radius=1.0, max_distance=0.05)
+    seen = set()
+    for step, step_grads in enumerate(grads):
+        spikes = [3.0 ** (step + 1), 10.0 ** (step + 1), 30.0, 1.0]
+        g = [cuda._ext.fenced(torch.tensor(x * k, dtype=dtype)) for x, k in zip(step_grads, spikes)]
+        ref_params, ref_bufs = _bits(params), _bits(bufs)
+        fresh = [step == 0 or m == 0 for _, m in layers]
+        plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, **guard)
+        ref = prepare_reference(ref_params, g, ref_bufs, fresh, **hyper, **guard)
+        assert plan.guarded.tolist() == ref.guarded.tolist(), step
+        torch.testing.assert_close(plan.dist_next, ref.dist_next.double(), rtol=1e-4, atol=1e-6)
+        seen.update(ref.guarded.tolist())
+        plan.apply()
+        ref.apply()
+        for p, r in zip(params, ref_params):
+            if dtype == torch.float16:
+                assert bool(((p.double() - r.double()).abs() <= torch.maximum(_ulp(p, dtype), _ulp(r, dtype))).all())
+            else:
+                torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
+        for b, r in zip(bufs, ref_bufs):
+            if b is not None:
+                torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-5)
+    assert {0, 1} <= seen, seen  # kept and scaled steps both compared
+
+
+def test_a_step_that_would_overflow_float16_is_flagged_as_in_the_reference(cuda):
+    """A float16 θ far off the manifold (300 × orthonormal; the checks of the manifold off, as
+    ``check_manifold=False`` leaves it) is reset by the guard to a pull-back whose entries
+    overflow float16: the plan says θ₊ does not fit (the step is then refused), as the
+    reference's; at 30 × orthonormal it fits."""
+    rng = np.random.default_rng(4)
+    for scale, fits in ((30.0, True), (300.0, False)):
+        params = [_tensor(cuda, scale * random_stiefel(rng, (8, 4)), torch.float16)]
+        g = [_tensor(cuda, rng.standard_normal((8, 4)), torch.float16)]
+        kw = dict(lr=[0.01], momentum=[0.0], feedback=[0.4], check_finite=True, trust_radius=1.0, max_distance=0.5)
+        plan = cuda.prepare_cuda(params, g, [None], [True], **kw)
+        ref = prepare_reference(_bits(params), g, [None], [True], **kw)
+        assert plan.guarded.tolist() == ref.guarded.tolist() == [2]  # reset
+        assert plan.finite_next.tolist() == ref.finite_next.tolist() == [fits], scale
 
 
 # ------------------------------------------------------------------ determinism and writes
