@@ -3,8 +3,9 @@ small emulator (tests/cuda_emulation, whose docstring says what this can and can
 driven by the real backend code of fgd_fast/backends/cuda.py with only the extension module
 swapped. Checked against the float64 NumPy oracle (float64 tightly, float32 within a small
 multiple of what plain float32 arithmetic loses), the reference backend (float16/bfloat16
-within one ulp; the guard's decisions, scaled steps and float16 range check), and for determinism, schedule independence, that ``prepare`` writes nothing
-and that writes stay inside their tensors. Needs g++ only (no GPU, no nvcc)."""
+within one ulp; the guard's decisions, scaled steps and float16 range check), and for
+determinism, schedule independence, that ``prepare`` writes nothing and that writes stay inside
+their tensors. Needs g++ only (no GPU, no nvcc)."""
 
 from __future__ import annotations
 
