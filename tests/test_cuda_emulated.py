@@ -274,8 +274,8 @@ def test_half_parameters_within_one_ulp_of_reference(cuda, monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_guard_decides_and_steps_as_the_reference(cuda, monkeypatch, dtype):
     """With the guard (trust radius 1, a tight ``max_distance`` of 0.05, where float16's rounding
-    margin is a sixth of it) and gradients spiked 3× to 1000×: the backend's decisions (kept,
-    scaled, reset), scales and predicted distances are the reference backend's, and so is every
+    margin is a sixth of it) and gradients spiked up to 1000×: the backend's decisions (kept,
+    scaled, reset) and predicted distances are the reference backend's, and so is every
     θ₊ and Φ₊ (float32: to float32 rounding; float16: one ulp)."""
     monkeypatch.setattr(cuda, "force_splits", 2)
     layers = [((130, 150), 0.9), ((150, 65), 0.9), ((8, 4, 3, 3), 0.0), ((40, 9), 0.9)]
