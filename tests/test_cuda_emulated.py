@@ -237,6 +237,11 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return fi.eps * torch.pow(2.0, e.double())
 
 
+def _within_one_ulp(p: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every entry of p within one ``dtype`` ulp (of either value) of r's."""
+    return bool(((p.double() - r.double()).abs() <= torch.maximum(_ulp(p, dtype), _ulp(r, dtype))).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_parameters_within_one_ulp_of_reference(cuda, monkeypatch, dtype):
     """16-bit θ computes in float32 with a float32 Φ and is rounded once: per step, from the
@@ -259,8 +264,7 @@ def test_half_parameters_within_one_ulp_of_reference(cuda, monkeypatch, dtype):
         ref.apply()
         for p, r in zip(params, ref_params):
             assert p.dtype == dtype
-            diff = (p.double() - r.double()).abs()
-            assert bool((diff <= torch.maximum(_ulp(p, dtype), _ulp(r, dtype))).all()), float(diff.max())
+            assert _within_one_ulp(p, r, dtype), float((p.double() - r.double()).abs().max())
             # and mostly the same value: a store that truncated instead of rounding to
             # nearest would still be within one ulp, but would differ about half the time
             assert (p != r).float().mean() < 0.05
@@ -298,7 +302,7 @@ def test_the_guard_decides_and_steps_as_the_reference(cuda, monkeypatch, dtype):
         ref.apply()
         for p, r in zip(params, ref_params):
             if dtype == torch.float16:
-                assert bool(((p.double() - r.double()).abs() <= torch.maximum(_ulp(p, dtype), _ulp(r, dtype))).all())
+                assert _within_one_ulp(p, r, dtype)
             else:
                 torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
         for b, r in zip(bufs, ref_bufs):

@@ -105,6 +105,14 @@ def _close(have: torch.Tensor, want: torch.Tensor, name: str) -> None:
     assert (have - want).abs().max() <= TOL * max(1.0, float(want.abs().max())), name
 
 
+def _same_step(got, ref, names, case=None) -> None:
+    """The fused middle's guard decisions are the torch ops', and its ``names`` (fields of both)
+    equal to float32 rounding."""
+    assert got.guarded.tolist() == ref.guarded.tolist(), case
+    for name in names:
+        _close(getattr(got, name), getattr(ref, name), name)
+
+
 @pytest.mark.parametrize("momentum", [True, False], ids=["phi", "no-phi"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_fused_middle_writes_the_step_and_checks_of_the_torch_ops(momentum, layout, monkeypatch):
@@ -178,10 +186,7 @@ def test_each_layer_keeps_its_own_p_s_rounding_margin(monkeypatch):
         lay = Layout(LAYOUTS["three-p"], device_for_tests())
         blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=scale, off=1e-3)
         ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, True), momentum=True, limit=0.5, unit=0.01)
-        assert got.guarded.tolist() == ref.guarded.tolist(), scale
-        for name in ("m_theta", "m_phi", "dist_next"):
-            _close(getattr(got, name), getattr(ref, name), name)
-        _close(got.scale, ref.scale, "scale")  # (the weight chosen)
+        _same_step(got, ref, ("m_theta", "m_phi", "dist_next", "scale"), scale)  # (scale: the weight chosen)
         seen.update(ref.guarded.tolist())
     assert 1 in seen, seen
 
@@ -201,9 +206,7 @@ def test_the_rule_follows_each_calls_radius_limit_and_unit(monkeypatch):
     scales = []
     for radius, limit, unit in ((RADIUS, 0.5, None), (0.05, 0.5, None), (RADIUS, 0.1, None), (RADIUS, 0.5, 0.01)):
         ref, got, _ = _both(lay, blocks, g_sq, hyper, momentum=True, limit=limit, radius=radius, unit=unit)
-        assert got.guarded.tolist() == ref.guarded.tolist(), (radius, limit, unit)
-        for name in ("m_theta", "m_phi", "dist_next", "scale"):
-            _close(getattr(got, name), getattr(ref, name), name)
+        _same_step(got, ref, ("m_theta", "m_phi", "dist_next", "scale"), (radius, limit, unit))
         scales.append(tuple(ref.scale.tolist()))
     assert len(set(scales)) == len(scales)  # each rule binds differently
 
@@ -216,9 +219,7 @@ def test_p_of_one_and_above_the_large_tile_threshold(monkeypatch):
     lay = Layout([(1, 1), (2, 3), (1, 257)], device_for_tests())
     blocks, g_sq = gram_blocks(lay, torch.float32, gen, scale=0.3, off=1e-3)
     ref, got, _ = _both(lay, blocks, g_sq, _hyper(lay.count, True), momentum=True, limit=1e-2)
-    assert got.guarded.tolist() == ref.guarded.tolist()
-    for name in ("m_theta", "m_phi", "dist_next"):
-        _close(getattr(got, name), getattr(ref, name), name)
+    _same_step(got, ref, ("m_theta", "m_phi", "dist_next"))
 
 
 def test_a_non_finite_layer_is_reset_as_by_the_torch_ops(monkeypatch):

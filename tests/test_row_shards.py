@@ -82,6 +82,20 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1):
     return out
 
 
+def _assert_rows_are_the_whole_step(out, plan, whole, ranks, layers, with_phi, tol) -> None:
+    """Every rank's distances and finite flags as the others' and as the whole matrices'
+    ``plan``'s, and its rows of θ₊ (and Φ₊) of ``layers`` those of the whole matrices' step
+    ``whole``."""
+    for rank, (p, b, dist, finite) in out.items():
+        assert torch.equal(dist, out[0][2]) and torch.equal(finite, out[0][3])  # the same on every rank
+        torch.testing.assert_close(dist, plan.dist, rtol=0, atol=tol)
+        assert finite.tolist() == plan.finite.tolist()
+        for i in layers:
+            torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=tol)
+            if with_phi:
+                torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=tol)
+
+
 def _problem(shapes, dtype, seed, with_phi, device):
     gen = torch.Generator().manual_seed(seed)
     params = [orthogonalize_(torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype) for s in shapes]
@@ -122,14 +136,9 @@ def test_row_shards_match_whole_matrices(backend, ranks, dtype, tol, with_phi, h
     plan = prepare(whole[0], [g.clone() for g in grads], whole[1], fresh, **kw)
     plan.apply()
     out = _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw)
-    for rank, (p, b, dist, finite) in out.items():
-        assert torch.equal(dist, out[0][2]) and torch.equal(finite, out[0][3])  # the same on every rank
-        torch.testing.assert_close(dist, plan.dist, rtol=0, atol=tol)
-        assert finite.tolist() == plan.finite.tolist() == [True, True, True, False, True]
-        for i in (0, 1, 2, 4):  # layer 3's NaN spreads through its θ₊; only the flag matters there
-            torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=tol)
-            if with_phi:
-                torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=tol)
+    assert plan.finite.tolist() == [True, True, True, False, True]
+    # (layer 3's NaN spreads through its θ₊; only the flag matters there)
+    _assert_rows_are_the_whole_step(out, plan, whole, ranks, (0, 1, 2, 4), with_phi, tol)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -152,13 +161,8 @@ def test_a_gradient_past_the_float32_gram_range_is_scaled_as_on_whole_matrices(r
     assert plan.guarded.tolist() == [0, 1, 0]  # the huge layer scaled, not reset
     plan.apply()
     out = _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=2)
-    for rank, (p, b, dist, finite) in out.items():
-        assert finite.tolist() == [True] * 3 and torch.equal(dist, out[0][2])
-        torch.testing.assert_close(dist, plan.dist, rtol=0, atol=2e-5)
-        for i in range(3):
-            torch.testing.assert_close(p[i], _split(whole[0][i], ranks)[rank], rtol=0, atol=2e-5)
-            if with_phi:
-                torch.testing.assert_close(b[i], _split(whole[1][i], ranks)[rank], rtol=0, atol=2e-5)
+    assert plan.finite.tolist() == [True] * 3
+    _assert_rows_are_the_whole_step(out, plan, whole, ranks, range(3), with_phi, 2e-5)
 
 
 @pytest.mark.parametrize(
