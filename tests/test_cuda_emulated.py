@@ -46,7 +46,7 @@ def emu_ext(tmp_path_factory) -> EmulatedExtension:
         pytest.skip("the CUDA emulator (fibers, signals, mmap) is Linux-only")
     if compiler() is None:
         pytest.skip("g++ not found: the CUDA kernels cannot be built for the CPU emulator")
-    csrc = Path(os.environ.get("FGD_EMU_CSRC", CSRC))  # (another tree: test_emulator_sees_a_dropped_zero_fill)
+    csrc = Path(os.environ.get("FGD_EMU_CSRC", CSRC))  # (another tree: CSRC_MUTANTS)
     return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation"), csrc))
 
 
@@ -100,11 +100,18 @@ CASES = {
     "auto-splits": dict(layers=[((65, 2, 5, 9), 0.9)], sm_count=16),
     # channels_last parameters and gradients (staged through contiguous copies), contiguous Φ
     "channels-last": dict(
-        layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2, channels_last=True
+        layers=[((70, 8, 3, 3), 0.9), ((20, 3, 3, 3), 0.6), ((40, 2, 2, 3), 0.9)], splits=2, layouts=("cl", "cl", "c")
     ),
     # channels_last Φ too (the optimizer's zeros_like(θ) keeps θ's memory format): every
     # operand staged, and Φ₊ written back from its copy
-    "channels-last-phi": dict(layers=[((70, 8, 3, 3), 0.9), ((40, 2, 2, 3), 0.9)], splits=2, channels_last="all"),
+    "channels-last-phi": dict(layers=[((70, 8, 3, 3), 0.9), ((40, 2, 2, 3), 0.9)], splits=2, layouts=("cl",) * 3),
+    # θ stored transposed, g and Φ row-major (a momentum buffer loaded from a checkpoint is
+    # contiguous): each operand read in place through its own strides, none staged
+    "transposed-theta": dict(
+        layers=[((130, 150), 0.9), ((150, 65), 0.9), ((40, 2, 2, 3), 0.9)], layouts=("t", "c", "c")
+    ),
+    # θ row-major, g and Φ stored transposed (a gradient assigned by hand)
+    "transposed-grad-phi": dict(layers=[((130, 150), 0.9), ((150, 65), 0.9)], splits=2, layouts=("c", "t", "t")),
     # momentum 0: no Φ at all
     "stateless": dict(layers=[((130, 150), 0.0), ((150, 65), 0.0), ((5, 11), 0.0)], splits=2),
 }
@@ -114,7 +121,7 @@ def _setup(cuda, monkeypatch, case):
     spec = CASES[case]
     monkeypatch.setattr(cuda, "force_splits", spec.get("splits"))
     monkeypatch.setattr(cuda, "_sm_count", lambda device: spec.get("sm_count", 1))
-    return spec["layers"], spec.get("channels_last", False)
+    return spec["layers"], spec.get("layouts", ("c",) * 3)
 
 
 @functools.cache
@@ -139,29 +146,34 @@ def _data(layers, steps, seed):
     return [w.copy() for w in w0], grads, {k: list(v) for k, v in hyper.items()}
 
 
-def _tensor(cuda, a, dtype, channels_last=False):
+def _tensor(cuda, a, dtype, layout="c"):
     """`a` as a fenced tensor: a read or write past its end fails the launch, one before it
-    reads NaN or breaks the guard band (guards_intact)."""
+    reads NaN or breaks the guard band (guards_intact). ``layout``: "c" contiguous, "cl"
+    channels_last (4-d only), "t" its ``(c_o, m)`` matrix stored column-major."""
     t = torch.tensor(a, dtype=dtype)
-    if channels_last and t.dim() == 4:
+    if layout == "cl" and t.dim() == 4:
         t = t.to(memory_format=torch.channels_last)
         assert not t.is_contiguous()
+    elif layout == "t":
+        t = t.reshape(t.shape[0], -1).t().contiguous().t().view(t.shape)
+        assert t.stride(0) == 1 and not t.is_contiguous()
     return cuda._ext.fenced(t)
 
 
-def _run(cuda, layers, dtype, steps, *, seed=0, channels_last=False, oracle=True):
+def _run(cuda, layers, dtype, steps, *, seed=0, layouts=("c", "c", "c"), oracle=True):
     """`steps` steps with the emulated backend beside the float64 oracle (unless not
-    `oracle`); ``channels_last``: θ and g in that memory format (``"all"``: Φ too). Returns the
+    `oracle`); ``layouts``: those of θ, g and Φ (see :func:`_tensor`). Returns the
     parameters, Φ buffers, the oracle's θ and Φ, and (backend, oracle) distances per step."""
     w0, grads, hyper = _data(layers, steps, seed)
     count = len(layers)
-    params = [_tensor(cuda, w, dtype, channels_last) for w in w0]
+    theta_layout, grad_layout, phi_layout = layouts
+    params = [_tensor(cuda, w, dtype, theta_layout) for w in w0]
     strides = [p.stride() for p in params]
-    phi_layout = channels_last == "all"  # (else Φ contiguous)
     bufs = [None if m == 0 else _tensor(cuda, np.zeros(s), compute_dtype(dtype), phi_layout) for s, m in layers]
+    phi_strides = [None if b is None else b.stride() for b in bufs]
     ow, ophi, dists = [w.copy() for w in w0], [None] * count, []
     for step in range(steps):
-        g = [_tensor(cuda, x, dtype, channels_last) for x in grads[step]]
+        g = [_tensor(cuda, x, dtype, grad_layout) for x in grads[step]]
         fresh = [step == 0 or m == 0 for _, m in layers]
         plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, check_finite=True)
         assert plan.finite.tolist() == [True] * count
@@ -172,6 +184,7 @@ def _run(cuda, layers, dtype, steps, *, seed=0, channels_last=False, oracle=True
             h = {k: v[i] for k, v in hyper.items()}
             ow[i], ophi[i] = fgd_step(ow[i], grads[step][i], ophi[i], **h)
     assert [p.stride() for p in params] == strides  # written through the parameters' own layout
+    assert [None if b is None else b.stride() for b in bufs] == phi_strides  # and Φ's
     return params, bufs, ow, ophi, dists
 
 
@@ -198,10 +211,10 @@ def _plain_fp32_error(layers, steps, seed=0):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_float64_matches_oracle(cuda, monkeypatch, case):
-    layers, channels_last = _setup(cuda, monkeypatch, case)
+    layers, layouts = _setup(cuda, monkeypatch, case)
     splits_before = cuda.launch_counts["sum_splits"]
     steps = 3
-    params, bufs, ow, ophi, dists = _run(cuda, layers, torch.float64, steps, channels_last=channels_last)
+    params, bufs, ow, ophi, dists = _run(cuda, layers, torch.float64, steps, layouts=layouts)
     for p, b, w, phi in zip(params, bufs, ow, ophi):
         assert _rel_err(p, w) < 1e-12
         assert (b is None) == (phi is None)
@@ -210,16 +223,18 @@ def test_float64_matches_oracle(cuda, monkeypatch, case):
     for got, want in dists:  # ‖A − I‖_F from the Gram kernel's A
         assert np.allclose(got, want, rtol=1e-9, atol=1e-13), (got, want)
     split_launches = cuda.launch_counts["sum_splits"] - splits_before
-    assert split_launches == (0 if case == "rows-p130" else steps)  # the split-n path ran where meant
+    assert split_launches == (
+        0 if case in ("rows-p130", "transposed-theta") else steps
+    )  # the split-n path ran where meant
 
 
 @pytest.mark.parametrize("case", ["ragged", "rows-p130", "channels-last"])
 def test_float32_error_bounded_by_plain_float32(cuda, monkeypatch, case):
     """float32 error vs the float64 oracle <= 4× what plain float32 arithmetic makes, plus 2
     ulps of 1 (as tests/test_fgd_oracle.py asks of every backend)."""
-    layers, channels_last = _setup(cuda, monkeypatch, case)
+    layers, layouts = _setup(cuda, monkeypatch, case)
     steps = 3
-    params, _, ow, _, dists = _run(cuda, layers, torch.float32, steps, channels_last=channels_last)
+    params, _, ow, _, dists = _run(cuda, layers, torch.float32, steps, layouts=layouts)
     err = max(float(np.abs(p.double().numpy() - w).max()) for p, w in zip(params, ow))
     baseline = _plain_fp32_error(layers, steps)
     assert err <= 4 * baseline + 2 * 2.0**-23, (err, baseline)
@@ -325,6 +340,42 @@ def test_a_step_that_would_overflow_float16_is_flagged_as_in_the_reference(cuda)
         ref = prepare_reference(_bits(params), g, [None], [True], **kw)
         assert plan.guarded.tolist() == ref.guarded.tolist() == [2]  # reset
         assert plan.finite_next.tolist() == ref.finite_next.tolist() == [fits], scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("where", ["gradient", "momentum"])
+def test_a_nan_input_with_the_checks_off_is_reset_writing_nothing_non_finite(cuda, monkeypatch, dtype, where):
+    """``check_finite=False`` and a NaN in one layer's gradient (first step) or momentum buffer
+    (second step): the guard resets that layer as the reference does (s = 0: θ₊ the pull-back,
+    Φ₊ = 0) and the update kernel reads neither ηg nor βΦ of it (coefficients of exactly 0, not
+    0·NaN), so nothing non-finite is written; the other layers step as the reference's."""
+    monkeypatch.setattr(cuda, "force_splits", 2)
+    layers = [((130, 150), 0.9), ((150, 65), 0.9), ((40, 9), 0.9)]
+    w0, grads, hyper = _data(layers, 2, seed=5)
+    params = [_tensor(cuda, w, dtype) for w in w0]
+    bufs = [_tensor(cuda, np.zeros(s), dtype) for s, _ in layers]
+    guard = dict(check_finite=False, trust_radius=1.0, max_distance=0.5)
+    tol = dict(rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+    hit, hit_step = (0, 0) if where == "gradient" else (1, 1)
+    for step, step_grads in enumerate(grads):
+        g = [_tensor(cuda, x, dtype) for x in step_grads]
+        if step == hit_step:
+            (g[hit] if where == "gradient" else bufs[hit])[7, 64] = float("nan")
+        ref_params, ref_bufs = _bits(params), _bits(bufs)
+        fresh = [step == 0] * len(layers)
+        plan = cuda.prepare_cuda(params, g, bufs, fresh, **hyper, **guard)
+        ref = prepare_reference(ref_params, g, ref_bufs, fresh, **hyper, **guard)
+        assert plan.guarded.tolist() == ref.guarded.tolist()
+        plan.apply()
+        ref.apply()
+        for p, r in zip(params, ref_params):
+            assert torch.isfinite(p).all()
+            torch.testing.assert_close(p, r, **tol)
+        for b, r in zip(bufs, ref_bufs):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, r, **tol)
+        if step == hit_step:  # the layer hit: reset, Φ₊ = 0
+            assert plan.guarded.tolist()[hit] == 2 and not bufs[hit].any()
 
 
 # ------------------------------------------------------------------ determinism and writes
@@ -538,24 +589,50 @@ def test_emulator_poisons_shared_memory_in_every_block(emu_ext):
     emu_ext.set_reverse_schedule(False)
 
 
-def test_emulator_sees_a_dropped_zero_fill(tmp_path):
-    """A review: the update kernel zero-fills its θ tile past p; with the fill dropped for that
-    one operand, the elements past p were a static's zeros or stale finite values in the
-    emulator, met only zeros of M's tile, and every test passed, where a GPU's leftover NaN
-    gives NaN · 0 = NaN in θ₊. Built from a copy of csrc/ with that mutant, the float64 test
-    fails now (shared memory poisoned per block)."""
+#: planted mutants of csrc/ the emulated tests must catch: kernel file, line, its replacement, the test
+#: that fails on the kernels built with it (float32: a NaN read with a zero coefficient)
+CSRC_MUTANTS = {
+    # the θ tile's zero fill past p dropped for that one operand: in the emulator the elements past
+    # p were a static's zeros or stale finite values that met only zeros of M's tile, and every
+    # test passed, where a GPU's leftover NaN gives NaN · 0 = NaN in θ₊ (shared memory is now
+    # poisoned per block)
+    "zero-fill-dropped": (
+        "fgd_update.cu",
+        "Ts[rr][kk] = k < p ? snap[snap_index(rows_fast, rr, k, p)] : Acc(0);",
+        "if (k < p) Ts[rr][kk] = snap[snap_index(rows_fast, rr, k, p)];",
+        "test_float64_matches_oracle[ragged]",
+    ),
+    # the guard's reset (s = 0) reading the gradient anyway: 0 · NaN written into θ₊ and Φ₊
+    "eta-read-at-zero": (
+        "fgd_update.cu",
+        "Acc uu = eta == Acc(0) ? Acc(0) : -eta * to_acc(grad[r * gsr + c * gsc]);",
+        "Acc uu = -eta * to_acc(grad[r * gsr + c * gsc]);",
+        "test_a_nan_input_with_the_checks_off_is_reset_writing_nothing_non_finite[gradient-dtype1]",
+    ),
+    # … or the momentum buffer
+    "beta-read-at-zero": (
+        "fgd_update.cu",
+        "if (reads_phi && beta != Acc(0)) uu",
+        "if (reads_phi) uu",
+        "test_a_nan_input_with_the_checks_off_is_reset_writing_nothing_non_finite[momentum-dtype1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CSRC_MUTANTS))
+def test_the_emulated_tests_catch_a_planted_kernel_mutant(tmp_path, name):
+    """Built from a copy of csrc/ with one planted mutant (:data:`CSRC_MUTANTS`), the test named
+    for it fails (and only it runs: one build of the kernels, in a child process)."""
     if not sys.platform.startswith("linux") or compiler() is None:
         pytest.skip("the CUDA emulator needs Linux and g++")
+    kernel, line, replacement, test = CSRC_MUTANTS[name]
     mutant = tmp_path / "csrc"
     shutil.copytree(CSRC, mutant)
-    update = mutant / "fgd_update.cu"
-    fill = "Ts[rr][kk] = k < p ? snap[snap_index(rows_fast, rr, k, p)] : Acc(0);"
-    assert fill in update.read_text(), "the update kernel's θ tile load changed: update this mutant"
-    update.write_text(
-        update.read_text().replace(fill, "if (k < p) Ts[rr][kk] = snap[snap_index(rows_fast, rr, k, p)];")
-    )
+    source = mutant / kernel
+    assert source.read_text().count(line) == 1, f"{kernel} changed: update the mutant {name!r}"
+    source.write_text(source.read_text().replace(line, replacement))
     env = {**os.environ, "FGD_EMU_CSRC": str(mutant)}
-    node = f"{Path(__file__).resolve()}::test_float64_matches_oracle[ragged]"
+    node = f"{Path(__file__).resolve()}::{test}"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
         env=env,

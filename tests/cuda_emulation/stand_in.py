@@ -158,10 +158,12 @@ class EmulatedExtension(ModuleType):
 
     def fenced(self, t: torch.Tensor, nan: bool = False) -> torch.Tensor:
         """A copy of ``t`` (same shape and values — NaN instead when ``nan`` —, same strides
-        when ``t`` is contiguous or channels_last, else contiguous) whose last element is
-        followed by an inaccessible page and whose storage begins with a guard band (see
-        :func:`guards_intact`). The memory is unmapped when the tensor is gone."""
-        if not (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))):
+        when ``t`` is dense in some order of its dimensions (contiguous, channels_last, a
+        transpose), else contiguous) whose last element is followed by an inaccessible page and
+        whose storage begins with a guard band (see :func:`guards_intact`). The memory is
+        unmapped when the tensor is gone."""
+        order = sorted(range(t.dim()), key=t.stride, reverse=True)
+        if not t.permute(order).is_contiguous():  # (gaps or overlaps)
             t = t.contiguous()
         size = t.element_size()
         nbytes = max(t.numel(), 1) * size
