@@ -171,11 +171,10 @@ def config_acc(consts):
 TENSOR_CORE_OP = {90: "HGMMA", 80: "HMMA"}  # the SASS instruction of a TF32 product per target
 
 
-def expects_tensor_cores(kernel: str, config: dict) -> bool:
+def expects_tensor_cores(config: dict) -> bool:
     """Whether the products of this configuration must run on tensor cores: the tensor-core
-    Gram and update kernels, and the CUDA-core kernels at a float32 tensor-core precision."""
-    if kernel == "tc_split_kernel":
-        return False
+    Gram and update kernels, and the CUDA-core kernels at a float32 tensor-core precision (the
+    tensor-core split pass has no ``PRECISION``: it has no products)."""
     return config.get("PRECISION") in ("tf32", "tf32x3") and config.get("ACC", "fp32") == "fp32"
 
 
@@ -189,7 +188,12 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
 
 def _sass_ops(cubin: bytes) -> dict:
     """Counts of the product instructions and of 16-byte global loads and stores in the SASS."""
-    sass = _cuobjdump(cubin, "-sass")
+    return sass_counts(_cuobjdump(cubin, "-sass"))
+
+
+def sass_counts(sass: str) -> dict:
+    """Counts in a SASS listing: tensor-core products (``HGMMA``, ``HMMA``), CUDA-core FMAs
+    (``FFMA``, ``DFMA``) and 16-byte global loads (``LDG``, ``LDGSTS``) and stores (``STG``)."""
     count = lambda pattern: len(re.findall(pattern, sass))  # noqa: E731
     return dict(
         hgmma=count(r"\bHGMMA\."),
@@ -211,11 +215,17 @@ def _resource_usage(cubin: bytes) -> dict:
 def tensor_cores_ok(r: dict) -> bool:
     """A tensor-core configuration's SASS has tensor-core products (HGMMA on sm_90, HMMA on sm_80;
     the middle's products may take HMMA on sm_90 too: its 32-row tiles are below wgmma's 64)."""
-    if "error" in r or not expects_tensor_cores(r["kernel"], r["config"]):
+    if "error" in r or not expects_tensor_cores(r["config"]):
         return True
     if r["kernel"] in ("mid_mm_kernel", "mid_jobs_kernel"):
         return r["sass"]["hgmma"] + r["sass"]["hmma"] > 0
     return r["sass"][TENSOR_CORE_OP[r["arch"]].lower()] > 0
+
+
+def failures(results: list) -> list:
+    """The reports that fail the check: a compile error, a spill (stack in use), or a tensor-core
+    configuration without tensor-core products."""
+    return [r for r in results if "error" in r or r.get("stack", 0) != 0 or not tensor_cores_ok(r)]
 
 
 def _job(args):
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
     jobs = [(name, consts, config, arch) for arch in args.arch for name, consts, config in configs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(_job, jobs))
-    bad = [r for r in results if "error" in r or r.get("stack", 0) != 0 or not tensor_cores_ok(r)]
+    bad = failures(results)
     for r in results:
         status = r.get("error") or (
             f"regs {r['registers']:3d} stack {r['stack']} shared {r['shared']} mma {r['mma']} sass {r['sass']}"

@@ -48,7 +48,7 @@ def _check(results, archs=2, **selection):
     assert all(r["stack"] == 0 and "error" not in r for r in results)
     for r in results:
         sass = r["sass"]
-        if aot.expects_tensor_cores(r["kernel"], r["config"]):
+        if aot.expects_tensor_cores(r["config"]):
             # the products run on tensor cores: HGMMA (wgmma) on sm_90, HMMA (mma.sync) on sm_80
             # (the middle's 32-row product tiles: HMMA on both)
             assert aot.tensor_cores_ok(r), r
@@ -98,6 +98,61 @@ def test_gpu_machine_triton_compiles_the_tensor_core_and_one_of_each_other_confi
     )
     assert version.stdout.strip() == "3.6.0", version.stderr
     _check(_compile_all(str(TRITON36), tmp_path, ["--smoke"]), smoke=True)
+
+
+def test_sass_counts_tell_16_byte_copies_from_cache_hints():
+    """The SASS counts the check reads: every product form, and 16-byte copies told from 4- and
+    8-byte ones (``LTC128B`` is an L2 prefetch hint on a copy of any width)."""
+    sass = """
+        /*0100*/                   HGMMA.64x128x8.F32.TF32 gdesc[UR4], RZ, !UPT ;
+        /*0110*/                   HMMA.1684.F32.TF32 R4, R8, R12, R4 ;
+        /*0120*/                   FFMA R3, R2, R5, R3 ;
+        /*0130*/                   DFMA R4, R6, R8, R4 ;
+        /*0140*/                   LDGSTS.E.BYPASS.LTC128B.128 [R5], desc[UR6][R2.64] ;
+        /*0150*/                   LDGSTS.E.LTC128B [R7], desc[UR6][R2.64] ;
+        /*0160*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0170*/                   LDG.E.64 R8, desc[UR4][R2.64] ;
+        /*0180*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0190*/                   STG.E desc[UR4][R2.64], R4 ;
+        /*01a0*/                   FMUL R3, R2, R5 ;
+    """
+    assert aot.sass_counts(sass) == dict(hgmma=1, hmma=1, ffma=1, dfma=1, loads_128=2, stores_128=1)
+
+
+def test_the_check_fails_errors_spills_and_tensor_core_configurations_without_tensor_cores():
+    """What makes ``kernels/aot.py`` exit non-zero, on made-up reports: a compile error, a spill,
+    a tensor-core Gram or update configuration without HGMMA on sm_90 (HMMA is not enough there:
+    wgmma is the point) or without HMMA on sm_80; the middle's products may take HMMA on sm_90,
+    and an IEEE or float64 configuration, the split pass, need no tensor cores."""
+    ops = dict(hgmma=0, hmma=0, ffma=0, dfma=0, loads_128=0, stores_128=0)
+    tc = dict(kernel="tc_gram_kernel", config={"PRECISION": "tf32", "ROWS": "True"}, stack=0)
+    good = [
+        dict(tc, arch=90, sass=dict(ops, hgmma=4)),
+        dict(tc, arch=80, sass=dict(ops, hmma=8)),
+        dict(
+            kernel="mid_mm_kernel",
+            arch=90,
+            config={"PRECISION": "tf32", "ACC": "fp32"},
+            stack=0,
+            sass=dict(ops, hmma=2),
+        ),
+        dict(
+            kernel="gram_kernel", arch=90, config={"PRECISION": "ieee", "ACC": "fp32"}, stack=0, sass=dict(ops, ffma=9)
+        ),
+        dict(
+            kernel="gram_kernel", arch=90, config={"PRECISION": "tf32", "ACC": "fp64"}, stack=0, sass=dict(ops, dfma=9)
+        ),
+        dict(kernel="tc_split_kernel", arch=90, config={"LO": "True"}, stack=0, sass=ops),
+    ]
+    bad = [
+        dict(tc, arch=90, sass=dict(ops, hmma=8)),
+        dict(tc, arch=80, sass=dict(ops, ffma=64)),
+        dict(tc, kernel="tc_update_kernel", arch=90, sass=dict(ops, ffma=64)),
+        dict(tc, arch=90, stack=16, sass=dict(ops, hgmma=4)),
+        dict(kernel="gram_kernel", arch=90, config={}, error="CompilationError('…')"),
+    ]
+    assert aot.failures(good) == []
+    assert aot.failures(good + bad) == bad
 
 
 def test_backend_launches_only_checked_configurations(monkeypatch):
