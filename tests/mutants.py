@@ -151,6 +151,11 @@ MUTANTS = {
             "tests/test_backend_agreement.py::test_a_nan_gradient_with_the_checks_off_is_reset_and_writes_nothing_non_finite"
         ],
     ),
+    "reset_masks_from_last_chunk": (
+        "the torch backend's reset masks skipped when only the last middle chunk of a bucket had no reset "
+        "(a NaN g written into θ on a GPU's chunked middle)",
+        ["tests/test_torch_backend.py::test_a_reset_in_one_middle_chunk_writes_nothing_non_finite"],
+    ),
     "reset_hyper_zero_times_nan": (
         "the fused backends' update table as [s·η, s·β, α] by plain products: 0·NaN for a reset under a NaN lr",
         [
@@ -426,6 +431,17 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((torch_bucket, "zero_where", torch_bucket.zero_where))
         torch_bucket.zero_where = lambda x, mask: x
+    elif name == "reset_masks_from_last_chunk":
+        from fgd_fast.backends import torch_bucket
+
+        take = torch_bucket.Bucket.take
+
+        def last_chunk_only(self, gemm_chunks, mid, coef, no_reset):
+            take(self, gemm_chunks, mid, coef, no_reset)
+            self.no_reset = no_reset
+
+        undo.append((torch_bucket.Bucket, "take", take))
+        torch_bucket.Bucket.take = last_chunk_only
     elif name == "reset_hyper_zero_times_nan":
         from fgd_fast.backends import triton
 

@@ -262,28 +262,35 @@ def test_full_step_first_decides_as_the_blend_of_every_layer(spikes, monkeypatch
     assert torch.equal(first.guarded, blended.guarded) and torch.equal(first.finite_next, blended.finite_next)
 
 
+@pytest.mark.filterwarnings("ignore:the FGD step guard bound")
 @pytest.mark.parametrize("host_reads", [True, False], ids=["cpu", "as-on-a-gpu"])
 @pytest.mark.parametrize("scale", [1e18, 1e20])
-def test_where_the_torch_backends_guard_differs_from_the_references(scale, host_reads, monkeypatch):
+@pytest.mark.parametrize("with_phi", [False, True], ids=["first-step", "momentum"])
+def test_where_the_torch_backends_guard_differs_from_the_references(scale, host_reads, with_phi, monkeypatch):
     """The README's exception to "one rule in every backend": a float32 gradient whose Gram
     overflows (entries past ~1e19) is reset by the torch backend where it cannot read the step's
     values on the host (a GPU), scaled by the reference (which scales g before its products);
-    on a CPU the torch backend forms that Gram from the scaled step and decides as the reference;
-    below ~1e19 they decide alike everywhere. Both store θ within max_distance."""
+    on a CPU the torch backend forms that Gram from the scaled step sU = s(βΦ − ηg) and takes the
+    reference's step (the same θ₊: a velocity Gram with βΦ unscaled chose another s); below ~1e19
+    they decide alike everywhere. Both store θ within max_distance."""
     if not host_reads:
         monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
-    decided = {}
+    decided, stepped = {}, {}
     for backend in ("reference", "torch"):
         gen = torch.Generator().manual_seed(0)
         p = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(64, 16, generator=gen)))
         opt = fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1, backend=backend)
         g = torch.randn(64, 16, generator=gen)
+        if with_phi:  # an ordinary step first: Φ ≈ −ηg of norm ~0.4
+            p.grad = g / g.norm()
+            opt.step()
         p.grad = g / g.abs().max() * scale
         opt.step()
         assert fgd_fast.stiefel_distance(p) <= 0.5
-        decided[backend] = opt.guard_stats()[0]
+        decided[backend], stepped[backend] = opt.guard_stats()[0], p.detach().clone()
     if scale < 1e19 or host_reads:
         assert decided["torch"] == decided["reference"] == {"scaled": 1, "reset": 0}
+        torch.testing.assert_close(stepped["torch"], stepped["reference"], rtol=0, atol=1e-5)
     else:
         assert decided == {"reference": {"scaled": 1, "reset": 0}, "torch": {"scaled": 0, "reset": 1}}
 

@@ -202,3 +202,28 @@ def test_overlapped_sums_send_each_block_once(bucket_bytes, count):
     calls.clear()
     OverlappedSums(reduce).finish([])
     assert calls == [0]
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no-guard"])
+@pytest.mark.parametrize("with_phi", [True, False], ids=["phi", "first-step"])
+def test_every_symmetric_gram_block_is_sent_as_its_upper_triangle(with_phi, guard):
+    """What a row-sharded torch step sums over the ranks: each layer's symmetric blocks (A, C with
+    Φ, the guard's velocity Gram UᵀU or gᵀg with a prediction) as p(p+1)/2 numbers, the others (E,
+    B) whole (a velocity Gram left out of the symmetric slots was sent whole: the same sums, more
+    bytes)."""
+    _, prepare = resolve_backend("torch", torch.device("cpu"))
+    p, layers = 5, 2
+    params, grads, bufs = _problem([(11, p)] * layers, torch.float64, seed=0, with_phi=with_phi, device="cpu")
+    sent = []
+    kw = dict(lr=[0.1] * layers, momentum=[0.9] * layers, feedback=[0.4] * layers, check_finite=True)
+    if guard:
+        kw.update(trust_radius=1.0, max_distance=0.5)
+    fresh = [not with_phi] * layers
+    plan = prepare(
+        params, grads, bufs, fresh, **kw, reduce=lambda ts: sent.extend(ts), shapes=[t.shape for t in params]
+    )
+    plan.apply()
+    shapes = [tuple(t.shape) for t in sent]
+    triangles = (2 if with_phi else 1) + (1 if guard else 0)
+    assert shapes.count((layers, p * (p + 1) // 2)) == triangles, shapes
+    assert shapes.count((layers, p, p)) == (2 if with_phi else 1), shapes  # E (and B)

@@ -149,6 +149,72 @@ def test_out_of_memory_in_prepare_changes_nothing(monkeypatch):
         assert torch.equal(opt.state[p]["momentum_buffer"], phi)
 
 
+@pytest.mark.filterwarnings("ignore:the FGD step guard bound")
+@pytest.mark.parametrize("mode", ["staged", "one-layer-stacks"], indirect=True)
+@pytest.mark.parametrize("nan_at", [0, 2], ids=["first-chunk", "last-chunk"])
+def test_a_reset_in_one_middle_chunk_writes_nothing_non_finite(mode, nan_at):
+    """A bucket whose middle runs in several chunks (a GPU's middle budget: one layer each here),
+    a NaN gradient in one layer with the checks off: the guard resets that layer, and the update
+    applies the reset's zero masks wherever the reset was — not only when the last chunk had one
+    (a NaN written into θ and Φ passed every test before); the others step as the reference's."""
+    shapes = [(20, 5)] * 3
+    params_by = {}
+    for backend in ("reference", "torch"):
+        params, grads = stiefel_problem(shapes, dtype=torch.float64)
+        opt = fgd_steps(params, grads, backend, steps=1, check_finite=False)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        params[nan_at].grad[3, 2] = float("nan")
+        opt.step()
+        assert opt.guard_stats()[nan_at]["reset"] == 1
+        params_by[backend] = [p.detach() for p in params], [opt.state[p]["momentum_buffer"] for p in params]
+    for got, want in zip(*(sum(params_by[b], []) for b in ("torch", "reference"))):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+class _MatmulPrecisions(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, for every ``bmm``, whether both operands read ``storage`` and the float32 matmul
+    precision in force (what cuBLAS would honour on a GPU)."""
+
+    def __init__(self, storage: int):
+        super().__init__()
+        self.storage, self.seen = storage, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.bmm:
+            gram = all(a.untyped_storage().data_ptr() == self.storage for a in args[:2])
+            self.seen.append((gram, torch.get_float32_matmul_precision()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
+@pytest.mark.parametrize("p", [5, 12])
+def test_each_precision_forms_a_at_its_own_setting(precision, p, monkeypatch):
+    """``"tf32x3"`` forms A = θᵀθ in IEEE fp32 (cuBLAS's TF32 sums are biased: A sets the distance
+    the feedback settles at) and every other product with TF32 allowed; ``"tf32"`` all of them in
+    TF32, ``"ieee"`` none; the caller's setting is restored. Read on a CPU from the setting in
+    force at each product (p = 12: A in block halves too)."""
+    monkeypatch.setattr(torch_bucket, "_HALVES_FROM", 10)
+    params, grads = stiefel_problem([(30, p)])
+    opt = fgd_steps(params, grads, "torch", steps=1, precision=precision)
+    params[0].grad = grads[0].clone()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with _MatmulPrecisions(params[0].untyped_storage().data_ptr()) as products:
+            opt.step()
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    a = {mode for gram, mode in products.seen if gram}
+    rest = {mode for gram, mode in products.seen if not gram}
+    assert len([gram for gram, _ in products.seen if gram]) == (2 if p == 12 else 1), products.seen
+    want_a, want_rest = {"ieee": ("highest", "highest"), "tf32x3": ("highest", "high"), "tf32": ("high", "high")}[
+        precision
+    ]
+    assert a == {want_a} and rest == {want_rest}, products.seen
+
+
 def _workload_params(name: str):
     """The constrained weights of a benchmark workload at the CPU scale, with gradients."""
     from benchmarks.memtrack import peak_extra_bytes
