@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fgd_fast._matrix import as_stiefel, from_stiefel, stiefel_shape
-from fgd_fast.backends import resolve_backend, torch_bucket
+from fgd_fast.backends import resolve_backend, torch_batched, torch_bucket
 from fgd_fast.manifold import orthogonalize_
 from helpers import device_for_tests
 
@@ -38,7 +38,7 @@ def _split(t: torch.Tensor, ranks: int) -> list[torch.Tensor]:
     ]
 
 
-def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1):
+def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1, steps=1):
     barrier = threading.Barrier(ranks)
     lists: dict[int, list[torch.Tensor]] = {}
     calls = [0] * ranks
@@ -65,8 +65,10 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1):
             p = [_split(t, ranks)[rank] for t in params]
             g = [_split(t, ranks)[rank] for t in grads]
             b = [_split(t, ranks)[rank] if t is not None else None for t in bufs]
-            plan = prepare(p, g, b, fresh, **kw, reduce=reduce_for(rank), shapes=[t.shape for t in params])
-            plan.apply()
+            for step in range(steps):  # (later steps read Φ where there is one)
+                now = fresh if step == 0 else [t is None for t in b]
+                plan = prepare(p, g, b, now, **kw, reduce=reduce_for(rank), shapes=[t.shape for t in params])
+                plan.apply()
             out[rank] = (p, b, plan.dist, plan.finite)
         except BaseException as exc:  # noqa: BLE001 (reported by the test)
             errors.append(exc)
@@ -78,7 +80,7 @@ def _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=1):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert calls == [reduces] * ranks  # one reduce per prepare (unless told), on every rank
+    assert calls == [reduces * steps] * ranks  # one reduce per prepare (unless told), on every rank
     return out
 
 
@@ -163,6 +165,42 @@ def test_a_gradient_past_the_float32_gram_range_is_scaled_as_on_whole_matrices(r
     out = _run_ranks(prepare, ranks, params, grads, bufs, fresh, kw, reduces=2)
     assert plan.finite.tolist() == [True] * 3
     _assert_rows_are_the_whole_step(out, plan, whole, ranks, range(3), with_phi, 2e-5)
+
+
+def test_row_shards_carry_no_grams_between_steps():
+    """``gram_refresh`` > 1 carries Gram blocks from one step to the next (:mod:`.carry`) for whole
+    matrices only: a row shard's blocks are partial sums, summed over the ranks every step (a
+    carried A, already summed, summed again came back doubled). Three steps of each rank on its
+    own shards equal three steps on the whole matrices, which carry."""
+    _, prepare = resolve_backend("torch", torch.device("cpu"))  # (Grams are carried on a CPU)
+    shapes = [(70, 9, 3, 3), (30, 5)]
+    params, grads, bufs = _problem(shapes, torch.float64, seed=0, with_phi=True, device="cpu")
+    kw = dict(lr=[0.1] * 2, momentum=[0.9] * 2, feedback=[0.4] * 2, check_finite=True, trust_radius=1.0)
+    kw.update(max_distance=0.5, gram_refresh=4)
+    whole = [t.clone() for t in params], [t.clone() for t in bufs]
+    for _ in range(3):
+        plan = prepare(whole[0], grads, whole[1], [False] * 2, **kw)
+        plan.apply()
+    out = _run_ranks(prepare, 2, params, grads, bufs, [False] * 2, kw, steps=3)
+    _assert_rows_are_the_whole_step(out, plan, whole, 2, range(2), True, 1e-12)
+
+
+def test_row_shards_cut_the_middle_by_the_whole_matrices_sizes(monkeypatch):
+    """With a GPU's middle budget (the step's constrained elements: here 3 layers of p = 3 per
+    middle chunk), the chunks are cut from the whole matrices' sizes (``shapes``), so every rank
+    makes the same groups and sums the same blocks in the same order; cut from its own rows
+    (24 and 23 of 47), the two ranks grouped the 8 layers by 2 and by 1 and their sums did not
+    line up."""
+    monkeypatch.setattr(torch_batched, "_CPU_MIDDLE_FLOOR", 0)
+    _, prepare = resolve_backend("torch", torch.device("cpu"))
+    shapes = [(47, 3)] * 8
+    params, grads, bufs = _problem(shapes, torch.float64, seed=1, with_phi=True, device="cpu")
+    kw = dict(lr=[0.1] * 8, momentum=[0.9] * 8, feedback=[0.4] * 8, check_finite=True)
+    whole = [t.clone() for t in params], [t.clone() for t in bufs]
+    plan = prepare(whole[0], grads, whole[1], [False] * 8, **kw)
+    plan.apply()
+    out = _run_ranks(prepare, 2, params, grads, bufs, [False] * 8, kw)
+    _assert_rows_are_the_whole_step(out, plan, whole, 2, range(8), True, 1e-12)
 
 
 @pytest.mark.parametrize(

@@ -199,13 +199,14 @@ def test_each_precision_forms_a_at_its_own_setting(precision, p, monkeypatch):
     params, grads = stiefel_problem([(30, p)])
     opt = fgd_steps(params, grads, "torch", steps=1, precision=precision)
     params[0].grad = grads[0].clone()
+    saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     try:
         with _MatmulPrecisions(params[0].untyped_storage().data_ptr()) as products:
             opt.step()
         assert torch.get_float32_matmul_precision() == "medium"
     finally:
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision(saved)
     a = {mode for gram, mode in products.seen if gram}
     rest = {mode for gram, mode in products.seen if not gram}
     assert len([gram for gram, _ in products.seen if gram]) == (2 if p == 12 else 1), products.seen

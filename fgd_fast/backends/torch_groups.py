@@ -141,6 +141,7 @@ class Group:
         g_sq = blocks[-1] if b.predict else None
         grams = blocks[:-1] if b.predict else blocks
         a, g_blk, phi_b, c = grams[:4] if b.reads_phi else (*grams[:2], None, None)
+        # the velocity Gram: None where lazy (uu_later forms it if the middle's bound leaves the target)
         gg = grams[2] if b.predict and not b.reads_phi else None
         uu = grams[4] if b.predict and b.reads_phi else None
         hyper = {name: self._hyper(name) for name in ("lr", "beta", "alpha")}
@@ -149,8 +150,6 @@ class Group:
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
         if b.predict and b.reads_phi:  # ‖Φ‖² from Φ, where its float32 Gram overflowed
             extra.update(phi_sq_later=lambda: grad_sq(self._of("bufs")))
-        if self.lazy:  # UᵀU only if the middle's bound leaves the target
-            extra.update(gg=None, uu=None)
         if b.predict:  # (also s²UᵀU from sU, where the unscaled Gram overflowed float32)
             extra.update(uu_later=lambda scale=None: self.velocity_grams(lay.empty(b.cdt), scratch, scale))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
