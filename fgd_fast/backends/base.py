@@ -458,9 +458,7 @@ def middle_of_runs(
     runs,
     *,
     feedback_with_phi=False,
-    transposed=False,
     g_sq=None,
-    velocity_slots=None,
     grads=None,
     phis=None,
     unit=0.0,
@@ -479,12 +477,10 @@ def middle_of_runs(
 
     ``gram``: the Gram blocks in the fused backends' order (``run.slots`` per layer, ``[A|E|B|C|…]``);
     ``hyper``: ``(layers, 3)`` rows of η, β, α; writes ``[M_θ | M_Φ]`` of every layer into
-    ``mats`` (``transposed``: ``M_θᵀ``, ``M_Φᵀ``; ``feedback_with_phi``: where Φ is read, the
-    θ slot holds ``F = M_θ − M_Φ`` for kernels that form ``θ₊ = θ + Φ₊ + θF``).
-    ``velocity_slots``: the slots of ``G = gᵀg`` and ``H = Φᵀg`` where the Gram kernel forms
-    them (else torch forms them from ``grads``, ``phis``). ``g_sq``
-    (``(layers,)`` float64 ‖g‖², launch order), ``grads`` and ``phis`` (the layers' g and Φ
-    in launch order, for ``G = gᵀg`` and ``H = Φᵀg``), ``unit`` (:func:`.guard_rule.store_unit`),
+    ``mats`` (``feedback_with_phi``: where Φ is read, the θ slot holds ``F = M_θ − M_Φ`` for
+    kernels that form ``θ₊ = θ + Φ₊ + θF``). ``g_sq`` (``(layers,)`` float64 ‖g‖², launch order),
+    ``grads`` and ``phis`` (the layers' g and Φ in launch order: the guard's ``G = gᵀg`` and
+    ``H = Φᵀg`` as torch products, where ``gather`` does not give them), ``unit`` (:func:`.guard_rule.store_unit`),
     ``stored`` (the parameters' dtype), ``trust_radius``, ``max_distance``: the step guard
     (:func:`.algebra.middle`); ``variant`` the update's (:mod:`.algebra`). Products at
     ``precision`` whatever the global TF32 setting (``"tf32"``/``"tf32x3"``: TF32 tensor cores,
@@ -509,7 +505,7 @@ def middle_of_runs(
             if gather is not None:  # the Gram kernels' blocks gathered into the layout by the backend
                 a, e, b, c, gg, h_blk = gather(lay, chain)
             else:
-                a, e, b, c, gg, h_blk = _chain_blocks(lay, chain, gram, g_sq, velocity_slots, grads, phis)
+                a, e, b, c, gg, h_blk = _chain_blocks(lay, chain, gram, g_sq, grads, phis)
             h = hyper[first:end]
             mid = middle(
                 a,
@@ -538,15 +534,15 @@ def middle_of_runs(
                     cnt, p = r.end - r.first, r.p
                     out = mats[r.m_at : r.m_at + cnt * 2 * p * p].view(cnt, 2, p, p)
                     m_t, m_p = (lay.layers(m, r.first - first, r.end - first) for m in (m_theta, mid.m_phi))
-                    out[:, M_THETA].copy_(m_t.mT if transposed else m_t)  # M_θ = M_Φ − α(A − I) (or F)
-                    out[:, M_PHI].copy_(m_p.mT if transposed else m_p)  # M_Φ = N[−C − (β−1)S + …]
+                    out[:, M_THETA].copy_(m_t)  # M_θ = M_Φ − α(A − I) (or F)
+                    out[:, M_PHI].copy_(m_p)  # M_Φ = N[−C − (β−1)S + …]
             mids.append(mid.checks())  # keep only the per-layer checks
     return join_checks(mids)
 
 
-def _chain_blocks(lay, chain, gram, g_sq, velocity_slots, grads, phis) -> list:
+def _chain_blocks(lay, chain, gram, g_sq, grads, phis) -> list:
     """``[A, E, B, C, G, H]`` of a chain in ``lay`` from views of ``gram`` (``None`` where absent;
-    G and H from the Gram kernel's slots, or torch products of ``grads`` and ``phis``)."""
+    G and H, where the guard predicts, by torch products of ``grads`` and ``phis``)."""
     parts = []  # per run: [A, E, B, C, G, H] ((cnt, p, p) views or None)
     for r in chain:
         cnt, p = r.end - r.first, r.p
@@ -554,10 +550,7 @@ def _chain_blocks(lay, chain, gram, g_sq, velocity_slots, grads, phis) -> list:
         a, e = blocks[:, SLOT_A], blocks[:, SLOT_E]
         b, c = (blocks[:, SLOT_B], blocks[:, SLOT_C]) if r.reads_phi else (None, None)
         gg = h_blk = None
-        if g_sq is not None and velocity_slots is not None:  # the guard's G = gᵀg, H = Φᵀg: from the kernel
-            gg = blocks[:, velocity_slots[0]]
-            h_blk = blocks[:, velocity_slots[1]] if r.reads_phi else None
-        elif g_sq is not None:  # ... or by torch products
+        if g_sq is not None:  # the guard's G = gᵀg, H = Φᵀg
             gg, h_blk = velocity_blocks(grads[r.first : r.end], phis[r.first : r.end] if r.reads_phi else None, a.dtype)
         parts.append([a, e, b, c, gg, h_blk])
     return [_in_layout(lay, [pt[k] for pt in parts]) for k in range(6)]

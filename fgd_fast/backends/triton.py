@@ -178,13 +178,12 @@ def _guard(ops, trust_radius, max_distance, variant, fused: bool = False) -> dic
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
     multi-tensor torch op on the inputs (the Gram kernels do not take it; ``fused``: not here,
     the fused middle takes ‖g‖ itself); G and H come from
-    the Gram pass; the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
+    the Gram pass (gathered with the other blocks); the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict and not fused else None
     unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
     return dict(
         g_sq=g_sq,
-        velocity_slots=(meta.SLOT_G, meta.SLOT_H),  # the Gram pass forms G = gᵀg, H = Φᵀg
         unit=unit,
         stored=ops.theta[0].dtype if ops.theta else None,
         trust_radius=trust_radius,
