@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fgd_fast
 from helpers import backend_reason, device_for_tests
 from helpers import fgd_steps as _steps
 from helpers import stiefel_problem as _problem
@@ -90,3 +91,48 @@ def test_precision_mode_matches_the_reference_within_the_mode_bound(precision, m
     tol = {"ieee": 1e-5, "tf32x3": 3e-5, "tf32": 5e-3}[precision]
     for a, b in zip(params, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "dtype, precision, tol",
+    [(torch.float64, "ieee", 1e-10), (torch.float32, "tf32x3", 1e-3)],
+    ids=["f64", "tensor-cores"],
+)
+def test_launch_classes_of_as_many_layers_keep_their_own_hyper_parameters(dtype, precision, tol):
+    """Two launch classes of one dtype and one layer each (θ = W2ᵀ and θ = W2), groups with other
+    η and β, the guard off (the update kernels read the hyper-parameter table itself): each class
+    keeps its own table (keyed by its parameters), not one table per layer count, which the second
+    class rewrote before the first one's update read it."""
+    shapes = [(8, 4, 3, 3), (20, 6)]
+    results = {}
+    for backend in ("reference", "triton"):
+        params, grads = _problem(shapes, dtype=dtype)
+        groups = [
+            dict(params=[params[0]], orthogonal=True),
+            dict(params=[params[1]], lr=0.02, momentum=0.5, orthogonal=True),
+        ]
+        kw = dict(precision=precision) if backend == "triton" else {}
+        opt = fgd_fast.FGD(groups, lr=0.1, momentum=0.9, guard=False, backend=backend, **kw)
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        results[backend] = [p.detach().clone() for p in params]
+    for a, b in zip(results["reference"], results["triton"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=tol)
+
+
+def test_a_refused_step_names_the_layer_of_its_input_order():
+    """One launch class whose layers run in another order than given (sorted by p): a NaN gradient
+    of the first parameter is named as the first, whatever row the fused middle's check table
+    gives it (the table is read as it is only where the orders agree)."""
+    params, grads = _problem([(20, 5), (20, 3)])
+    opt = fgd_fast.FGD([dict(params=params, names=["wide", "narrow"], orthogonal=True)], lr=0.1, backend="triton")
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    params[0].grad[3, 2] = float("nan")
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(FloatingPointError, match="'wide'") as refused:
+        opt.step()
+    assert "'narrow'" not in str(refused.value)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))

@@ -177,8 +177,8 @@ def _order(layers, params):
 def _guard(ops, trust_radius, max_distance, variant, fused: bool = False) -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
     multi-tensor torch op on the inputs (the Gram kernels do not take it; ``fused``: not here,
-    the fused middle takes ‖g‖ itself); G and H come from
-    the Gram pass (gathered with the other blocks); the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
+    the fused middle takes ‖g‖ itself); G and H come from the Gram pass (gathered with the other
+    blocks); the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict and not fused else None
     unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
