@@ -203,22 +203,33 @@ def test_row_shards_cut_the_middle_by_the_whole_matrices_sizes(monkeypatch):
     _assert_rows_are_the_whole_step(out, plan, whole, 2, range(8), True, 1e-12)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
-    "bucket_bytes, count", [(None, 1), (1, 4), (500, 3)], ids=["one-call", "a-call-per-chunk", "two-chunks-a-call"]
+    "bucket_bytes, count",
+    [(None, 1), (1, 4), (500, 3), (1000, 2)],
+    ids=["one-call", "a-call-per-chunk", "two-chunks-a-call", "a-chunk-left-for-the-end"],
 )
-def test_overlapped_sums_send_each_block_once(bucket_bytes, count):
+def test_overlapped_sums_send_each_block_once(bucket_bytes, count, asynchronous):
     """``OverlappedSums`` with a reducer standing in for two equal ranks (each sum doubles): every
     block, symmetric ones as upper triangles mirrored back, and the extra tensors are summed
-    exactly once, whatever the bucket size; and a step with nothing to sum still makes its call
-    (every rank makes the same calls)."""
+    exactly once, whatever the bucket size (a bucket counts only what is pending: the bytes
+    already sent do not make every later chunk a call of its own); a reducer that sums only when
+    its returned ``wait`` is called (an asynchronous collective) is waited for; and a step with
+    nothing to sum still makes its call (every rank makes the same calls)."""
     from fgd_fast.backends.gram_sums import OverlappedSums
 
     calls = []
 
     def reduce(tensors):
         calls.append(len(tensors))
-        for t in tensors:
-            t.mul_(2.0)
+
+        def wait():
+            for t in tensors:
+                t.mul_(2.0)
+
+        if asynchronous:
+            return wait
+        wait()
 
     if bucket_bytes is not None:
         reduce.bucket_bytes = bucket_bytes
