@@ -17,8 +17,9 @@ and, with the inputs scaled (B → sB, C → s²C, E → sE, G → s²G, H → s
 
 Work item = (layer, tile i, tile j), ``BT × BT`` entries. Every item of a layer computes the
 layer's s itself (tr C: p loads), so no second launch is needed; the layer's first item stores
-s, the finiteness flag and the guard kernels' per-layer row ``[α, target, η, β]`` (ρ and the
-target from the per-layer table ``rule``; ρ = ∞ where the guard is off: s = 1). D and W
+s, the finiteness flag and the guard kernels' α and target (``GB_C_ALPHA``, ``GB_C_TARGET`` of
+their per-layer row; its η and β are read only by a guard that forms W itself). ρ and the target
+come from the per-layer table ``rule``; ρ = ∞ where the guard is off: s = 1. D and W
 overwrite A and G (each read only at its own entry); the others go to their own blocks (E, B,
 H are read transposed by other items, C's diagonal by every item of the layer): slots
 ``meta.MP_B``, ``MP_S``, ``MP_Q``, ``MP_T`` of the same buffer.
@@ -89,11 +90,9 @@ def mid_prep_kernel(
         if (ti == 0) & (tj == 0):  # the layer's per-layer values, once
             tl.store(scale_ptr + layer, s64)
             tl.store(finite_ptr + layer, (g_norm - g_norm == 0.0) & (phi_sq - phi_sq == 0.0))
-            coef = coef_ptr + layer * meta.GB_COEF_FIELDS  # the guard kernels' [α, target, η, β]
+            coef = coef_ptr + layer * meta.GB_COEF_FIELDS  # the guard kernels' α and target (W is given)
             tl.store(coef + meta.GB_C_ALPHA, alpha.to(tl.float64))
             tl.store(coef + meta.GB_C_TARGET, tl.load(rule + meta.MP_RULE_TARGET))
-            tl.store(coef + meta.GB_C_LR, eta.to(tl.float64))
-            tl.store(coef + meta.GB_C_BETA, beta.to(tl.float64))
         s = s64.to(tl.float32)  # (applied twice, never s² formed: it underflows float32 below s ~ 1e-19)
         eye = (ri[:, None] == cj[None, :]).to(tl.float32)
         tl.store(a_blk + at, _tile(a_blk, ri, cj, p, m) - eye, mask=m)  # D = A − I (in A's place)

@@ -151,3 +151,66 @@ def test_the_triton_backend_blends_by_the_kernels(monkeypatch):
     assert {"guard_sums_kernel", "guard_choose_kernel", "guard_blend_kernel"} <= {name for name, _ in launches}
     for p, t in zip(params, twins):
         assert (p - t).abs().max() < 1e-4
+
+
+def _launch_on(p: int, *, w: float, bad_m_phi: bool, movable: bool, guard: bool, stored=torch.float32):
+    """The three guard kernels on one ``p × p`` layer of θ on the manifold (D = 0, so D², D³, Z and
+    V are 0) with ``W = w·I`` (the step's distance ``‖D(t)‖ = t²w√p``) and a small M_Φ, one
+    entry ``Inf`` with ``bad_m_phi``: ``(result row, M_Φ, M_θ)`` (α = 0.4, target 1e-2)."""
+    from fgd_fast.backends import guard_blend
+    from fgd_fast.kernels import meta
+
+    dev = device_for_tests()
+    lay = Layout([(1, p)], dev)
+    zero = lambda: torch.zeros(lay.numel, dtype=torch.float32, device=dev)  # noqa: E731
+    m_phi = torch.full((lay.numel,), 1e-3, dtype=torch.float32, device=dev)
+    if bad_m_phi:
+        m_phi[p + 1] = float("inf")
+    blocks = dict(d=zero(), d2=zero(), d3=zero(), z=zero(), v=zero(), m_theta=zero(), m_phi=m_phi, delta=m_phi)
+    blocks["w"] = (w * torch.eye(p, dtype=torch.float32)).reshape(-1).to(dev)
+    coef = torch.tensor([[0.4, 1e-2, 0.1, 0.9]], dtype=torch.float64, device=dev)  # [α, target, η, β]
+    result = guard_blend.launches(
+        lay,
+        coef,
+        meta.GB_W_GIVEN,
+        blocks,
+        movable=torch.tensor([movable], device=dev),
+        scale=torch.ones(1, dtype=torch.float64, device=dev),
+        stored=stored,
+        guard=guard,
+    )
+    return result[0].cpu(), m_phi.cpu(), blocks["m_theta"].cpu()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's Inf·0)
+def test_the_rule_resets_a_layer_not_movable_or_with_a_non_finite_m_phi_whatever_its_distances():
+    """The kernels' own finite checks: a layer the middle marks not movable, or whose M_Φ holds an
+    Inf, is reset (t = 0, Φ₊ = 0, M_θ the pull-back's) even where every distance is finite and
+    within the target — with real blocks a non-finite M_Φ makes the distances non-finite too, so
+    only these checks see it here. Without the guard such a step is reported as not fitting."""
+    from fgd_fast.kernels import meta
+
+    row, m_phi, _ = _launch_on(5, w=0.0, bad_m_phi=False, movable=True, guard=True)
+    assert row[meta.GB_R_CODE] == 0 and row[meta.GB_R_WEIGHT] == 1.0 and (m_phi == 1e-3).all()  # kept
+    for movable, bad in ((False, False), (True, True)):
+        row, m_phi, m_theta = _launch_on(5, w=0.0, bad_m_phi=bad, movable=movable, guard=True)
+        assert row[meta.GB_R_CODE] == 2 and row[meta.GB_R_WEIGHT] == 0.0, (movable, bad)
+        assert not m_phi.any() and not m_theta.any(), (movable, bad)  # Φ₊ = 0; F₀' = −αD = 0
+        assert row[meta.GB_R_FINITE] == float(movable)  # the inputs' flag, as the middle gave it
+    row, _, _ = _launch_on(5, w=0.0, bad_m_phi=True, movable=True, guard=False)
+    assert row[meta.GB_R_WEIGHT] == 1.0 and row[meta.GB_R_FITS] == 0.0
+
+
+@pytest.mark.parametrize("p", [5, 16])
+def test_a_float16_step_fits_by_the_bound_of_the_frobenius_norm(p):
+    """θ₊ fits float16 where ‖θ₊‖_F ≤ √(p + √p·d) is below its largest value (``guard_rule.storable``):
+    a step of distance d = 0.8·max² does not (√p·d is past max², although d + p is not), one of
+    d = 0.8·(max² − p)/√p does; the kernels' flag is the rule's, the guard off (nothing scaled)."""
+    from fgd_fast.kernels import meta
+
+    top2 = float(torch.finfo(torch.float16).max) ** 2
+    for dist, fits in ((0.8 * top2, False), (0.8 * (top2 - p) / p**0.5, True)):
+        row, _, _ = _launch_on(p, w=dist / p**0.5, bad_m_phi=False, movable=True, guard=False, stored=torch.float16)
+        assert abs(row[meta.GB_R_DIST] - dist) <= 1e-6 * dist
+        want = guard_rule.storable(row[meta.GB_R_DIST : meta.GB_R_DIST + 1], p, torch.float16)
+        assert bool(row[meta.GB_R_FITS]) == bool(want) == fits, dist

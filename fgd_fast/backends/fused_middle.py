@@ -55,7 +55,7 @@ class Buffers:
     blocks: torch.Tensor  # (MP_SLOTS · numel,) the blocks; the Gram blocks gathered into slots 0–5
     scale: torch.Tensor  # (L,) float64 the trust scale s
     finite: torch.Tensor  # (L,) bool the inputs' finiteness
-    coef: torch.Tensor  # (L, 4) float64 [α, target, η, β] (the guard kernels')
+    coef: torch.Tensor  # (L, 4) float64 the guard kernels' [α, target, η, β]; η, β unread (W given)
     part: torch.Tensor  # the guard's partial sums
     hyper: torch.Tensor  # (L, 3) the update kernel's [tsη, tsβ, α]
 
