@@ -122,6 +122,26 @@ def test_launch_classes_of_as_many_layers_keep_their_own_hyper_parameters(dtype,
         torch.testing.assert_close(b, a, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("precision, tol", [("ieee", 1e-5), ("tf32x3", 1e-3)], ids=["cuda-cores", "tensor-cores"])
+def test_launch_classes_of_the_same_shapes_keep_their_own_fused_middle(precision, tol):
+    """Two launch classes in one step whose middles have the same layout (θ = W2ᵀ of a 6 × 20
+    weight and θ = W2 of a 20 × 6 one: p = 6 both, with Φ both): each class keeps its own fused
+    middle's memory (keyed by its parameters), where one buffer per layout let the second class's
+    middle overwrite the first's M_θ and M_Φ before the first class's update read them."""
+    results = {}
+    for backend in ("reference", "triton"):
+        params, grads = _problem([(6, 20), (20, 6)])
+        kw = dict(precision=precision) if backend == "triton" else {}
+        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, momentum=0.9, backend=backend, **kw)
+        for k in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g * (k + 1)
+            opt.step()
+        results[backend] = [p.detach().clone() for p in params]
+    for a, b in zip(results["reference"], results["triton"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=tol)
+
+
 def test_a_refused_step_names_the_layer_of_its_input_order():
     """One launch class whose layers run in another order than given (sorted by p): a NaN gradient
     of the first parameter is named as the first, whatever row the fused middle's check table

@@ -526,3 +526,30 @@ def test_m_blocks_that_break_the_aligned_hints_are_refused_before_any_write(monk
     with pytest.raises(RuntimeError, match="not 16-byte aligned"):
         opt.step()
     assert torch.equal(param.detach(), before) and not opt.state[param]
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32", "ieee"])
+@pytest.mark.parametrize("variant", ["official", "paper"], ids=["fused-middle", "torch-middle"])
+def test_the_middles_products_run_at_the_steps_precision(precision, variant, monkeypatch):
+    """Every product kernel of the middle — the fused middle's jobs (the official update) and the
+    torch-ops middle's one launch per product (the paper's) — runs on tensor cores (TF32, its
+    ``X ∓ D·X`` forms keep fp32 accuracy) where the step does and in IEEE fp32 at ``"ieee"``: the
+    CPU interpreter computes both alike, so only the launches tell."""
+    launches = record_launches(monkeypatch)
+    params, twins, gen = _twins([(16, 8, 3, 3), (12, 20)], seed=7)
+    opt = fgd_fast.FGD(
+        [dict(params=params, orthogonal=True)],
+        lr=0.05,
+        momentum=0.9,
+        backend="triton",
+        precision=precision,
+        variant=variant,
+    )
+    ref = fgd_fast.FGD(
+        [dict(params=twins, orthogonal=True)], lr=0.05, momentum=0.9, backend="reference", variant=variant
+    )
+    _step_both(opt, ref, params, twins, gen, steps=2, scale=0.1)
+    products = [kw["PRECISION"] for name, kw in launches if name in ("mid_jobs_kernel", "mid_mm_kernel")]
+    assert products and set(products) == {"ieee" if precision == "ieee" else "tf32"}, products
+    for p, t in zip(params, twins):
+        assert (p - t).abs().max() < 1e-3
