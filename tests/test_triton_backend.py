@@ -142,6 +142,26 @@ def test_launch_classes_of_the_same_shapes_keep_their_own_fused_middle(precision
         torch.testing.assert_close(b, a, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("precision, tol", [("ieee", 1e-5), ("tf32x3", 1e-3)], ids=["cuda-cores", "tensor-cores"])
+def test_a_momentum_buffer_in_another_layout_is_stepped_and_written_back(precision, tol):
+    """A momentum buffer whose memory is not a dense ``(c_o, m)`` matrix (channels_last: a caller's
+    own buffer list, or a checkpoint's tensors) is stepped through a contiguous copy and written
+    back: Φ₊ reaches the caller's tensor (and the next step reads it), as the reference's."""
+    results = {}
+    for backend in ("reference", "triton"):
+        params, grads = _problem([(8, 4, 3, 3), (6, 3, 3, 3)])
+        bufs = [None, None]
+        kw = dict(lr=0.1, momentum=0.9, feedback=0.4, backend=backend)
+        kw |= dict(precision=precision) if backend == "triton" else {}
+        for k in range(3):
+            fgd_fast.fgd(params, [g * (k + 1) for g in grads], bufs, **kw)
+            bufs = [b.to(memory_format=torch.channels_last) for b in bufs]
+            assert not bufs[0].is_contiguous()
+        results[backend] = [t.detach().clone() for t in (*params, *bufs)]
+    for a, b in zip(results["reference"], results["triton"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=tol)
+
+
 def test_a_refused_step_names_the_layer_of_its_input_order():
     """One launch class whose layers run in another order than given (sorted by p): a NaN gradient
     of the first parameter is named as the first, whatever row the fused middle's check table

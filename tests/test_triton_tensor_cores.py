@@ -553,3 +553,41 @@ def test_the_middles_products_run_at_the_steps_precision(precision, variant, mon
     assert products and set(products) == {"ieee" if precision == "ieee" else "tf32"}, products
     for p, t in zip(params, twins):
         assert (p - t).abs().max() < 1e-3
+
+
+def test_a_split_buffer_made_anew_is_the_one_the_kernels_address(monkeypatch):
+    """The split buffer (hi, lo) of a set of parameters is evicted where more models step than the
+    cache keeps, and made anew at another address: the metadata table the kernels read is keyed
+    by that address too, so the next step addresses the new buffer, never the old one's memory
+    (which another model's buffer may hold by then), and steps as the reference."""
+    from fgd_fast.backends import base
+    from fgd_fast.backends import triton as tb
+    from fgd_fast.kernels import meta
+
+    monkeypatch.setattr(tb, "_split_buffers", base.TableCache(capacity=16))
+    params, twins, gen = _twins([(16, 8, 3, 3), (12, 20)], seed=9)
+    kw = dict(lr=0.05, momentum=0.9)
+    opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], backend="triton", precision="tf32x3", **kw)
+    ref = fgd_fast.FGD([dict(params=twins, orthogonal=True)], backend="reference", **kw)
+    for p, t in zip(params, twins):  # gradients written in place: the same addresses every step
+        p.grad, t.grad = torch.zeros_like(p), torch.zeros_like(t)
+
+    def step():
+        for p, t in zip(params, twins):
+            p.grad.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            t.grad.copy_(p.grad)
+        opt.step()
+        ref.step()
+
+    step()
+    evicted = list(tb._split_buffers.values())  # (kept alive: the new buffers get other addresses)
+    tb._split_buffers.clear()
+    step()
+    live = [(b.data_ptr(), b.data_ptr() + 4 * b.numel()) for k, b in tb._split_buffers.items() if k[0] == "tc-split"]
+    assert live and not {b.data_ptr() for b in evicted} & {lo for lo, _ in live}
+    tables = [t for k, t in tb._tables.items() if k[0] == "tc-meta"][-len(live) :]  # this step's (LRU order)
+    for table in tables:
+        for hi in table[:, meta.F_HI].tolist():
+            assert any(lo <= hi < end for lo, end in live), hi
+    for p, t in zip(params, twins):
+        assert (p - t).abs().max() < 1e-3
