@@ -33,6 +33,7 @@ BASE_CHECKS = "tests/test_baselines_checks.py"
 LAZY = "tests/test_lazy_velocity.py"
 EDGES = "tests/test_api_edges.py"
 FAILED = "tests/test_failed_step_contract.py"
+BLEND = "tests/test_guard_blend.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -322,6 +323,18 @@ MUTANTS = {
         "the guard's counters that do not fit found only when the step adds to them, after θ and Φ were written",
         [f"{FAILED}::test_guard_counters_that_do_not_fit_are_refused_before_any_write[shape-torch]"],
     ),
+    "guard_kernel_movable_ignored": (
+        "the guard's rule kernel keeping a step the middle marked not movable (its distances within the target)",
+        [f"{BLEND}::test_the_rule_resets_a_layer_not_movable_or_with_a_non_finite_m_phi_whatever_its_distances"],
+    ),
+    "guard_kernel_m_phi_unchecked": (
+        "the guard's sums kernel not checking M_Φ finite (an Inf in M_Φ kept where the distances are finite)",
+        [f"{BLEND}::test_the_rule_resets_a_layer_not_movable_or_with_a_non_finite_m_phi_whatever_its_distances"],
+    ),
+    "guard_kernel_fits_without_sqrt_p": (
+        "the guard's rule kernel bounding a 16-bit θ₊ by d + p, not √p·d + p (an overflowing float16 step fits)",
+        [f"{BLEND}::test_a_float16_step_fits_by_the_bound_of_the_frobenius_norm[16]"],
+    ),
 }
 
 
@@ -334,6 +347,50 @@ def _replace(name: str, new, undo: list) -> None:
             setattr(module, name, new)
 
 
+#: mutants of the Triton kernels' source: (module of fgd_fast.kernels, text, its replacement)
+KERNEL_EDITS = {
+    "guard_kernel_movable_ignored": ("guard", "(sums <= target * target) & movable", "(sums <= target * target)"),
+    "guard_kernel_m_phi_unchecked": (
+        "guard",
+        " + tl.sum(tl.sum(_tile(m_phi_ptr + off, ri, cj, p, m) * 0.0, 1), 0)",
+        "",
+    ),
+    "guard_kernel_fits_without_sqrt_p": (
+        "guard",
+        "(dist * tl.sqrt(p) + p < top64 * top64)",
+        "(dist + p < top64 * top64)",
+    ),
+}
+
+
+def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
+    """Rebuild ``fgd_fast.kernels.<module>`` from its source with ``old`` replaced (once) in a module
+    of its own (written to a temporary file: Triton reads a kernel's source), and put its Triton
+    functions in the original module's place, where the backends look them up at each launch."""
+    import importlib
+    import tempfile
+    import types
+
+    import triton
+
+    original = importlib.import_module(f"fgd_fast.kernels.{module}")
+    with open(original.__file__) as f:
+        source = f.read()
+    if source.count(old) != 1:
+        raise ValueError(f"the mutant's text is not once in kernels/{module}.py: {old!r}")
+    path = os.path.join(tempfile.mkdtemp(prefix="fgd-mutant-"), f"{module}.py")
+    with open(path, "w") as f:
+        f.write(source.replace(old, new))
+    planted = types.ModuleType(f"fgd_fast.kernels._mutant_{module}")
+    planted.__package__, planted.__file__ = "fgd_fast.kernels", path
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), planted.__dict__)
+    for attr, value in list(vars(original).items()):
+        if isinstance(value, triton.runtime.KernelInterface):  # (JITFunction, or the interpreter's)
+            undo.append((original, attr, value))
+            setattr(original, attr, getattr(planted, attr))
+
+
 def plant(name: str) -> Callable[[], None]:
     """Plant mutant ``name``; returns the function that removes it."""
     import fgd_fast
@@ -344,7 +401,9 @@ def plant(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
     undo: list = []
-    if name in (
+    if name in KERNEL_EDITS:
+        _plant_kernel_edit(*KERNEL_EDITS[name], undo)
+    elif name in (
         "owner_checks_unshared",
         "grad_sq_unsummed",
         "guard_settings_not_agreed",
