@@ -331,6 +331,13 @@ MUTANTS = {
         "the guard's sums kernel not checking M_Φ finite (an Inf in M_Φ kept where the distances are finite)",
         [f"{BLEND}::test_the_rule_resets_a_layer_not_movable_or_with_a_non_finite_m_phi_whatever_its_distances"],
     ),
+    "update_kernel_reads_beta_phi_at_zero": (
+        "the tensor-core update kernel reading βΦ at a reset's β = 0 (0·NaN: a NaN momentum buffer written into θ)",
+        [
+            "tests/test_backend_agreement.py::"
+            "test_a_nan_momentum_buffer_with_the_checks_off_is_reset_and_writes_nothing_non_finite[triton-f32]"
+        ],
+    ),
     "guard_kernel_fits_without_sqrt_p": (
         "the guard's rule kernel bounding a 16-bit θ₊ by d + p, not √p·d + p (an overflowing float16 step fits)",
         [f"{BLEND}::test_a_float16_step_fits_by_the_bound_of_the_frobenius_norm[16]"],
@@ -359,6 +366,11 @@ KERNEL_EDITS = {
         "guard",
         "(dist * tl.sqrt(p) + p < top64 * top64)",
         "(dist + p < top64 * top64)",
+    ),
+    "update_kernel_reads_beta_phi_at_zero": (
+        "tc_step",
+        "u += tl.where(beta == 0.0, 0.0, beta * tl.load(phi + off, mask=m, other=0.0))",
+        "u += beta * tl.load(phi + off, mask=m, other=0.0)",
     ),
 }
 
