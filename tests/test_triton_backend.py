@@ -103,19 +103,28 @@ def test_launch_classes_of_as_many_layers_keep_their_own_hyper_parameters(dtype,
     η and β, the guard off (the update kernels read the hyper-parameter table itself): each class
     keeps its own table (keyed by its parameters), not one table per layer count, which the second
     class rewrote before the first one's update read it."""
-    shapes = [(8, 4, 3, 3), (20, 6)]
-    results = {}
-    for backend in ("reference", "triton"):
-        params, grads = _problem(shapes, dtype=dtype)
-        groups = [
+
+    def groups(params):
+        return [
             dict(params=[params[0]], orthogonal=True),
             dict(params=[params[1]], lr=0.02, momentum=0.5, orthogonal=True),
         ]
+
+    _beside_reference([(8, 4, 3, 3), (20, 6)], groups, precision=precision, tol=tol, dtype=dtype, guard=False)
+
+
+def _beside_reference(shapes, groups, *, precision: str, tol: float, dtype=torch.float32, **options) -> None:
+    """Three steps (lr 0.1, momentum 0.9, ``options``) of the Triton backend at ``precision`` and of
+    the reference on the same problem (``groups(params)``: the parameter groups; gradients g,
+    2g, 3g): the same θ within ``tol``."""
+    results = {}
+    for backend in ("reference", "triton"):
+        params, grads = _problem(shapes, dtype=dtype)
         kw = dict(precision=precision) if backend == "triton" else {}
-        opt = fgd_fast.FGD(groups, lr=0.1, momentum=0.9, guard=False, backend=backend, **kw)
-        for _ in range(3):
+        opt = fgd_fast.FGD(groups(params), lr=0.1, momentum=0.9, backend=backend, **kw, **options)
+        for k in range(3):
             for p, g in zip(params, grads):
-                p.grad = g.clone()
+                p.grad = g * (k + 1)
             opt.step()
         results[backend] = [p.detach().clone() for p in params]
     for a, b in zip(results["reference"], results["triton"]):
@@ -128,18 +137,7 @@ def test_launch_classes_of_the_same_shapes_keep_their_own_fused_middle(precision
     weight and θ = W2 of a 20 × 6 one: p = 6 both, with Φ both): each class keeps its own fused
     middle's memory (keyed by its parameters), where one buffer per layout let the second class's
     middle overwrite the first's M_θ and M_Φ before the first class's update read them."""
-    results = {}
-    for backend in ("reference", "triton"):
-        params, grads = _problem([(6, 20), (20, 6)])
-        kw = dict(precision=precision) if backend == "triton" else {}
-        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, momentum=0.9, backend=backend, **kw)
-        for k in range(3):
-            for p, g in zip(params, grads):
-                p.grad = g * (k + 1)
-            opt.step()
-        results[backend] = [p.detach().clone() for p in params]
-    for a, b in zip(results["reference"], results["triton"]):
-        torch.testing.assert_close(b, a, rtol=0, atol=tol)
+    _beside_reference([(6, 20), (20, 6)], lambda ps: [dict(params=ps, orthogonal=True)], precision=precision, tol=tol)
 
 
 @pytest.mark.parametrize("precision, tol", [("ieee", 1e-5), ("tf32x3", 1e-3)], ids=["cuda-cores", "tensor-cores"])
