@@ -379,7 +379,9 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
     """Rebuild ``fgd_fast.kernels.<module>`` from its source with ``old`` replaced (once) in a module
     of its own (written to a temporary file: Triton reads a kernel's source), and put its Triton
     functions in the original module's place, where the backends look them up at each launch."""
+    import atexit
     import importlib
+    import shutil
     import tempfile
     import types
 
@@ -390,7 +392,9 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
         source = f.read()
     if source.count(old) != 1:
         raise ValueError(f"the mutant's text is not once in kernels/{module}.py: {old!r}")
-    path = os.path.join(tempfile.mkdtemp(prefix="fgd-mutant-"), f"{module}.py")
+    folder = tempfile.mkdtemp(prefix="fgd-mutant-")
+    atexit.register(shutil.rmtree, folder, True)  # (kept while the process may still compile from it)
+    path = os.path.join(folder, f"{module}.py")
     with open(path, "w") as f:
         f.write(source.replace(old, new))
     planted = types.ModuleType(f"fgd_fast.kernels._mutant_{module}")
