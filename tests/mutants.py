@@ -394,13 +394,12 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
         raise ValueError(f"the mutant's text is not once in kernels/{module}.py: {old!r}")
     folder = tempfile.mkdtemp(prefix="fgd-mutant-")
     atexit.register(shutil.rmtree, folder, True)  # (kept while the process may still compile from it)
-    path = os.path.join(folder, f"{module}.py")
+    path, mutated = os.path.join(folder, f"{module}.py"), source.replace(old, new)
     with open(path, "w") as f:
-        f.write(source.replace(old, new))
+        f.write(mutated)
     planted = types.ModuleType(f"fgd_fast.kernels._mutant_{module}")
     planted.__package__, planted.__file__ = "fgd_fast.kernels", path
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), planted.__dict__)
+    exec(compile(mutated, path, "exec"), planted.__dict__)
     for attr, value in list(vars(original).items()):
         if isinstance(value, triton.runtime.KernelInterface):  # (JITFunction, or the interpreter's)
             undo.append((original, attr, value))
