@@ -34,6 +34,7 @@ LAZY = "tests/test_lazy_velocity.py"
 EDGES = "tests/test_api_edges.py"
 FAILED = "tests/test_failed_step_contract.py"
 BLEND = "tests/test_guard_blend.py"
+ORDER = "tests/test_program_order.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -342,6 +343,11 @@ MUTANTS = {
         "the guard's rule kernel bounding a 16-bit θ₊ by d + p, not √p·d + p (an overflowing float16 step fits)",
         [f"{BLEND}::test_a_float16_step_fits_by_the_bound_of_the_frobenius_norm[16]"],
     ),
+    "update_kernel_shares_one_snapshot_slab": (
+        "the CUDA-core update kernel's programs sharing one θ snapshot slab (a race on a GPU only: the "
+        "interpreter runs each program whole)",
+        [f"{ORDER}::test_no_program_touches_what_another_program_of_its_launch_stores[cuda-cores-float32-phi]"],
+    ),
 }
 
 
@@ -366,6 +372,11 @@ KERNEL_EDITS = {
         "guard",
         "(dist * tl.sqrt(p) + p < top64 * top64)",
         "(dist + p < top64 * top64)",
+    ),
+    "update_kernel_shares_one_snapshot_slab": (
+        "fgd_step",
+        "slab = scratch_ptr + pid.to(tl.int64) * BR * P_MAX",
+        "slab = scratch_ptr",
     ),
     "update_kernel_reads_beta_phi_at_zero": (
         "tc_step",
