@@ -156,3 +156,25 @@ def test_the_tools_find_a_race_between_programs_and_nothing_else():
             slab_copy[(5,)](x, out, scratch, PRIVATE=private)
         assert sorted(r.kind for r in watch.races) == ([] if private else ["store/load", "store/store"])
         assert watch.launches == {"slab_copy": 1}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Inf's arithmetic, and the guard's own warning
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+def test_no_race_where_the_guard_resets_a_layer(precision, many_programs):
+    """An Inf in one layer's gradient with the checks off: the guard resets that layer (the
+    pull-back, Φ₊ = 0) and steps the others, without a race."""
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in SHAPES]
+    opt = fgd_fast.FGD(
+        [dict(params=params, orthogonal=True)], lr=0.1, backend="triton", precision=precision, check_finite=False
+    )
+    with watch_programs() as watch:
+        for step in range(2):
+            for k, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=gen) * 0.05
+                if k == 2 and step == 1:
+                    p.grad[0, 0] = float("inf")
+            opt.step()
+    assert opt.guard_stats()[2] == {"scaled": 0, "reset": 1}
+    assert all(torch.isfinite(p).all() for p in params)
+    assert watch.races == [] and "guard_blend_kernel" in watch.launches
