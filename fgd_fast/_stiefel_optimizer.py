@@ -26,7 +26,7 @@ from torch.optim.optimizer import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .distributed import is_dtensor
-from .functional import outside_inference_mode, sgd
+from .functional import autocast_on, autocast_set, outside_inference_mode, sgd
 from .manifold import check_materialised, stiefel_distance
 from .saved_state import agree_on_saved_state, check_saved_structure, check_saved_tensor, state_dtype
 from .validation import (
@@ -86,6 +86,29 @@ def state_outside_inference_mode(step: Callable) -> Callable:
             return step(*args, **kwargs)
 
     return wrapper
+
+
+def step_outside_autocast(step: Callable) -> Callable:
+    """Run an optimizer's ``step`` with any ``torch.autocast`` the caller entered turned off (its
+    arithmetic in the parameters' dtypes, as :func:`.functional.outside_autocast`); the closure
+    still runs under the caller's autocast, as in a ``torch.optim`` optimizer."""
+
+    @functools.wraps(step)
+    def wrapper(self, closure: Callable[[], float] | None = None):
+        devices = autocast_on()
+        if not devices:
+            return step(self, closure)
+        if closure is not None:
+            closure = functools.partial(_under_autocast, closure, devices)
+        with autocast_set(devices, enabled=False):
+            return step(self, closure)
+
+    return wrapper
+
+
+def _under_autocast(closure: Callable[[], float], devices) -> float:
+    with autocast_set(devices, enabled=True):
+        return closure()
 
 
 class StiefelOptimizer(Optimizer):

@@ -9,8 +9,9 @@ writing (:mod:`fgd_fast.guards`).
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import functools
+from collections.abc import Callable, MutableSequence, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -86,6 +87,43 @@ def outside_inference_mode() -> AbstractContextManager:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
 
 
+#: the device types whose torch.autocast a step turns off (those of the backends)
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_on() -> tuple[tuple[str, torch.dtype], ...]:
+    """The device types where the caller's ``torch.autocast`` is on, with its dtype (none while
+    compiling: a compiled step's autocast is the trace's)."""
+    if torch.compiler.is_compiling():
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+def autocast_set(devices: Sequence[tuple[str, torch.dtype]], enabled: bool) -> ExitStack:
+    """A context turning ``torch.autocast`` on (at each one's dtype) or off for ``devices``."""
+    stack = ExitStack()
+    for device_type, dtype in devices:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+    return stack
+
+
+def outside_autocast(fn: Callable) -> Callable:
+    """Run ``fn`` with any ``torch.autocast`` its caller entered turned off: a step computes in its
+    parameters' dtypes (in a loop that wraps the optimizer step in autocast, a float32 step's
+    products ran in bfloat16, and the torch backend's in-place products refused the mixed dtypes
+    after the checks)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        devices = autocast_on()
+        if not devices:
+            return fn(*args, **kwargs)
+        with autocast_set(devices, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def zero_momentum(p: torch.Tensor) -> torch.Tensor:
     """A first step's Φ = 0 for ``p``: float32 for float16/bfloat16 parameters, else ``p``'s
     dtype; a DTensor parameter's Φ is a DTensor with its placement. Never an inference tensor."""
@@ -121,6 +159,7 @@ def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
 
 
 @torch.no_grad()  # (an in-place step on leaf parameters; FGD.step is under no_grad already)
+@outside_autocast
 def fgd(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],

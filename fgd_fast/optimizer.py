@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._stiefel_optimizer import StiefelOptimizer, label, option, state_outside_inference_mode
+from ._stiefel_optimizer import (
+    StiefelOptimizer,
+    label,
+    option,
+    state_outside_inference_mode,
+    step_outside_autocast,
+)
 from .backends import BACKENDS, PRECISIONS, checked_precision
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
@@ -249,6 +255,7 @@ class FGD(StiefelOptimizer):
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     @state_outside_inference_mode
+    @step_outside_autocast
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)

@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter
 
 import fgd_fast
-from fgd_fast.baselines import CayleyADAM, CayleySGD
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD
 from helpers import assert_unchanged, backend_params, snapshot
 
 
@@ -737,3 +737,62 @@ def test_plain_groups_and_baselines_after_a_step_in_inference_mode(cls):
             opt.step()
         assert not any(t.is_inference() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     assert all(p.requires_grad and not p.is_inference() for p in net.parameters())
+
+
+BACKENDS = ("reference", "torch", "triton")
+
+
+def _autocast_twins(cls, backend):
+    """Two equal nets (two equal 3 × 3 convolutions: one p, the torch backend's one bucket, and a
+    plain Linear) with their optimizers, and the same gradients for both."""
+    nets = [_net(seed=3) for _ in range(2)]
+    kw = dict(backend=backend) if cls is fgd_fast.FGD else {}
+    opts = [cls(fgd_fast.stiefel_param_groups(net), lr=0.05, **kw) for net in nets]
+    return nets, opts
+
+
+@pytest.mark.parametrize(
+    "cls,backend",
+    [pytest.param(fgd_fast.FGD, *b.values, marks=b.marks, id=f"FGD-{b.id}") for b in backend_params(BACKENDS)]
+    + [pytest.param(cls, None, id=cls.__name__) for cls in (CayleySGD, CayleyADAM, LandingSGD)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_a_step_inside_autocast_is_the_step_outside_it(cls, backend, dtype):
+    """A review: a loop that wraps ``opt.step()`` in ``torch.autocast`` (as ``torch.optim.SGD``
+    allows) made the torch backend raise an internal dtype error at every step where its layers
+    shared one p (its in-place products mixed float32 and bfloat16), and the reference backend's
+    products ran in 16 bits (θ 1e-3 off after 30 steps). Every optimizer now steps with autocast
+    off: the same bits as outside it; the closure still runs under the caller's autocast, which is
+    on again after the step."""
+    (inside, outside), (opt_in, opt_out) = _autocast_twins(cls, backend)
+    seen = []
+
+    def closure():
+        seen.append(torch.randn(2, 2) @ torch.randn(2, 2))  # the caller's autocast: 16-bit products
+        return torch.tensor(1.0)
+
+    for step in range(3):
+        for a, b in zip(inside.parameters(), outside.parameters()):
+            a.grad = 0.05 * torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
+            b.grad = a.grad.clone()
+        with torch.autocast("cpu", dtype=dtype):
+            opt_in.step(closure)
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
+        opt_out.step()
+        assert seen[-1].dtype == dtype
+    for a, b in zip(inside.parameters(), outside.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt_in.state.values(), opt_out.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+def test_the_functional_step_inside_autocast_is_the_step_outside_it():
+    """``fgd_fast.fgd`` called directly under autocast computes in the parameters' dtypes too."""
+    gen = torch.Generator().manual_seed(1)
+    ws = [fgd_fast.orthogonalize_(torch.randn(16, 3, 3, 3, generator=gen)) for _ in range(2)]
+    twins = [w.clone() for w in ws]
+    grads = [0.05 * torch.randn(w.shape, generator=gen) for w in ws]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fgd_fast.fgd(ws, grads, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend="torch")
+    fgd_fast.fgd(twins, grads, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(ws, twins))

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .._matrix import as_stiefel, from_stiefel
-from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode
+from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode, step_outside_autocast
 from ..backends import compute_dtype
 from ..guards import raise_if_invalid
 from ..validation import (
@@ -158,6 +158,7 @@ class LandingSGD(StiefelOptimizer):
 
     @torch.no_grad()
     @state_outside_inference_mode
+    @step_outside_autocast
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
         loss = self._run_closure(closure)
