@@ -31,6 +31,7 @@ from .manifold import check_materialised, stiefel_distance
 from .saved_state import agree_on_saved_state, check_saved_structure, check_saved_tensor, state_dtype
 from .validation import (
     check_grad,
+    check_no_shared_memory,
     check_orthogonal_params,
     check_state_tensor,
     check_writable,
@@ -106,6 +107,41 @@ def step_outside_autocast(step: Callable) -> Callable:
     return wrapper
 
 
+class _Memory:
+    """The tensors a step writes (parameters with a gradient, their state), each
+    parameter once: one listed twice, in any groups (one appended to another group's list after
+    it was added, which the group's own check did not see), is refused."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.labels: list[str] = []
+        self.guarded: list[bool] = []
+        self.seen: dict[int, str] = {}
+
+    def add(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], text: str) -> None:
+        self.once(p, text)
+        if is_dtensor(p):  # (its shards' memory is the mesh's; not checked here)
+            return
+        orthogonal = bool(group["orthogonal"])
+        self.tensors.append(p)
+        self.labels.append(f"parameter {text}")
+        self.guarded.append(orthogonal)
+        for name, value in state.items():  # (a plain one's momentum may not share an orthogonal one's memory)
+            if isinstance(value, torch.Tensor) and not is_dtensor(value):
+                self.tensors.append(value)
+                self.labels.append(f"parameter {text}'s {name}")
+                self.guarded.append(orthogonal)
+
+    def once(self, p: torch.Tensor, text: str) -> None:
+        if id(p) in self.seen:
+            raise ValueError(
+                f"parameter {text} is the same tensor as parameter {self.seen[id(p)]}: listed twice (in one group's "
+                "list or in two groups'), it would be stepped twice in every step; the step was not applied and "
+                "nothing changed. List each parameter once"
+            )
+        self.seen[id(p)] = text
+
+
 def _under_autocast(closure: Callable[[], float], devices) -> float:
     with autocast_set(devices, enabled=True):
         return closure()
@@ -159,7 +195,20 @@ class StiefelOptimizer(Optimizer):
                 if merged["orthogonal"]:
                     names = param_group.get("param_names") or param_group.get("names")
                     check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
+                self._check_memory_of_new(tensors, bool(merged["orthogonal"]))
         super().add_param_group(param_group)
+
+    def _check_memory_of_new(self, tensors: list[torch.Tensor], orthogonal: bool) -> None:
+        """A new group's parameters share no memory with an orthogonal parameter, theirs or the
+        groups' already added (two Parameters made from one tensor); the step checks again, with
+        the state."""
+        old = [(p, bool(g["orthogonal"])) for g in getattr(self, "param_groups", []) for p in g["params"]]
+        both = [(p, f"parameter {i} of the optimizer", o) for i, (p, o) in enumerate(old)]
+        added = {id(p) for p, _ in old}  # (one already added: torch refuses it as in two groups)
+        both += [(p, f"parameter {i} of the group", orthogonal) for i, p in enumerate(tensors) if id(p) not in added]
+        both = [entry for entry in both if isinstance(entry[0], torch.Tensor) and not is_dtensor(entry[0])]
+        tensors, labels, guarded = ([entry[k] for entry in both] for k in range(3))
+        check_no_shared_memory(tensors, labels, guarded, outcome="the group was not added")
 
     def _warn_misspelled_keys(self, param_group: dict[str, Any]) -> None:
         """A group key that is no option but close to one (``"orthogonl"``) warns: torch keeps
@@ -249,6 +298,8 @@ class StiefelOptimizer(Optimizer):
         that does not fit its parameter (a Euclidean ``momentum_buffer``; an orthogonal one's, as
         the subclass checks it). ``idle``: a list that
         collects the orthogonal DTensor parameters without a gradient (their ranks' agreement)."""
+        compiling = torch.compiler.is_compiling()
+        memory = _Memory()  # what the step writes, for the shared-memory check at the end
         for group, p, key in self._keyed():
             if p.grad is None:
                 if idle is not None and group["orthogonal"] and is_dtensor(p):
@@ -256,8 +307,9 @@ class StiefelOptimizer(Optimizer):
                 continue
             text = label(key)
             check_grad(p, f"parameter {text}")
-            if not torch.compiler.is_compiling():  # (Dynamo cannot trace the weak dictionary)
+            if not compiling:  # (Dynamo cannot trace the weak dictionary)
                 check_writable([p], [f"parameter {text}"])  # (appended to a group's list after it was added)
+                memory.add(p, group, self.state.get(p, {}), text)
                 self._check_state_kind(p, group, text)
             if not group["orthogonal"]:
                 self._check_sgd_state(p, f"parameter {text}")
@@ -265,6 +317,8 @@ class StiefelOptimizer(Optimizer):
                 check_materialised(p, f"{type(self).__name__}.step (parameter {text})")
                 self._check_orthogonal_state(p, group, f"parameter {text}")
             yield group, p, text
+        if not compiling:  # (every caller collects the whole pass before writing)
+            check_no_shared_memory(memory.tensors, memory.labels, memory.guarded)
 
     def _sgd(
         self,

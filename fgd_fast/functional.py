@@ -27,6 +27,7 @@ from .validation import (
     check_grad_fits,
     check_lr,
     check_max_distance,
+    check_no_shared_memory,
     check_orthogonal_params,
     check_state_tensor,
     check_trust_radius,
@@ -305,6 +306,11 @@ def fgd(
         if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them; Dynamo cannot trace it)
             check_writable(params, labels, inside_inference_mode=True)  # (else an error after earlier layers' writes)
         bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
+        if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them with their state)
+            written = list(zip(params, labels))
+            written += [(b, f"{text}'s momentum_buffer") for b, text in zip(bufs, labels) if b is not None]
+            written = [(t, text) for t, text in written if not is_dtensor(t)]
+            check_no_shared_memory([t for t, _ in written], [text for _, text in written], [True] * len(written))
         if guard:
             check_guard_room(params, labels, max_distance)
         for device, idx in by_device.items():

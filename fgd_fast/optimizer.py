@@ -33,7 +33,6 @@ from .validation import (
     check_max_distance,
     check_nesterov,
     check_nonnegative,
-    check_orthogonal_params,
     check_state_tensor,
     check_trust_radius,
     check_unit_interval,
@@ -263,10 +262,7 @@ class FGD(StiefelOptimizer):
         # rank that skipped it, its layers' gradients all None, left the others waiting there)
         idle: list[torch.Tensor] = []
         try:
-            orth, eucl, resting = self._collect(idle)
-            # a parameter appended to a group's list after it was added (so never checked) may repeat
-            if not torch.compiler.is_compiling() and len(set(map(id, orth["params"]))) < len(orth["params"]):
-                check_orthogonal_params(orth["params"], orth["labels"])  # raises: listed twice
+            orth, eucl, resting = self._collect(idle)  # (raises on a parameter listed twice, in any groups)
         except Exception as error:
             self._raise_with_the_ranks(error)
             raise

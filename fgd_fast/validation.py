@@ -231,6 +231,61 @@ def check_writable(
             )
 
 
+def check_no_shared_memory(
+    tensors: list[torch.Tensor],
+    labels: list[str],
+    guarded: list[bool],
+    outcome: str = "the step was not applied and nothing changed",
+) -> None:
+    """No two of ``tensors`` (plain tensors) share memory where one of them is ``guarded`` (an
+    orthogonal parameter or its state): two Parameters made from one tensor, a momentum buffer set
+    to its parameter's memory or to another layer's. A step would write such memory twice, each
+    update over the other's, and the guard's prediction (made for each tensor alone) would not
+    hold: θ was stored beyond ``max_distance``. Costs a storage lookup per tensor where no two
+    share a storage; where two do (views of one flat buffer), their spans, then their entries."""
+    by_storage: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() and t.device.type != "meta":
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    for idx in by_storage.values():
+        if len(idx) < 2:
+            continue
+        spans = sorted((_span(tensors[i]), i) for i in idx)
+        for a, ((_, end), i) in enumerate(spans):
+            for (start, _), j in spans[a + 1 :]:
+                if start >= end:  # (sorted by start: no later span reaches this one)
+                    break
+                if (guarded[i] or guarded[j]) and _overlap(tensors[i], tensors[j]):
+                    first, second = sorted((i, j))
+                    raise ValueError(
+                        f"{labels[first]} and {labels[second]} share memory, so a step would write it twice, each "
+                        f"update over the other's, and leave the Stiefel manifold; {outcome}. Give each its own "
+                        "memory: nn.Parameter(t.clone()) for a parameter, "
+                        "opt.state[param]['momentum_buffer'] = buf.clone() for a buffer"
+                    )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` a (non-empty) tensor's entries lie in."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage whose spans meet have an entry in common (interleaved
+    views, e.g. the even and odd columns of one matrix, do not); of other entry sizes: yes."""
+    if a.element_size() != b.element_size():
+        return True
+
+    def offsets(t: torch.Tensor) -> torch.Tensor:  # each entry's place in the storage, in entries
+        at = torch.tensor(t.storage_offset())
+        for size, stride in zip(t.shape, t.stride()):
+            at = at.unsqueeze(-1) + torch.arange(size) * stride
+        return at.flatten()
+
+    return bool(torch.isin(offsets(a), offsets(b)).any())
+
+
 def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:
     """``nesterov`` as a bool, refused (as ``torch.optim.SGD`` does) without momentum or with
     dampening."""
@@ -271,6 +326,11 @@ def check_orthogonal_params(params: Iterable[torch.Tensor], names: list[str] | N
         stiefel_shape(p.shape)
 
 
+def entries_share_memory(t: torch.Tensor) -> bool:
+    """Whether two entries of state tensor ``t`` lie at one address (made by ``expand()``, say)."""
+    return torch._debug_has_internal_overlap(t) == 1  # (1: for sure; 2: too hard to tell, as torch's own)
+
+
 def check_state_tensor(
     value: Any, p: torch.Tensor, dtype: torch.dtype, label: str, name: str, shape: tuple | None = None
 ) -> None:
@@ -287,6 +347,12 @@ def check_state_tensor(
             f"mode (FGD's step always is) cannot update in place; the step was not applied and nothing changed. "
             f"Give it an ordinary copy made outside the mode (opt.state[param][{name!r}] = "
             f"opt.state[param][{name!r}].clone()) before stepping, or drop it (opt.state[param].pop({name!r}))"
+        )
+    if fits and not torch.compiler.is_compiling() and entries_share_memory(value):
+        raise ValueError(
+            f"{label}: {name} (strides {value.stride()}) has entries that share memory (e.g. made by expand()), "
+            "which no in-place update can write; the step was not applied and nothing changed. Give it memory of "
+            f"its own (opt.state[param][{name!r}] = opt.state[param][{name!r}].clone())"
         )
     if not fits:
         got = (

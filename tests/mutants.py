@@ -35,6 +35,7 @@ EDGES = "tests/test_api_edges.py"
 FAILED = "tests/test_failed_step_contract.py"
 BLEND = "tests/test_guard_blend.py"
 ORDER = "tests/test_program_order.py"
+SHARED = "tests/test_shared_memory.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -210,6 +211,26 @@ MUTANTS = {
     "shared_memory_param_accepted": (
         "a parameter whose entries share memory (expand()) accepted: the step fails after other writes",
         [f"{BAD}::test_a_parameter_whose_entries_share_memory_is_refused_when_added"],
+    ),
+    "shared_memory_unchecked": (
+        "parameters or state sharing memory accepted (two Parameters of one tensor, a buffer of two layers)",
+        [
+            f"{SHARED}::test_parameters_sharing_memory_are_refused_when_added_and_at_the_step",
+            f"{SHARED}::test_state_sharing_memory_is_refused_before_any_write",
+            f"{SHARED}::test_the_functional_step_refuses_parameters_and_buffers_that_share_memory",
+        ],
+    ),
+    "state_entries_overlap_unchecked": (
+        "a state buffer whose entries share memory (expand()) accepted: an in-place write fails mid-step",
+        [f"{SHARED}::test_state_sharing_memory_is_refused_before_any_write"],
+    ),
+    "listed_again_unchecked": (
+        "an orthogonal parameter also in a plain group's list stepped twice (FGD, then SGD on its Φ)",
+        [f"{SHARED}::test_an_orthogonal_parameter_also_in_a_plain_groups_list_is_refused"],
+    ),
+    "autocast_left_on": (
+        "a step inside torch.autocast computing in 16 bits (the torch backend's in-place products failing)",
+        ["tests/test_citizen.py::test_a_step_inside_autocast_is_the_step_outside_it"],
     ),
     "guard_room_unchecked": (
         "a 16-bit parameter whose rounding margin takes all of max_distance stepped (every step reset)",
@@ -608,7 +629,7 @@ def plant(name: str) -> Callable[[], None]:
             keep = [i for i, p in enumerate(params) if all(q is not p for q in params[:i])]
             return original([params[i] for i in keep], [names[i] for i in keep] if names else None)
 
-        for module in (_stiefel_optimizer, fgd_fast.functional, fgd_fast.optimizer):
+        for module in (_stiefel_optimizer, fgd_fast.functional):
             undo.append((module, "check_orthogonal_params", module.check_orthogonal_params))
             module.check_orthogonal_params = once_each
     elif name == "shared_memory_param_accepted":
@@ -616,6 +637,26 @@ def plant(name: str) -> Callable[[], None]:
 
         undo.append((_stiefel_optimizer, "check_writable", _stiefel_optimizer.check_writable))
         _stiefel_optimizer.check_writable = lambda params: None
+    elif name == "shared_memory_unchecked":
+        from fgd_fast import _stiefel_optimizer
+
+        for module in (_stiefel_optimizer, fgd_fast.functional):
+            undo.append((module, "check_no_shared_memory", module.check_no_shared_memory))
+            module.check_no_shared_memory = lambda *args, **kwargs: None
+    elif name == "state_entries_overlap_unchecked":
+        undo.append((fgd_fast.validation, "entries_share_memory", fgd_fast.validation.entries_share_memory))
+        fgd_fast.validation.entries_share_memory = lambda t: False
+    elif name == "listed_again_unchecked":
+        from fgd_fast import _stiefel_optimizer
+
+        undo.append((_stiefel_optimizer._Memory, "once", _stiefel_optimizer._Memory.once))
+        _stiefel_optimizer._Memory.once = lambda self, p, text: None
+    elif name == "autocast_left_on":
+        from fgd_fast import _stiefel_optimizer
+
+        for module in (_stiefel_optimizer, fgd_fast.functional):
+            undo.append((module, "autocast_on", module.autocast_on))
+            module.autocast_on = lambda: ()
     elif name == "guard_room_unchecked":
         undo.append((fgd_fast.functional, "check_guard_room", fgd_fast.functional.check_guard_room))
         fgd_fast.functional.check_guard_room = lambda *args: None
