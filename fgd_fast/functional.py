@@ -186,6 +186,7 @@ def fgd(
     _unsharded_beside_sharded: bool | None = None,
     _idle_dtensors: Sequence[torch.Tensor] = (),
     _held: Exception | None = None,
+    _before_writes: Callable[[], None] | None = None,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -225,7 +226,12 @@ def fgd(
     meshes join the ranks' agreement (a rank whose DTensor gradients were all None skipped it and
     left the others waiting; now every rank raises that they disagree on the layer count).
     ``_held``: internal, ``FGD.step``'s own refusal on this rank (no layers passed): the step joins
-    the ranks' agreement with it, so the others raise too, and raises it.
+    the ranks' agreement with it, so the others raise too, and raises it. ``_before_writes``:
+    internal, what ``FGD.step`` does that allocates memory (the plain groups' SGD, the state a
+    first step makes), called after every check and before the first write of θ or Φ, so that an
+    out-of-memory error there leaves the orthogonal layers as they were; in a step with DTensor
+    layers, after the writes (a rank failing between the ranks' agreement and their collective
+    writes would leave the others waiting).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
     would take on the full matrices, and the checks raise on every rank alike (see
@@ -430,11 +436,15 @@ def fgd(
         if agree:
             _agree_on_local_checks(False, meshes, mesh_device, failed)
         raise
+    if _before_writes is not None and not meshes:  # (a step of this process alone: before its first write)
+        _before_writes()
     if agree:  # (this rank's verdict is not every rank's; the sharded apply is collective)
         _agree_on_local_checks(True, meshes, mesh_device)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):
             pl.apply()
+    if _before_writes is not None and meshes:  # (after the ranks' collectives: one rank's failure here stops none)
+        _before_writes()
     for i in range(count):
         if bufs[i] is not None:
             momentum_buffers[i] = bufs[i]

@@ -105,8 +105,9 @@ class FGD(StiefelOptimizer):
         guard: keep training alive through spikes, on the device with no synchronisation of
             its own. Per layer the distance after the step is computed exactly before anything
             is written; the step written is the largest fraction t ∈ {1, 2^−½, …, 2^−7, 0} of
-            the update (t = 0: the pull-back ``θ ← θ − αθ(A − I)`` with Φ = 0, or α = ½ when
-            that is nearer) whose stored θ is within ``max_distance``, less a rounding margin
+            the update (t = 0: the pull-back ``θ ← θ − αθ(A − I)`` with Φ = 0, or, where that
+            pull-back itself leaves the target, α = ½ when that is nearer) whose stored θ is
+            within ``max_distance``, less a rounding margin
             of the parameter's dtype. Φ and g are first scaled into a safety radius ρ
             (``trust_radius``). One rule in every backend; where it does not bind the update is
             exactly the one above, and with it on no finite input makes a step raise.
@@ -136,11 +137,13 @@ class FGD(StiefelOptimizer):
         maximize: maximise the objective instead (the gradient negated for every parameter,
             as ``torch.optim.SGD(maximize=True)``); optimizer-wide.
         sharding: how a DTensor (FSDP2, tensor-parallel) layer is stepped, always exactly as
-            one process would on the whole matrix: ``"auto"`` (default) sums a row shard's
-            partial Gram blocks over the ranks (``2·(3.5p² + 1.5p + 1)`` numbers per layer)
-            unless moving the whole matrix to one *owner* rank and back (``~5np/R`` per rank)
-            sends at least 1 MiB less, and steps every other placement (column shards, 2-D
-            meshes) on the owner path; ``"rows"`` always sums row shards, ``"owner"`` sends
+            one process would on the whole matrix: ``"auto"`` (default) sums row shards'
+            partial Gram blocks over the ranks, except for the layers whose move to one *owner*
+            rank (stepped whole there, sent back) makes the step's busiest rank send less: the
+            layers ranked by their average saving, the cheapest number of them moved if that
+            saves at least 1 MiB (3 MiB where the owner path would otherwise not run; see
+            ``distributed.moved_to_owners``), and steps every other placement (column shards,
+            2-D meshes) on the owner path; ``"rows"`` always sums row shards, ``"owner"`` sends
             every layer to its owner, ``"gather"`` all-gathers every layer on every rank
             (``3np``). A layer no cheaper path fits is gathered, with a warning. Every rank
             must use the same (checked); see :mod:`fgd_fast.distributed`.
@@ -266,51 +269,62 @@ class FGD(StiefelOptimizer):
         except Exception as error:
             self._raise_with_the_ranks(error)
             raise
-        if orth["params"] or idle:
-            sharded_step = bool(idle) or any(is_dtensor(p) for p in orth["params"])  # (else nothing more to scan)
-            # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
-            # every rank, not from which of them have a gradient on this one)
-            beside = sharded_step and self._unsharded_beside_sharded()
-            report = fgd(
-                orth["params"],
-                orth["grads"],
-                orth["bufs"],
-                lr=orth["lr"],
-                momentum=orth["momentum"],
-                feedback=orth["feedback"],
-                labels=orth["labels"],
-                **self._fgd_options(),
-                _rest_sharded_at_zero_lr=True,
-                _unsharded_beside_sharded=beside,
-                _idle_dtensors=idle,
-            )
-            for p, buf in zip(orth["params"], orth["bufs"]):
-                if buf is not None:
-                    self.state[p]["momentum_buffer"] = buf
-            self._count_guarded(orth["params"], report)
-            # DTensors at lr = 0 (fgd() agreed on them and stepped nothing): the state a step makes
-            rested = [not isinstance(lr, torch.Tensor) and lr == 0.0 for lr in orth["lr"]]
-            for p, beta, rest in zip(orth["params"], orth["momentum"], rested):
-                if rest:
-                    self._make_state(p, beta)
-            if not torch.compiler.is_compiling() and sharded_step:
-                last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
-                distances = report.distance or [None] * len(orth["params"])
-                for p, d, rest in zip(orth["params"], distances, rested):  # for orthogonality() on sharded θ
-                    if d is not None and is_dtensor(p):
-                        last[p] = (d, _versions(p))  # (d: a device tensor, no synchronisation here)
-                    elif not rest:  # (a layer at rest did not move: its distance stands)
-                        last.pop(p, None)
-        for p, beta in resting:  # (after the step that could raise: a failed step creates no state)
-            self._make_state(p, beta)
-        for group, ps in eucl:
-            self._sgd(
-                ps,
-                group,
-                momentum=float(group["momentum"]),
-                dampening=float(group["dampening"]),
-                nesterov=group["nesterov"],
-            )
+
+        def before_writes() -> None:  # what allocates memory, after every check and before θ or Φ is written
+            # the state a first step makes (Φ = 0 at lr = 0, the guard's counters, which the step adds to
+            # after its writes): made first, stored once the plain groups' step ran (a failed step makes none)
+            made = [(p, self._new_state(p, beta)) for p, beta in resting]
+            made += [(p, self._new_state(p, 0.0)) for p in orth["params"]]
+            for group, ps in eucl:
+                self._sgd(
+                    ps,
+                    group,
+                    momentum=float(group["momentum"]),
+                    dampening=float(group["dampening"]),
+                    nesterov=group["nesterov"],
+                )
+            for p, new in made:
+                if new:
+                    self.state[p].update(new)
+
+        if not (orth["params"] or idle):
+            before_writes()
+            return loss
+        sharded_step = bool(idle) or any(is_dtensor(p) for p in orth["params"])  # (else nothing more to scan)
+        # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
+        # every rank, not from which of them have a gradient on this one)
+        beside = sharded_step and self._unsharded_beside_sharded()
+        report = fgd(
+            orth["params"],
+            orth["grads"],
+            orth["bufs"],
+            lr=orth["lr"],
+            momentum=orth["momentum"],
+            feedback=orth["feedback"],
+            labels=orth["labels"],
+            **self._fgd_options(),
+            _rest_sharded_at_zero_lr=True,
+            _unsharded_beside_sharded=beside,
+            _idle_dtensors=idle,
+            _before_writes=before_writes,
+        )
+        for p, buf in zip(orth["params"], orth["bufs"]):
+            if buf is not None:
+                self.state[p]["momentum_buffer"] = buf
+        self._count_guarded(orth["params"], report)
+        # DTensors at lr = 0 (fgd() agreed on them and stepped nothing): the state a step makes
+        rested = [not isinstance(lr, torch.Tensor) and lr == 0.0 for lr in orth["lr"]]
+        for p, beta, rest in zip(orth["params"], orth["momentum"], rested):
+            if rest:
+                self._make_state(p, beta)
+        if not torch.compiler.is_compiling() and sharded_step:
+            last = self.__dict__.setdefault("_last_distance", WeakIdKeyDictionary())
+            distances = report.distance or [None] * len(orth["params"])
+            for p, d, rest in zip(orth["params"], distances, rested):  # for orthogonality() on sharded θ
+                if d is not None and is_dtensor(p):
+                    last[p] = (d, _versions(p))  # (d: a device tensor, no synchronisation here)
+                elif not rest:  # (a layer at rest did not move: its distance stands)
+                    last.pop(p, None)
         return loss
 
     def _collect(self, idle: list[torch.Tensor]) -> tuple[dict[str, list], list, list]:
@@ -395,11 +409,16 @@ class FGD(StiefelOptimizer):
         """The state a step creates (Φ = 0, the guard's counters), without stepping: what a
         step at lr = 0 does, so that ``torch.distributed.checkpoint``'s state initialisation
         (a step at lr = 0 with zero gradients) moves no weight (the feedback term would)."""
-        state = self.state[p]
+        self.state[p].update(self._new_state(p, beta))
+
+    def _new_state(self, p: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
+        """The entries :meth:`_make_state` would add to ``p``'s state (made, not stored)."""
+        state, new = self.state.get(p, {}), {}
         if beta > 0 and "momentum_buffer" not in state:
-            state["momentum_buffer"] = zero_momentum(p)
-        if self.defaults["guard"]:
-            _guard_counts(state, p)
+            new["momentum_buffer"] = zero_momentum(p)
+        if self.defaults["guard"] and "guard_count" not in state:  # (made outside inference mode: FGD.step is)
+            new["guard_count"] = torch.zeros(2, dtype=torch.int64, device=p.device)
+        return new
 
     def _check_orthogonal_state(self, p: torch.Tensor, group: dict[str, Any], label: str) -> None:
         """Before any write: the guard's counters, which the step adds to after θ and Φ are

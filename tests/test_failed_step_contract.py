@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fgd_fast
-from fgd_fast.baselines import CayleyADAM, CayleySGD
+from fgd_fast.baselines import CayleyADAM, CayleySGD, LandingSGD
 from helpers import assert_unchanged, backend_params, device_for_tests, snapshot, step_then_fresh_grad
 
 
@@ -202,3 +202,35 @@ def test_a_momentum_buffer_on_another_device_is_refused_with_the_move():
     with pytest.raises(ValueError, match=f"momentum_buffer.*on {device_for_tests().type}"):
         opt.step()
     assert_unchanged(net, opt, snap)
+
+
+@pytest.mark.parametrize("steps", [0, 2], ids=["first-step", "steady"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS + [pytest.param((LandingSGD, {}), id="LandingSGD")])
+def test_out_of_memory_in_the_plain_groups_step_leaves_the_orthogonal_layers_as_they_were(
+    optimizer, steps, monkeypatch
+):
+    """A review: the plain groups' SGD (torch's, whose weight decay allocates a temporary every
+    step, and its momentum buffers at the first) ran after the orthogonal layers were written, so
+    running out of memory there left a half-taken step. It runs after the checks and before any
+    orthogonal write; the first step's own state (the guard's counters) is stored after it."""
+    from fgd_fast import _stiefel_optimizer
+
+    cls, kwargs = optimizer
+    net = _model()
+    groups = fgd_fast.stiefel_param_groups(net, "paper")
+    groups[1]["weight_decay"] = 5e-4  # (the plain group, as in the README's quick start)
+    opt = cls(groups, lr=0.01, **kwargs)
+    if steps:
+        net, opt = step_then_fresh_grad(net, opt, _loss, steps)
+    else:
+        _loss(net).backward()
+    snap = snapshot(net, opt)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: the plain groups' step ran out of memory")
+
+    monkeypatch.setattr(_stiefel_optimizer, "sgd", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
+    assert bool(opt.state) == bool(steps)  # (a first step made no state)

@@ -247,11 +247,11 @@ class CayleyBase(StiefelOptimizer):
             finite_next=[b.finite_next for b in buckets],
             fgd=False,
         )
-        for b in buckets:
-            self._retract(b)
-        for group in self.param_groups:
+        for group in self.param_groups:  # (first: its temporaries allocated before an orthogonal write)
             if not group["orthogonal"]:
                 self._euclidean(group, [p for p in group["params"] if p.grad is not None])
+        for b in buckets:
+            self._retract(b)
         return loss
 
     def _prepare(self, b: Bucket) -> None:

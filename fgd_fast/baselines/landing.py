@@ -187,6 +187,14 @@ class LandingSGD(StiefelOptimizer):
                 finite_next=[torch.stack([f.to(dev) for f in finite_next])],
                 fgd=False,
             )
+        for group, ps in euclidean.values():  # (first: its temporaries allocated before an orthogonal write)
+            self._sgd(
+                ps,
+                group,
+                momentum=float(group["momentum"]),
+                dampening=float(group["dampening"]),
+                nesterov=group["nesterov"],
+            )
         for p, new_theta, new_buf in planned:
             p.copy_(new_theta)
             if new_buf is not None:
@@ -195,14 +203,6 @@ class LandingSGD(StiefelOptimizer):
                     state["momentum_buffer"].copy_(new_buf)
                 else:
                     state["momentum_buffer"] = new_buf
-        for group, ps in euclidean.values():
-            self._sgd(
-                ps,
-                group,
-                momentum=float(group["momentum"]),
-                dampening=float(group["dampening"]),
-                nesterov=group["nesterov"],
-            )
         return loss
 
     def _landing(self, group: dict[str, Any], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
