@@ -142,6 +142,17 @@ class _Memory:
         self.seen[id(p)] = text
 
 
+#: group keys that hold no hyper-parameter
+_NOT_NUMBERS = ("params", "names", "param_names")
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds (in a tuple or list, each one); else as is."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
+
+
 def _under_autocast(closure: Callable[[], float], devices) -> float:
     with autocast_set(devices, enabled=True):
         return closure()
@@ -196,6 +207,11 @@ class StiefelOptimizer(Optimizer):
                     names = param_group.get("param_names") or param_group.get("names")
                     check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
                 self._check_memory_of_new(tensors, bool(merged["orthogonal"]))
+            # numpy scalars as the Python numbers they hold: one arithmetic whatever the type given (a
+            # float32 β₁ computed Adam's bias correction in float32), and a state_dict weights_only loads
+            param_group.update((k, _plain(v)) for k, v in param_group.items() if k not in _NOT_NUMBERS)
+            if hasattr(self, "defaults"):
+                self.defaults.update((k, _plain(v)) for k, v in self.defaults.items())
         super().add_param_group(param_group)
 
     def _check_memory_of_new(self, tensors: list[torch.Tensor], orthogonal: bool) -> None:
@@ -399,6 +415,17 @@ class StiefelOptimizer(Optimizer):
                 f"cannot load this state_dict: its optimizer-wide options: {exc}; nothing was loaded"
             ) from exc
         return options
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim``, with hyper-parameters set as numpy scalars after a group was added
+        (an ``np.logspace`` sweep's lr; the constructor and ``add_param_group`` convert them)
+        saved as Python numbers, so that ``torch.load``'s default ``weights_only=True`` loads the
+        checkpoint."""
+        out = super().state_dict()
+        out["param_groups"] = [
+            {k: v if k in _NOT_NUMBERS else _plain(v) for k, v in group.items()} for group in out["param_groups"]
+        ]
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim``, but a state_dict that cannot be this optimizer's is refused with
