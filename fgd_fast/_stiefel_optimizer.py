@@ -205,7 +205,15 @@ class StiefelOptimizer(Optimizer):
                 check_writable(tensors)
                 if merged["orthogonal"]:
                     names = param_group.get("param_names") or param_group.get("names")
-                    check_orthogonal_params(tensors, names if names and len(names) == len(tensors) else None)
+                    if not names and not isinstance(params, torch.Tensor):  # (named: (name, tensor) pairs)
+                        names = [p[0] if isinstance(p, tuple) else None for p in params]
+                    labels = None
+                    if names and len(names) == len(tensors) and any(name is not None for name in names):
+                        labels = [
+                            f"parameter {i} of the group" if name is None else f"parameter {name!r}"
+                            for i, name in enumerate(names)
+                        ]
+                    check_orthogonal_params(tensors, labels)
                 self._check_memory_of_new(tensors, bool(merged["orthogonal"]))
             # numpy scalars as the Python numbers they hold: one arithmetic whatever the type given (a
             # float32 β₁ computed Adam's bias correction in float32), and a state_dict weights_only loads

@@ -130,6 +130,14 @@ def test_orthogonal_parameter_with_one_dim():
         fgd_fast.FGD([dict(params=[net[0].weight, net[0].bias], orthogonal=True)], lr=0.1)
 
 
+def test_an_orthogonal_group_of_named_parameters_names_the_one_refused():
+    """A review: a group of ``(name, tensor)`` pairs (torch's named parameters) was refused with
+    the parameter's index in the group, not its name."""
+    named = list(_model()[0].named_parameters())
+    with pytest.raises(ValueError, match=r"orthogonal parameter 'bias' has shape \(8,\)"):
+        fgd_fast.FGD([dict(params=named, orthogonal=True)], lr=0.1)
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_far_from_manifold_raises_and_changes_nothing(backend):
     net, opt = _trained(backend)
