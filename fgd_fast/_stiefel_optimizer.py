@@ -30,6 +30,7 @@ from .functional import autocast_on, autocast_set, outside_inference_mode, sgd
 from .manifold import check_materialised, stiefel_distance
 from .saved_state import agree_on_saved_state, check_saved_structure, check_saved_tensor, state_dtype
 from .validation import (
+    check_bool,
     check_grad,
     check_no_shared_memory,
     check_orthogonal_params,
@@ -478,6 +479,16 @@ class StiefelOptimizer(Optimizer):
                     f"{', '.join(map(repr, missing))} (a torch.optim.SGD state_dict, say, holds momentum in "
                     f"gradient units, not {name}'s); load the model's weights only and start the optimizer fresh"
                 )
+            try:
+                check_bool(f"its param_groups[{k}]['orthogonal']", group["orthogonal"])
+            except TypeError as exc:
+                raise ValueError(f"cannot load this state_dict: {exc}; nothing was loaded") from exc
+        twice = sorted({key for key in keys if keys.count(key) > 1}, key=str) if len(set(keys)) < len(keys) else []
+        if twice:
+            raise ValueError(
+                f"cannot load this state_dict: its param_groups list the parameter key(s) {twice[:3]!r} more than "
+                "once (each parameter's state is listed once); nothing was loaded. Were its keys edited?"
+            )
         options = self._saved_options(saved_groups)
         if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
             for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):

@@ -258,6 +258,8 @@ def test_a_state_dict_with_unusable_buffers_is_refused(bad):
         ("max_distance", "max_distance"),
         ("trust_radius", "trust_radius"),
         ("groups_disagree", "optimizer-wide option max_distance"),
+        ("orthogonal_a_string", r"param_groups\[0\]\['orthogonal'\] must be True or False, got str"),
+        ("a_key_listed_twice", r"list the parameter key\(s\) \[0\] more than once"),
     ],
 )
 def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, match):
@@ -284,6 +286,10 @@ def test_a_state_dict_with_unusable_guard_state_or_options_is_refused(edit, matc
     elif edit in ("max_distance", "trust_radius"):
         for group in sd["param_groups"]:
             group[edit] = 2.0 if edit == "max_distance" else -1.0
+    elif edit == "orthogonal_a_string":  # (was: "saved with orthogonal='True', this optimizer's has True")
+        sd["param_groups"][0]["orthogonal"] = "True"
+    elif edit == "a_key_listed_twice":  # (was: "state has entries for [1], which its groups do not list")
+        sd["param_groups"][0]["params"] = [0, 0]
     else:
         sd["param_groups"][1]["max_distance"] = 0.2
     snap = snapshot(net, opt)
