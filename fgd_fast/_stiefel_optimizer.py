@@ -109,29 +109,34 @@ def step_outside_autocast(step: Callable) -> Callable:
 
 
 class _Memory:
-    """The tensors a step writes (parameters with a gradient, their state), each
-    parameter once: one listed twice, in any groups (one appended to another group's list after
-    it was added, which the group's own check did not see), is refused."""
+    """The tensors a step writes (parameters with a gradient, their state), each parameter once:
+    one listed twice, in any groups (one appended to another group's list after it was added,
+    which the group's own check did not see), is refused. Labels are made only for an error
+    (about 1 µs a parameter in all: the check runs at every step)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.labels: list[str] = []
         self.guarded: list[bool] = []
+        self.whose: list[tuple[str, str | None]] = []  # (the parameter's label, the state entry or None)
         self.seen: dict[int, str] = {}
 
     def add(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], text: str) -> None:
         self.once(p, text)
-        if is_dtensor(p):  # (its shards' memory is the mesh's; not checked here)
+        if is_dtensor(p):  # (its shards' memory is the mesh's, and so is its state's: not checked here)
             return
         orthogonal = bool(group["orthogonal"])
         self.tensors.append(p)
-        self.labels.append(f"parameter {text}")
         self.guarded.append(orthogonal)
+        self.whose.append((text, None))
         for name, value in state.items():  # (a plain one's momentum may not share an orthogonal one's memory)
-            if isinstance(value, torch.Tensor) and not is_dtensor(value):
+            if isinstance(value, torch.Tensor):
                 self.tensors.append(value)
-                self.labels.append(f"parameter {text}'s {name}")
                 self.guarded.append(orthogonal)
+                self.whose.append((text, name))
+
+    def label(self, i: int) -> str:
+        text, name = self.whose[i]
+        return f"parameter {text}" if name is None else f"parameter {text}'s {name}"
 
     def once(self, p: torch.Tensor, text: str) -> None:
         if id(p) in self.seen:
@@ -313,7 +318,8 @@ class StiefelOptimizer(Optimizer):
                 "something else (a plain momentum is in gradient units); the step was not applied and nothing "
                 "changed. Clear it to restart the momentum (opt.state[param].clear()), or set the flag back"
             )
-        kinds[p] = group["orthogonal"]
+        if made is None or made != group["orthogonal"]:  # (a weak dictionary's store costs ~1 µs: not each step)
+            kinds[p] = group["orthogonal"]
 
     def _params_with_grads(
         self, idle: list[torch.Tensor] | None = None
@@ -343,7 +349,7 @@ class StiefelOptimizer(Optimizer):
                 self._check_orthogonal_state(p, group, f"parameter {text}")
             yield group, p, text
         if not compiling:  # (every caller collects the whole pass before writing)
-            check_no_shared_memory(memory.tensors, memory.labels, memory.guarded)
+            check_no_shared_memory(memory.tensors, memory.label, memory.guarded)
 
     def _sgd(
         self,

@@ -13,7 +13,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -233,7 +233,7 @@ def check_writable(
 
 def check_no_shared_memory(
     tensors: list[torch.Tensor],
-    labels: list[str],
+    labels: list[str] | Callable[[int], str],
     guarded: list[bool],
     outcome: str = "the step was not applied and nothing changed",
 ) -> None:
@@ -243,22 +243,27 @@ def check_no_shared_memory(
     update over the other's, and the guard's prediction (made for each tensor alone) would not
     hold: θ was stored beyond ``max_distance``. Costs a storage lookup per tensor where no two
     share a storage; where two do (views of one flat buffer), their spans, then their entries."""
-    by_storage: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel() and t.device.type != "meta":
-            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
-    for idx in by_storage.values():
-        if len(idx) < 2:
+    first: dict[int, int] = {}
+    shared: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):  # (a storage's address alone: ~0.1 µs a tensor, where t.device costs 0.3)
+        at = t.untyped_storage().data_ptr()
+        if at == 0:  # (no memory: the meta device, an empty tensor)
             continue
-        spans = sorted((_span(tensors[i]), i) for i in idx)
+        if at in first:
+            shared.setdefault(at, [first[at]]).append(i)
+        else:
+            first[at] = i
+    for idx in shared.values():
+        spans = sorted((_span(tensors[i]), i) for i in idx if tensors[i].numel())
         for a, ((_, end), i) in enumerate(spans):
             for (start, _), j in spans[a + 1 :]:
                 if start >= end:  # (sorted by start: no later span reaches this one)
                     break
                 if (guarded[i] or guarded[j]) and _overlap(tensors[i], tensors[j]):
                     first, second = sorted((i, j))
+                    name = labels if callable(labels) else labels.__getitem__
                     raise ValueError(
-                        f"{labels[first]} and {labels[second]} share memory, so a step would write it twice, each "
+                        f"{name(first)} and {name(second)} share memory, so a step would write it twice, each "
                         f"update over the other's, and leave the Stiefel manifold; {outcome}. Give each its own "
                         "memory: nn.Parameter(t.clone()) for a parameter, "
                         "opt.state[param]['momentum_buffer'] = buf.clone() for a buffer"
