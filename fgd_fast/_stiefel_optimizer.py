@@ -351,6 +351,12 @@ class StiefelOptimizer(Optimizer):
         if not compiling:  # (every caller collects the whole pass before writing)
             check_no_shared_memory(memory.tensors, memory.label, memory.guarded)
 
+    def _group_sgd(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """:meth:`_sgd` on a plain group's ``params`` with the group's momentum, dampening and
+        Nesterov flag."""
+        momentum, dampening = float(group["momentum"]), float(group["dampening"])
+        self._sgd(params, group, momentum=momentum, dampening=dampening, nesterov=group["nesterov"])
+
     def _sgd(
         self,
         params: list[torch.Tensor],

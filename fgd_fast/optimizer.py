@@ -276,13 +276,7 @@ class FGD(StiefelOptimizer):
             made = [(p, self._new_state(p, beta)) for p, beta in resting]
             made += [(p, self._new_state(p, 0.0)) for p in orth["params"]]
             for group, ps in eucl:
-                self._sgd(
-                    ps,
-                    group,
-                    momentum=float(group["momentum"]),
-                    dampening=float(group["dampening"]),
-                    nesterov=group["nesterov"],
-                )
+                self._group_sgd(group, ps)
             for p, new in made:
                 if new:
                     self.state[p].update(new)

@@ -159,7 +159,7 @@ class CayleySGD(CayleyBase):
             st["step"] = st.get("step", 0) + 1
 
     def _euclidean(self, group, params):
-        self._sgd(params, group, momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"])
+        self._group_sgd(group, params)
 
 
 class CayleyADAM(CayleyBase):

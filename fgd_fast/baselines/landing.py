@@ -188,13 +188,7 @@ class LandingSGD(StiefelOptimizer):
                 fgd=False,
             )
         for group, ps in euclidean.values():  # (first: its temporaries allocated before an orthogonal write)
-            self._sgd(
-                ps,
-                group,
-                momentum=float(group["momentum"]),
-                dampening=float(group["dampening"]),
-                nesterov=group["nesterov"],
-            )
+            self._group_sgd(group, ps)
         for p, new_theta, new_buf in planned:
             p.copy_(new_theta)
             if new_buf is not None:
