@@ -22,9 +22,9 @@ def backend_reason(name: str, device: str = "cpu") -> str | None:
     return None
 
 
-def backend_params(names=("reference", "torch", "triton", "cuda")):
-    """pytest params for each backend on the device tests use (CUDA when present)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def backend_params(names=("reference", "torch", "triton", "cuda"), device: str | None = None):
+    """pytest params for each backend on ``device`` (default: the one tests use, CUDA when present)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = []
     for name in names:
         reason = backend_reason(name, device)

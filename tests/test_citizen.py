@@ -796,7 +796,7 @@ def _autocast_twins(cls, backend):
 
 @pytest.mark.parametrize(
     "cls,backend",
-    [pytest.param(fgd_fast.FGD, *b.values, marks=b.marks, id=f"FGD-{b.id}") for b in backend_params(BACKENDS)]
+    [pytest.param(fgd_fast.FGD, *b.values, marks=b.marks, id=f"FGD-{b.id}") for b in backend_params(BACKENDS, "cpu")]
     + [pytest.param(cls, None, id=cls.__name__) for cls in (CayleySGD, CayleyADAM, LandingSGD)],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

@@ -20,7 +20,7 @@ from helpers import backend_params
 
 OPTIMIZERS = [
     pytest.param(lambda groups, b=b.values[0]: fgd_fast.FGD(groups, lr=0.1, backend=b), marks=b.marks, id=f"FGD-{b.id}")
-    for b in backend_params(("reference", "torch", "triton"))
+    for b in backend_params(("reference", "torch", "triton"), "cpu")
 ] + [
     pytest.param(lambda groups: CayleySGD(groups, lr=0.1), id="CayleySGD"),
     pytest.param(lambda groups: LandingSGD(groups, lr=0.1), id="LandingSGD"),
@@ -115,7 +115,7 @@ STATE_EDITS = {  # what a hand edit or a checkpoint whose entries were one tenso
 }
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton"), "cpu"))
 @pytest.mark.parametrize("edit", list(STATE_EDITS))
 def test_state_sharing_memory_is_refused_before_any_write(edit, backend):
     ps, opt = _stepped(backend)
