@@ -212,6 +212,11 @@ MUTANTS = {
         "a parameter whose entries share memory (expand()) accepted: the step fails after other writes",
         [f"{BAD}::test_a_parameter_whose_entries_share_memory_is_refused_when_added"],
     ),
+    "update_kernel_snapshot_without_barrier": (
+        "the CUDA-core update kernel reading its θ snapshot with no barrier after storing it (a race between "
+        "the threads of a program, on a GPU only)",
+        [f"{ORDER}::test_no_program_touches_what_another_program_of_its_launch_stores[cuda-cores-float32-phi]"],
+    ),
     "shared_memory_unchecked": (
         "parameters or state sharing memory accepted (two Parameters of one tensor, a buffer of two layers)",
         [
@@ -405,6 +410,11 @@ KERNEL_EDITS = {
         "fgd_step",
         "slab = scratch_ptr + pid.to(tl.int64) * BR * P_MAX",
         "slab = scratch_ptr",
+    ),
+    "update_kernel_snapshot_without_barrier": (
+        "fgd_step",
+        "cols[None, :], t, mask=m)\n            tl.debug_barrier()\n",
+        "cols[None, :], t, mask=m)\n",
     ),
     "update_kernel_reads_beta_phi_at_zero": (
         "tc_step",

@@ -12,12 +12,17 @@ tools here, both for Triton 3.6 and 3.8:
 * :func:`watch_programs` records which memory each program of a launch loads and stores
   (through the interpreter's masked load and store, byte by byte) and lists, per launch,
   the memory one program stores and another program loads or stores: a race on a GPU however
-  the programs are ordered or interleaved, shared slabs included.
+  the programs are ordered or interleaved, shared slabs included; and the memory a program
+  loads after storing it with no ``tl.debug_barrier()`` between (on a GPU the threads that
+  load a tile need not be those that stored it: a race between the threads of one program).
 
 Both wrap the interpreter's builder: it calls ``set_grid_dim(nx, ny, nz)`` once per launch,
-then ``set_grid_idx(x, y, z)`` before each program, and ``create_masked_load`` /
-``create_masked_store`` for every ``tl.load`` / ``tl.store``. Races between the threads of one
-program (a missing barrier) stay out of reach.
+then ``set_grid_idx(x, y, z)`` before each program, ``create_masked_load`` /
+``create_masked_store`` for every ``tl.load`` / ``tl.store`` and ``create_barrier`` for
+``tl.debug_barrier()``. A program's load of what it stored is flagged even where the same
+threads would do both (a conservative check); a store over what the program loaded before its
+last barrier (write after read) is not checked: an in-place update loads and stores each
+element in one thread.
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ import numpy as np
 
 
 @contextlib.contextmanager
-def _wrapped(on_dim=None, on_idx=None, on_access=None, on_end=None):
+def _wrapped(on_dim=None, on_idx=None, on_access=None, on_end=None, on_barrier=None):
     """Patch the interpreter for the ``with`` block; the callbacks see the launch's kernel name."""
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
     executor = interpreter.GridExecutor
     real_call = executor.__call__
-    names = ("set_grid_dim", "set_grid_idx", "create_masked_load", "create_masked_store")
+    names = ("set_grid_dim", "set_grid_idx", "create_masked_load", "create_masked_store", "create_barrier")
     real = {k: getattr(builder, k) for k in names}
     launch = {"name": None}
 
@@ -68,9 +73,15 @@ def _wrapped(on_dim=None, on_idx=None, on_access=None, on_end=None):
             on_access("store", ptrs, mask)
         return real["create_masked_store"](ptrs, value, mask, *args)
 
+    def barrier():
+        if on_barrier:
+            on_barrier()
+        return real["create_barrier"]()
+
     executor.__call__ = call
     builder.set_grid_dim, builder.set_grid_idx = set_grid_dim, set_grid_idx
     builder.create_masked_load, builder.create_masked_store = load, store
+    builder.create_barrier = barrier
     try:
         yield builder
     finally:
@@ -103,7 +114,8 @@ def programs_in_order(order: str, seed: int = 0):
 
 
 class Race(NamedTuple):
-    """Memory one program of a launch stores and another loads (``"store/load"``) or stores."""
+    """Memory one program of a launch stores and another loads (``"store/load"``) or stores
+    (``"store/store"``), or one program loads after storing it, no barrier between."""
 
     kernel: str
     kind: str
@@ -121,17 +133,21 @@ def watch_programs():
     """Record every interpreted launch's loads and stores per program for the ``with`` block;
     yields a :class:`Watch` whose ``races`` fill in as launches end."""
     watch = Watch([], Counter())
-    acc = {"grid": (1, 1, 1), "pid": 0, "loads": [], "stores": []}
+    acc = {"grid": (1, 1, 1), "pid": 0, "loads": [], "stores": [], "dirty": set(), "own": Counter()}
 
     def on_dim(name, grid):
-        acc.update(grid=grid, pid=0, loads=[], stores=[])
+        acc.update(grid=grid, pid=0, loads=[], stores=[], dirty=set(), own=Counter())
         if int(np.prod(grid)) > 1:
             watch.launches[name] += 1
 
     def on_idx(idx):
         _, ny, nz = acc["grid"]
         acc["pid"] = (idx[0] * ny + idx[1]) * nz + idx[2]
+        acc["dirty"] = set()  # (what this program stored since its last barrier)
         return idx
+
+    def on_barrier():
+        acc["dirty"] = set()
 
     def on_access(kind, ptrs, mask):
         addr = np.asarray(ptrs.data, dtype=np.uint64).ravel()[np.asarray(mask.data, dtype=bool).ravel()]
@@ -141,8 +157,17 @@ def watch_programs():
         units = addr[:, None] + np.arange(width, dtype=np.uint64)[None, :]
         units = np.unique(units.ravel())
         acc["loads" if kind == "load" else "stores"].append((units, np.full(units.size, acc["pid"], np.int64)))
+        if kind == "store":
+            acc["dirty"].update(units.tolist())
+        elif acc["dirty"]:
+            again = acc["dirty"].intersection(units.tolist())
+            if again:
+                acc["own"][acc["pid"]] += len(again)
 
     def on_end(name):
+        if acc["own"]:
+            pid = acc["own"].most_common(1)[0][0]
+            watch.races.append(Race(name, "own store/load, no barrier", sum(acc["own"].values()), (pid, pid)))
         if not acc["stores"] or int(np.prod(acc["grid"])) < 2:
             return
         stored = _pairs(acc["stores"])  # unique (unit, program) of the stores, sorted by unit
@@ -166,7 +191,7 @@ def watch_programs():
             writer = int(p[first[k]]) if p[first[k]] != lp[k] else int(p[first[k] + 1])
             watch.races.append(Race(name, "store/load", int(np.unique(lu[bad]).size), (writer, int(lp[k]))))
 
-    with _wrapped(on_dim=on_dim, on_idx=on_idx, on_access=on_access, on_end=on_end):
+    with _wrapped(on_dim=on_dim, on_idx=on_idx, on_access=on_access, on_end=on_end, on_barrier=on_barrier):
         yield watch
 
 

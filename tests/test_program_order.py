@@ -7,7 +7,8 @@ tools of :mod:`program_order` — with more programs than the interpreter's defa
 pass split over n — for both kernel sets (tensor cores; CUDA cores in float32 and float64),
 with and without Φ, the fused and the torch-ops middle, the step guard binding on one layer:
 
-* no program loads or stores memory another program of its launch stores;
+* no program loads or stores memory another program of its launch stores, and none loads what
+  it stored itself without a barrier between;
 * the programs run in reverse and in shuffled orders give the parameters and momentum buffers
   bit for bit.
 
@@ -122,9 +123,18 @@ def _toy_kernels():
         r = tl.arange(0, 4)
         slab = scratch_ptr + k * 4 if PRIVATE else scratch_ptr
         tl.store(slab + r, tl.load(x_ptr + k * 4 + r))
+        tl.debug_barrier()
         tl.store(out_ptr + k * 4 + r, 2.0 * tl.load(slab + r))
 
-    return chain, slab_copy
+    @triton.jit
+    def transpose_through(x_ptr, out_ptr, scratch_ptr, BARRIER: tl.constexpr):  # out = xᵀ through scratch
+        r = tl.arange(0, 4)
+        tl.store(scratch_ptr + r[:, None] * 4 + r[None, :], tl.load(x_ptr + r[:, None] * 4 + r[None, :]))
+        if BARRIER:
+            tl.debug_barrier()
+        tl.store(out_ptr + r[:, None] * 4 + r[None, :], tl.load(scratch_ptr + r[None, :] * 4 + r[:, None]))
+
+    return chain, slab_copy, transpose_through
 
 
 def test_the_tools_find_a_race_between_programs_and_nothing_else():
@@ -132,7 +142,7 @@ def test_the_tools_find_a_race_between_programs_and_nothing_else():
     order, and the watch names it; a scratch slab shared by the programs is a race the order
     cannot show (each program runs whole) and the watch finds; a private slab per program is
     none. Every program runs once, whatever the order."""
-    chain, slab_copy = _toy_kernels()
+    chain, slab_copy, _ = _toy_kernels()
     natural = torch.zeros(8)
     chain[(8,)](natural)
     assert natural.tolist() == [float(k + 1) for k in range(8)]
@@ -178,3 +188,17 @@ def test_no_race_where_the_guard_resets_a_layer(precision, many_programs):
     assert opt.guard_stats()[2] == {"scaled": 0, "reset": 1}
     assert all(torch.isfinite(p).all() for p in params)
     assert watch.races == [] and "guard_blend_kernel" in watch.launches
+
+
+def test_the_watch_finds_a_program_reading_what_it_stored_without_a_barrier():
+    """A program that stores a tile and loads it back transposed (on a GPU, other threads than
+    those that stored each entry) needs ``tl.debug_barrier()`` between: without it the watch
+    names the launch, with it not."""
+    *_, transpose_through = _toy_kernels()
+    x = torch.arange(16.0)
+    for barrier in (True, False):
+        out, scratch = torch.zeros(16), torch.zeros(16)
+        with watch_programs() as watch:
+            transpose_through[(1,)](x, out, scratch, BARRIER=barrier)
+        assert torch.equal(out.view(4, 4), x.view(4, 4).t())  # (the interpreter computes it either way)
+        assert [r.kind for r in watch.races] == ([] if barrier else ["own store/load, no barrier"])
