@@ -387,23 +387,28 @@ class StiefelOptimizer(Optimizer):
     def _keyed(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, str | int]]:
         """``(group, param, key)`` for every parameter, in ``state_dict`` order. The key of a
         parameter in a group with ``names`` / ``param_names`` is its name: the one
-        ``stiefel_param_groups`` recorded for the tensor (right even when
-        ``ZeroRedundancyOptimizer`` gave this rank a reordered subset of the group), else the
+        ``stiefel_param_groups`` recorded for the tensor where the group lists it (right even
+        when ``ZeroRedundancyOptimizer`` gave this rank a reordered subset of the group), else the
         list's entry when the list lines up with ``params``; otherwise its flat index — as the
         string ``"#i"`` when any group has names, so that the keys are of one type (also after
         ``add_param_group``), else the int ``i`` that ``state_dict`` uses."""
         named = any(g.get("param_names") or g.get("names") for g in self.param_groups)
         flat = 0
+        compiling = torch.compiler.is_compiling()
         for group in self.param_groups:
             names = group.get("param_names") or group.get("names")
+            listed_names = set(names) if names and not compiling else ()
             for j, p in enumerate(group["params"]):
                 index = f"#{flat}" if named else flat
                 if not names:
                     key = index
                 else:
                     listed = names[j] if len(names) == len(group["params"]) else index
-                    # (Dynamo cannot trace the WeakIdKeyDictionary; a compiled step labels by the list)
-                    key = listed if torch.compiler.is_compiling() else _names.get(p, listed)
+                    # (Dynamo cannot trace the WeakIdKeyDictionary; a compiled step labels by the list.) The
+                    # recorded name where the group lists it (a ZeRO rank's reordered subset), else the list's:
+                    # a later stiefel_param_groups call on a model holding this one renames no key of this one
+                    remembered = None if compiling else _names.get(p)
+                    key = remembered if remembered in listed_names else listed
                 yield group, p, key
                 flat += 1
 

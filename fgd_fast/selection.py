@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._stiefel_optimizer import remember_names
 from .manifold import check_materialised, orthogonalize_
-from .validation import check_orthogonal_params, user_stacklevel
+from .validation import check_bool, check_orthogonal_params, is_numpy_bool, user_stacklevel
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
@@ -21,7 +22,16 @@ RULES = ("paper", "official", "all")
 
 
 def _conv2d_weights(model: nn.Module) -> set[int]:
-    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight is not None}
+    """The plain ``nn.Conv2d`` weights (read from the module's parameters: ``m.weight`` of a
+    parametrized one would run its parametrization, e.g. spectral norm's power iteration)."""
+    weights = (m._parameters.get("weight") for m in model.modules() if isinstance(m, nn.Conv2d))
+    return {id(w) for w in weights if w is not None}
+
+
+def _parametrized_convs(model: nn.Module) -> list[str]:
+    """Names of the ``nn.Conv2d`` modules whose weight is a parametrization's output."""
+    convs = ((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
+    return [n for n, m in convs if parametrize.is_parametrized(m, "weight")]
 
 
 def _paper(p: torch.Tensor) -> bool:
@@ -45,30 +55,50 @@ def select_stiefel(
     * ``"official"`` (the authors' code): ``nn.Conv2d`` weights with ``c_o <= c_i``, ``k1 > 1``;
     * ``"all"``: every parameter with at least 2 dims — the classifier head and embeddings
       included, whose rows then cannot grow to scale the logits; that can cost accuracy, so
-      leave them out with ``exclude``;
-    * a callable ``rule(name, param) -> bool``.
+      leave them out with ``exclude``; so are other ≥ 2-D tensors that are no weight matrix:
+      a class token or positional embedding, ``nn.MultiheadAttention``'s ``bias_k``/``bias_v``,
+      a weight norm's magnitude (all projected to unit norm): leave them out with ``exclude``
+      too, or pass a callable;
+    * a callable ``rule(name, param) -> bool`` (a numpy bool is a bool).
+
+    ``"paper"`` and ``"official"`` skip a parametrized ``nn.Conv2d`` (weight or spectral norm:
+    its trainable tensors are not the weight), with a warning.
 
     ``exclude``: parameter or module names left unconstrained (``"fc"`` leaves out ``fc.weight``;
-    a name matches itself and everything below it); a name that matches nothing in the model
-    (a typo would silently constrain the weight it meant to leave out) raises ``ValueError``.
+    a name matches itself and everything below it; a tied weight is left out by any of its
+    names); a name that matches nothing in the model (a typo would silently constrain the weight
+    it meant to leave out) raises ``ValueError``.
     """
+    if exclude is None or not isinstance(exclude, (str, Iterable)):
+        raise TypeError(f"exclude= takes parameter or module names, got {exclude!r}; pass () to leave none out")
     exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
     _check_excluded(model, exclude)
     chosen = _select(model, rule)
-    return [(n, p) for n, p in chosen if not any(n == e or n.startswith(e + ".") for e in exclude)]
+    aliases: dict[int, list[str]] = {}  # every name of a tensor (a tied head's too: named_parameters drops it)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+
+    def left_out(p: torch.Tensor) -> bool:
+        return any(n == e or n.startswith(e + ".") for n in aliases.get(id(p), ()) for e in exclude)
+
+    return [(n, p) for n, p in chosen if not left_out(p)]
 
 
 def _check_excluded(model: nn.Module, exclude: tuple[str, ...]) -> None:
     """Every ``exclude`` name must be a parameter's or a module's name (or a prefix of one)."""
     if not exclude:
         return
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules() if n]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_modules(remove_duplicate=False) if n]
     for e in exclude:
         if not isinstance(e, str):
             raise TypeError(f"exclude= takes parameter or module names (str), got {type(e).__name__}: {e!r}")
         if not any(n == e or n.startswith(e + ".") for n in names):
-            near = difflib.get_close_matches(e, names, n=3)
+            wrapped = [f"{w}.{e}" for w in ("module", "_orig_mod") if any(n.startswith(f"{w}.{e}") for n in names)]
+            near = wrapped or difflib.get_close_matches(e, names, n=3)
             hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else " (see model.named_parameters())"
+            if wrapped:
+                hint += " (a wrapped model's names start with its wrapper's prefix: DataParallel, torch.compile)"
             raise ValueError(f"exclude={e!r} matches no parameter or module of the model{hint}")
 
 
@@ -77,6 +107,8 @@ def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
         chosen = []
         for name, p in model.named_parameters():
             verdict = rule(name, p)
+            if is_numpy_bool(verdict):  # (a bool, as for flags)
+                verdict = bool(verdict)
             if not isinstance(verdict, bool):
                 raise TypeError(
                     f"rule({name!r}, param) must return a bool, got {type(verdict).__name__}; wrap it in bool(...)"
@@ -91,6 +123,16 @@ def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
     if rule == "all":
         return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
     convs = _conv2d_weights(model)
+    skipped = _parametrized_convs(model)
+    if skipped:
+        warnings.warn(
+            f"select_stiefel: rule={rule!r} leaves out the parametrized nn.Conv2d weight(s) of "
+            f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} (weight or spectral norm: the trainable "
+            "tensors are not the weight, so no constraint on them makes it orthonormal); remove the "
+            "parametrization to constrain them",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     test = _paper if rule == "paper" else _official
     return [(n, p) for n, p in model.named_parameters() if id(p) in convs and p.dim() == 4 and test(p)]
 
@@ -113,6 +155,7 @@ def stiefel_param_groups(
     ``ZeroRedundancyOptimizer`` each rank's optimizer gets a subset of every group; FGD
     still names each parameter correctly (it remembers the tensors' names).
     """
+    orthogonalize = check_bool("orthogonalize", orthogonalize)
     chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
     if not chosen:  # (FGD then is plain SGD: say so, a rule meant for convolutions on an MLP does this)
         what = "nn.Conv2d weights with k > 1" if rule in ("paper", "official") else "weights"

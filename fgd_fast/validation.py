@@ -61,7 +61,7 @@ def check_real(name: str, value: Any) -> float:
                 f"on {value.device}; pass a Python float"
             )
         value = value.item()
-    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name} must be a real number (int, float or a numpy scalar), got {type(value).__name__}: {value!r}"
         )
@@ -174,7 +174,7 @@ def check_keys(group: dict, names: Iterable[str], what: str = "parameter group")
         )
 
 
-def _is_numpy_bool(value: Any) -> bool:
+def is_numpy_bool(value: Any) -> bool:
     """Whether ``value`` is numpy's bool (``numpy.bool_``, named ``bool`` from numpy 2 on),
     without importing numpy."""
     kind = type(value)
@@ -182,7 +182,7 @@ def _is_numpy_bool(value: Any) -> bool:
 
 
 def check_bool(name: str, value: Any) -> bool:
-    if _is_numpy_bool(value):  # (as torch.optim takes it)
+    if is_numpy_bool(value):  # (as torch.optim takes it)
         value = bool(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")

@@ -739,6 +739,28 @@ def test_adapters_refuse_before_parametrizing_anything():
     assert not parametrize.is_parametrized(net[0], "weight") and torch.equal(net[0].weight, before)
 
 
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(orthogonal_map="bogus"), "unknown orthogonal_map='bogus'"),
+        (dict(dampening=2.0), "dampening"),
+        (dict(dampening=float("nan")), "dampening must be finite"),
+        (dict(orthogonalize=None), "orthogonalize must be True or False"),
+    ],
+)
+def test_adapters_refuse_bad_options_before_changing_the_model(bad, match):
+    """A review: torch's ``orthogonal`` refused an unknown map after the first weight was replaced by
+    its θ (the model's forward then failed), and a dampening of 2 or NaN was taken (NaN weights)."""
+    from torch.nn.utils import parametrize
+
+    net = _adapter_net()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch_orthogonal_sgd(net, "all", lr=0.1, **bad)
+    assert not any(parametrize.is_parametrized(m) for m in net.modules())
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+
+
 def test_package_imports_without_geoopt():
     code = (
         "import sys; sys.modules['geoopt'] = None\n"

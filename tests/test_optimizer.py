@@ -321,6 +321,63 @@ def test_an_exclude_name_that_matches_nothing_is_refused_with_the_near_names():
         fgd_fast.select_stiefel(net, "all", exclude=["bod"])
 
 
+def test_a_tied_head_is_left_out_by_any_of_its_names_and_a_wrapped_models_prefix_is_hinted():
+    """A review: with the output head tied to the embedding, ``exclude=["head"]`` was accepted and
+    left the shared tensor constrained (``named_parameters`` names it by the embedding only), and
+    ``exclude=["head.weight"]`` was refused as no parameter; a wrapped model's ``exclude=["fc"]``
+    was refused with no word of its ``_orig_mod.`` / ``module.`` prefix."""
+    net = torch.nn.Sequential()
+    net.add_module("emb", torch.nn.Linear(8, 6, bias=False))
+    net.add_module("body", torch.nn.Linear(6, 6))
+    net.add_module("head", torch.nn.Linear(6, 8, bias=False))
+    net.head.weight = net.emb.weight = torch.nn.Parameter(torch.randn(8, 6))  # (weights of one shape, tied)
+    for exclude in (["head"], ["head.weight"], ["emb"]):
+        assert [n for n, _ in fgd_fast.select_stiefel(net, "all", exclude=exclude)] == ["body.weight"], exclude
+    wrapped = torch.nn.Sequential()
+    wrapped.add_module("module", net)
+    with pytest.raises(ValueError, match=r"did you mean 'module.body'\? \(a wrapped model's names start"):
+        fgd_fast.select_stiefel(wrapped, "all", exclude=["body"])
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=r"exclude= takes parameter or module names.*pass \(\)"):
+            fgd_fast.select_stiefel(net, "all", exclude=bad)
+
+
+def test_paper_rules_warn_of_a_parametrized_convolution_without_running_its_parametrization():
+    """A review: a 3 × 3 convolution under weight or spectral norm was skipped by ``"paper"`` without a
+    word, and reading ``m.weight`` ran spectral norm's power iteration (its ``_u`` moved)."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    net = torch.nn.Sequential(
+        weight_norm(torch.nn.Conv2d(4, 8, 3)), spectral_norm(torch.nn.Conv2d(8, 8, 3)), torch.nn.Conv2d(8, 8, 3)
+    )
+    u = net[1].parametrizations.weight[0]._u.clone()
+    with pytest.warns(UserWarning, match=r"leaves out the parametrized nn.Conv2d weight\(s\) of 0, 1"):
+        assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["2.weight"]
+    assert torch.equal(net[1].parametrizations.weight[0]._u, u)
+
+
+def test_stiefel_param_groups_checks_its_flags_and_takes_a_numpy_bool_from_a_rule():
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    before = net[0].weight.detach().clone()
+    with pytest.raises(TypeError, match="orthogonalize must be True or False, got NoneType"):
+        fgd_fast.stiefel_param_groups(net, orthogonalize=None)  # (None skipped the projection silently)
+    assert torch.equal(net[0].weight, before)
+    chosen = fgd_fast.select_stiefel(net, lambda name, p: np.bool_(name == "1.weight"))
+    assert [n for n, _ in chosen] == ["1.weight"]
+
+
+def test_keys_follow_the_groups_names_after_a_later_call_on_a_larger_model():
+    """A review: the names stiefel_param_groups records are process-wide; a later call on a model
+    holding this one's layers renamed this optimizer's orthogonality() keys ('0.weight' became
+    '0.0.weight'), and a hand-named group was reported by the recorded name."""
+    inner = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(inner), lr=0.01)
+    fgd_fast.stiefel_param_groups(torch.nn.Sequential(inner), orthogonalize=False)  # records '0.0.weight', …
+    assert list(opt.orthogonality()) == ["0.weight", "1.weight"]
+    own = fgd_fast.FGD([dict(params=[inner[0].weight], names=["my_conv"], orthogonal=True)], lr=0.01)
+    assert list(own.orthogonality()) == ["my_conv"]
+
+
 def test_rules_take_conv2d_weights_and_a_callable_rule_answers_a_bool():
     """``"paper"`` and ``"official"`` take ``nn.Conv2d`` weights only (a ``ConvTranspose2d``'s
     4-D weight is laid out (c_i, c_o, k, k): not a bank of filters as rows); a callable rule's

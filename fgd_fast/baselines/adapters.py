@@ -31,9 +31,19 @@ from torch.nn.utils import parametrize
 from .._matrix import as_stiefel, from_stiefel, stiefel_shape
 from ..manifold import orthogonalize_
 from ..selection import Rule, select_stiefel
-from ..validation import check_bool, check_nesterov, check_nonnegative, check_unit_interval
+from ..validation import (
+    check_bool,
+    check_choice,
+    check_closed_unit_interval,
+    check_nesterov,
+    check_nonnegative,
+    check_unit_interval,
+)
 
 __all__ = ["StiefelView", "geoopt_stiefel_sgd", "torch_orthogonal_sgd"]
+
+#: ``torch.nn.utils.parametrizations.orthogonal``'s maps
+ORTHOGONAL_MAPS = ("matrix_exp", "cayley", "householder")
 
 
 class StiefelView(nn.Module):
@@ -114,6 +124,7 @@ def _sgd_options(lr, momentum, weight_decay, nesterov, dampening) -> dict[str, A
     """The validated SGD keyword arguments both adapters pass on (weight decay goes per group)."""
     check_nonnegative("lr", lr)
     check_unit_interval("momentum", momentum, "e.g. 0.9")
+    check_closed_unit_interval("dampening", dampening, "0 for none")
     check_nonnegative("weight_decay", weight_decay)
     check_nesterov(nesterov, momentum, dampening)
     return dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov)
@@ -141,6 +152,7 @@ def geoopt_stiefel_sgd(
     """
     sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
     check_bool("canonical", canonical)
+    check_bool("orthogonalize", orthogonalize)
     geoopt = _require_geoopt()
     manifold = geoopt.CanonicalStiefel() if canonical else geoopt.EuclideanStiefel()
 
@@ -168,6 +180,9 @@ def torch_orthogonal_sgd(
     weights ``rule`` selects (``orthogonal_map`` is torch's: ``None`` picks ``"matrix_exp"``
     for square ``θ``, else ``"householder"``). Modifies ``model`` in place."""
     sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
+    check_bool("orthogonalize", orthogonalize)
+    if orthogonal_map is not None:  # (torch checks it inside, after the first weight was replaced)
+        check_choice("orthogonal_map", orthogonal_map, ORTHOGONAL_MAPS)
 
     def attach(module, attr, theta, shape):
         module.register_parameter(attr, nn.Parameter(theta))
