@@ -95,16 +95,25 @@ setup(
     description="Fast Feedback Gradient Descent (orthogonality-constrained training) for PyTorch",
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    author="fgd_fast developers",
     license="BSD-3-Clause",
     license_files=["LICENSE"],
     python_requires=">=3.10",
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels", "fgd_fast.csrc"],
     package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels", "fgd_fast.csrc": "csrc"},
     package_data={"fgd_fast.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "triton": ["triton>=3.0"],
-        "test": ["pytest", "pytest-benchmark"],
+        # 3.6 and 3.8 are the versions tested (3.0-3.3's interpreter cannot run the kernels)
+        "triton": ["triton>=3.6"],
+        # what the test suite uses (hypothesis: the guard's fuzz test; geoopt: a contender's tests)
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "geoopt"],
         # benchmarks/training/train.py: the digits data set, the figure, the progress bars
         "examples": ["scikit-learn", "matplotlib", "tqdm"],
     },

@@ -9,6 +9,15 @@ inverse or retraction. Quick start::
     opt = fgd_fast.FGD(groups, lr=0.2, momentum=0.9, feedback=0.4, weight_decay=5e-4)
 """
 
+import os as _os
+
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):  # (installed, the kernels are fgd_fast/kernels/)
+    # a source tree (a clone, an unpacked sdist) imported from its root, not through an editable install's
+    # finder: the Triton kernels lie beside the package, in kernels/, which setup.py maps in as fgd_fast.kernels
+    from ._source_tree import map_kernels_beside as _map
+
+    _map(__path__[0])
+
 from ._matrix import as_stiefel, stiefel_shape
 from ._version import __version__
 from .backends import BACKENDS, BackendUnavailable

@@ -97,8 +97,11 @@ def test_sdist_carries_the_cuda_sources_kernels_tests_licence_and_docs(dists):
         "tests/helpers.py",
         "tests/oracle.py",
         "tests/cuda_emulation/emu.h",
+        "benchmarks/__init__.py",  # (modules some tests import)
+        "benchmarks/opcount.py",
     }
     assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
+    assert not any(n.startswith("benchmarks/results/") for n in names)
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
 
 
@@ -153,3 +156,23 @@ def test_unpacked_wheel_finds_its_cuda_sources(dists, tmp_path):
     package_file, csrc, complete = out.stdout.split("\n")[:3]
     assert Path(package_file).is_relative_to(site), "the probe imported another fgd_fast"
     assert Path(csrc) == site / "fgd_fast" / "csrc" and complete == "True"
+
+
+def test_a_source_tree_imports_its_kernels_without_an_editable_install(tmp_path):
+    """A review: Python started in a source tree (a clone, an unpacked sdist) with fgd_fast installed
+    elsewhere imports the tree's ``fgd_fast/``, which has no ``kernels/`` (setup.py maps the
+    top-level folder in): ``fgd_fast.kernels`` was missing, and the sdist's own tests failed on it.
+    Here the tree is imported with no site processing (so no editable install's finder), torch
+    from its folder: ``fgd_fast.kernels`` is the tree's ``kernels/``."""
+    import torch
+
+    site = Path(torch.__file__).resolve().parent.parent
+    code = (
+        "import sys, fgd_fast, fgd_fast.kernels.meta as m; "
+        "assert not any('editable' in type(f).__name__.lower() for f in sys.meta_path), sys.meta_path; "
+        "print(m.__file__)"
+    )
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"} | {"PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert Path(out.stdout.strip()) == ROOT / "kernels" / "meta.py"
