@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ._compile import eager
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 from .collectives import fold_float64, full_values, is_dtensor, summing_over, unfold_float64
@@ -222,7 +223,7 @@ def moved_to_owners(summable: list, owned: list, ranks: int) -> tuple[int, ...]:
     return _chosen[key]
 
 
-@torch.compiler.disable  # DTensor shards and collectives run eagerly under torch.compile (a graph break)
+@eager  # DTensor shards and collectives run eagerly under torch.compile (a graph break)
 def prepare_dtensors(
     resolve,
     idx,
@@ -408,7 +409,7 @@ def _writing_back(plan: StepPlan, params, full_params, bufs, full_bufs) -> StepP
     )
 
 
-@torch.compiler.disable
+@eager
 def agree_across_ranks(settings: dict[str, object], device: torch.device, mesh=None) -> None:
     """Raise the same ``ValueError`` on every rank (of ``mesh``, default all) when the ranks'
     ``settings`` differ.

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
+from ._compile import eager
 from .backends import Backend, BackendUnavailable, checked_precision, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
@@ -133,7 +134,7 @@ def zero_momentum(p: torch.Tensor) -> torch.Tensor:
         return _zero_dtensor(p, cdt) if is_dtensor(p) else torch.zeros(p.shape, dtype=cdt, device=p.device)
 
 
-@torch.compiler.disable  # traced, zeros_like gave an uneven shard the even shards' local shape
+@eager  # traced, zeros_like gave an uneven shard the even shards' local shape
 def _zero_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(p, dtype=dtype)
 
@@ -520,7 +521,7 @@ def _agree_mesh_by_mesh(settings_on, meshes: list, mesh_device: dict) -> ValueEr
     return disagreed
 
 
-@torch.compiler.disable
+@eager
 def _in_rank_independent_order(meshes: list) -> list:
     """The device meshes in one order on every rank, the smaller first (by their ranks): the ranks'
     agreements on them are collectives, which every rank must call in the same order, and a

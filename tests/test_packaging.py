@@ -176,3 +176,13 @@ def test_a_source_tree_imports_its_kernels_without_an_editable_install(tmp_path)
     out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert Path(out.stdout.strip()) == ROOT / "kernels" / "meta.py"
+
+
+def test_importing_the_package_imports_neither_dynamo_nor_triton():
+    """A review: module-level ``torch.compiler.disable`` marks imported ``torch._dynamo`` (and Triton
+    with it) with the package, about a second more than torch alone; they are applied at the
+    marked functions' first call now (``fgd_fast._compile.eager``)."""
+    code = "import sys, fgd_fast; print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
