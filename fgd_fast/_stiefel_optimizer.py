@@ -156,7 +156,8 @@ def _plain(value: Any) -> Any:
     """A numpy scalar as the Python number it holds (in a tuple or list, each one); else as is."""
     if isinstance(value, (tuple, list)):
         return type(value)(_plain(v) for v in value)
-    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
+    scalar = type(value).__module__ == "numpy" and getattr(value, "shape", None) == ()  # (not a user's array)
+    return value.item() if scalar else value
 
 
 def _under_autocast(closure: Callable[[], float], devices) -> float:
