@@ -260,11 +260,11 @@ class FGD(StiefelOptimizer):
     @step_outside_autocast
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step; nothing changes if it raises."""
-        loss = self._run_closure(closure)
         # orthogonal DTensors without a gradient on this rank: their meshes join the ranks' agreement (a
         # rank that skipped it, its layers' gradients all None, left the others waiting there)
         idle: list[torch.Tensor] = []
-        try:
+        try:  # (a hyper-parameter refused on one rank only, a scheduler's, also joins the ranks' agreement)
+            loss = self._run_closure(closure)
             orth, eucl, resting = self._collect(idle)  # (raises on a parameter listed twice, in any groups)
         except Exception as error:
             self._raise_with_the_ranks(error)
@@ -521,8 +521,15 @@ class FGD(StiefelOptimizer):
         """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per optimizer) of
         a feedback outside :data:`FEEDBACK_RANGE` and of options this group sets itself that
         do nothing for orthogonal parameters (nesterov, dampening, weight_decay: FGD's update
-        has no such terms); options inherited from the optimizer-wide defaults stay silent."""
-        own = {k: param_group[k] for k in ("nesterov", "dampening", "weight_decay") if k in param_group}
+        has no such terms); options inherited from the optimizer-wide defaults stay silent, and so
+        do values equal to them (``ZeroRedundancyOptimizer`` copies its keyword arguments into
+        every group it hands its optimizer)."""
+        defaults = getattr(self, "defaults", {})
+        own = {
+            k: param_group[k]
+            for k in ("nesterov", "dampening", "weight_decay")
+            if k in param_group and not (k in defaults and param_group[k] == defaults[k])
+        }
         super().add_param_group(param_group)  # (fills the defaults into param_group)
         group = self.param_groups[-1]
         if not group["orthogonal"]:

@@ -806,7 +806,10 @@ def fsdp_buffer_unfit_on_one_rank(rank, world, out, *, what="buffer"):
     hand there), an orthogonal one's (``what="buffer"``: refused in ``fgd()``) or a plain bias's
     (``"plain"``: refused by ``FGD.step`` itself), was refused on that rank before the ranks'
     first collective, and the other ranks waited in it. The rank joins the agreement with its
-    error: every rank raises, none writes."""
+    error: every rank raises, none writes. A review: a hyper-parameter refused on one rank only
+    (``what="lr"``: the orthogonal group's lr negative, ``"plain_weight_decay"``: the plain
+    group's weight decay negative), checked before the step's collection, left the others waiting
+    in the agreement too (a deadlock in a loop that logs the error and goes on)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.manual_seed(0)
@@ -822,7 +825,11 @@ def fsdp_buffer_unfit_on_one_rank(rank, world, out, *, what="buffer"):
         bias.grad = torch.full_like(bias, 0.01)
         if step == 0:
             opt.step()
-    if rank == world - 1:
+    if rank == world - 1 and what == "lr":
+        opt.param_groups[0]["lr"] = -0.1
+    elif rank == world - 1 and what == "plain_weight_decay":
+        opt.param_groups[1]["weight_decay"] = -1.0
+    elif rank == world - 1:
         unfit = w if what == "buffer" else bias
         opt.state[unfit]["momentum_buffer"] = opt.state[unfit]["momentum_buffer"].float()
     before = w.to_local().clone()

@@ -603,14 +603,16 @@ def test_a_nan_in_a_strided_shard_at_the_first_step_does_not_cost_the_owner_path
         assert res["orth"] < 1e-3
 
 
-@pytest.mark.parametrize("what", ["buffer", "plain"])
+@pytest.mark.parametrize("what", ["buffer", "plain", "lr", "plain_weight_decay"])
 def test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank(what):
     """A diff review: an orthogonal layer's momentum buffer (refused in ``fgd()``) or a plain
     bias's (refused by ``FGD.step`` itself) that does not fit on one rank only left the others
-    waiting in the ranks' first collective; the refusing rank joins the agreement with its error."""
+    waiting in the ranks' first collective; the refusing rank joins the agreement with its error.
+    So does a hyper-parameter refused on one rank only (a review: it was checked before)."""
     results = run(2, "fsdp_buffer_unfit_on_one_rank", what=what)
     assert all(r["message"] is not None and r["unchanged"] for r in results), results
-    assert "momentum_buffer is" in results[-1]["message"], results
+    own = {"lr": "invalid lr=-0.1", "plain_weight_decay": "invalid weight_decay=-1.0"}.get(what, "momentum_buffer is")
+    assert own in results[-1]["message"], results
     assert "could not be prepared" in results[0]["message"], results
 
 

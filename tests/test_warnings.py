@@ -49,6 +49,20 @@ def test_an_option_that_does_nothing_on_an_orthogonal_group_warns_once():
         opt.add_param_group(again)  # once per optimizer and option
 
 
+def test_a_group_holding_the_optimizer_wide_values_is_silent():
+    """A review: ``ZeroRedundancyOptimizer(optimizer_class=FGD, weight_decay=5e-4)`` copies its
+    keyword arguments into every group it hands FGD, which warned on every rank that the
+    orthogonal group's weight_decay does nothing; a value equal to the optimizer-wide one is the
+    inherited one. Another value still warns."""
+    group, _ = _group(weight_decay=5e-4, nesterov=False, dampening=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fgd_fast.FGD([group], lr=0.1, weight_decay=5e-4)
+    other, _ = _group(weight_decay=1e-3)
+    with pytest.warns(UserWarning, match="weight_decay=0.001 set on an orthogonal"):
+        fgd_fast.FGD([other], lr=0.1, weight_decay=5e-4)
+
+
 def test_readme_quick_start_is_silent():
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
     with warnings.catch_warnings():
