@@ -839,3 +839,67 @@ def test_the_functional_step_inside_autocast_is_the_step_outside_it():
         fgd_fast.fgd(ws, grads, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend="torch")
     fgd_fast.fgd(twins, grads, [None, None], lr=0.1, momentum=0.9, feedback=0.4, backend="torch")
     assert all(torch.equal(a, b) for a, b in zip(ws, twins))
+
+
+_SWITCHES = ("", "cuda.matmul", "mkldnn", "mkldnn.matmul", "cudnn", "cudnn.conv")  # torch.backends.<…>.fp32_precision
+
+
+def _switch_objects():
+    out = []
+    for path in _SWITCHES:
+        obj = torch.backends
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part)
+        if hasattr(obj, "fp32_precision"):
+            out.append(obj)
+    return out
+
+
+@pytest.fixture
+def torch_precision_switches():
+    """torch's fp32 precision switches (the per-backend ones and the legacy ones) restored after."""
+    legacy = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved = [(obj, obj.fp32_precision) for obj in _switch_objects()]
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
+    for obj, value in saved:
+        obj.fp32_precision = value
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def _switch_states():  # (the legacy switches read the same state: reading them raises where both APIs were set)
+    return [obj.fp32_precision for obj in _switch_objects()]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "torch.backends.fp32_precision = 'tf32'",
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'",
+        "torch.backends.mkldnn.matmul.fp32_precision = 'bf16'",
+        "torch.backends.cuda.matmul.allow_tf32 = True",
+        "torch.set_float32_matmul_precision('high')",
+    ],
+)
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_torchs_precision_switches_neither_break_nor_change_the_step(setting, backend, torch_precision_switches):
+    """A review: with torch's per-backend precision switches set (``torch.backends.fp32_precision``
+    and the like, torch >= 2.9), ``torch.get_float32_matmul_precision()`` raises, and every step
+    raised with it (the step read and set the legacy switch); a step also left the per-backend
+    switches changed. The step computes as with torch's defaults (a CPU: IEEE fp32; oneDNN's bf16
+    switch included) and leaves every switch as it found it."""
+    gen = torch.Generator().manual_seed(0)
+    w = fgd_fast.orthogonalize_(torch.randn(20, 3, 3, 3, generator=gen))
+    g = 0.05 * torch.randn(w.shape, generator=gen)
+
+    def step():
+        p = torch.nn.Parameter(w.clone())
+        p.grad = g.clone()
+        fgd_fast.FGD([dict(params=[p], orthogonal=True)], lr=0.1, backend=backend).step()
+        return p.detach()
+
+    expected = step()
+    exec(setting)
+    before = _switch_states()
+    assert torch.equal(step(), expected)
+    assert _switch_states() == before

@@ -281,12 +281,28 @@ def fp32_matmuls(precision: str = "ieee"):
     if torch.compiler.is_compiling():
         yield
         return
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
+    # torch >= 2.9 has per-backend switches beside the legacy one; which API the caller used decides
+    # which one is set here (mixing them makes torch raise at a matmul), and both are restored as found:
+    # the legacy setter also writes the per-backend ones ("none": inherit), and a later legacy call
+    # found them mixed
+    switches = [s for s in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if hasattr(s, "fp32_precision")]
+    found = [(s, s.fp32_precision) for s in switches]
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # (the caller set the per-backend switches unlike the legacy one)
+        legacy = None
+    if legacy is not None:
+        torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
+    else:  # (cuBLAS at the step's precision, oneDNN on a CPU in IEEE fp32 at every precision)
+        torch.backends.cuda.matmul.fp32_precision = "ieee" if precision == "ieee" else "tf32"
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved)
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        for switch, value in found:
+            switch.fp32_precision = value
 
 
 def full_precision():
