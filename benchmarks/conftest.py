@@ -35,8 +35,11 @@ from fgd_fast.functional import backend_for
 def pytest_configure(config):
     # geoopt's import calls torch.jit.script, deprecated in this torch: noise, not a finding
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-    if os.environ.get("FGD_BENCH_THREADS"):
-        torch.set_num_threads(int(os.environ["FGD_BENCH_THREADS"]))
+    threads = os.environ.get("FGD_BENCH_THREADS")
+    if threads:
+        if not threads.isdigit() or int(threads) < 1:
+            raise pytest.UsageError(f"FGD_BENCH_THREADS={threads!r}: give a thread count >= 1 (1, or the core count)")
+        torch.set_num_threads(int(threads))
 
 
 def pytest_addoption(parser):

@@ -55,7 +55,10 @@ def load(path: str | Path) -> dict:
     if isinstance(data, dict) and "benchmarks" in data:
         session = data.get("fgd_bench") or {}
         cases = [{"stats": b.get("stats", {}), **b.get("extra_info", {})} for b in data["benchmarks"]]
-        return {"session": session, "cases": cases, "skips": session.get("skips", []), "source": Path(path).name}
+        whole = [c for c in cases if "workload" in c and "contender" in c]  # (an interrupted case has no record)
+        left = len(cases) - len(whole)
+        source = Path(path).name + (f" ({left} unfinished case(s) left out: an interrupted run)" if left else "")
+        return {"session": session, "cases": whole, "skips": session.get("skips", []), "source": source}
     session, cases, skips = {}, [], []
     for line in text.splitlines():
         if not line.strip():

@@ -59,7 +59,9 @@ out="${FGD_BENCH_OUT:-${out:-out/results}}"
 mkdir -p "$out"
 stem="$out/$device-$(date -u +%Y-%m-%d)${FGD_BENCH_SCALE:+-$FGD_BENCH_SCALE}"
 train_out="$stem-train-digits"
-rm -f "$stem.json" "$stem.jsonl" "$stem.md"
+rm -rf "$stem.json" "$stem.jsonl" "$stem.md" "$train_out"  # (an earlier run's, training folder included)
+# a run stopped before its end says so at the end of its report
+trap 'rc=$?; if [ "$rc" -ne 0 ] && [ -s "$stem.md" ]; then printf "\n**Interrupted or failed (exit %s): this report is partial.**\n" "$rc" >> "$stem.md"; fi' EXIT
 export PYTHONUNBUFFERED=1
 
 echo "== 1/2 optimizer-step benchmark (log: $stem.log)"
@@ -93,9 +95,11 @@ fi
 
 if [ "$interleaved" = 1 ]; then
   echo "== interleaved ratios (benchmarks/studies/step_ratio.py, appended to the report)"
+  contenders=(fgd-auto fgd-torch-carried cayley-sgd-lowrank cayley-adam-lowrank landing-sgd geoopt-qr sgd)
   python -m benchmarks.studies.step_ratio --markdown --threads "${FGD_BENCH_THREADS:-1}" \
-    --contenders fgd-auto fgd-torch-carried cayley-sgd-lowrank cayley-adam-lowrank landing-sgd geoopt-qr sgd \
-    >> "$stem.md"
+    --contenders "${contenders[@]}" >> "$stem.md"
+  printf '\n(as run: `python -m benchmarks.studies.step_ratio --markdown --threads %s --contenders %s`)\n' \
+    "${FGD_BENCH_THREADS:-1}" "${contenders[*]}" >> "$stem.md"
 fi
 
 if [ "$train" = 1 ]; then

@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the JSON-lines file results are appended to")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds for all cases (default 150)")
-    ap.add_argument("--cases", nargs="+", default=[c for c, _ in CASES])
+    ap.add_argument("--cases", nargs="+", default=[c for c, _ in CASES], choices=[c for c, _ in CASES])
     ap.add_argument("--measure", nargs="+", default=list(MEASUREMENTS), choices=MEASUREMENTS)
     ap.add_argument("--reps", type=int, default=30, help="timed steps per time measurement")
     ap.add_argument("--steps", type=int, default=1000, help="steps of the distance run")

@@ -584,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.outdir:
         ap.error("OUTDIR is required")
+    unknown = [c for c in args.first_cases or () if c not in _first_cases()]
+    if unknown:  # (before any device time: the first phase would measure nothing)
+        ap.error(f"--first-cases {' '.join(unknown)}: unknown; choose from {' '.join(_first_cases())}")
     check = Check(args)
     signal.signal(signal.SIGTERM, check.terminated)
     for phase in PHASES:

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--out {args.out}: the path of the Markdown report (e.g. NAME.md); "
             "the raw numbers go beside it, with the suffix .json"
         )
+    try:  # (before the grid trains: a folder that cannot be made failed only after it)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: its folder cannot be made ({exc.strerror})")
     opt_name, knob = args.optimizer, KNOB[args.optimizer][0]
     lrs, fbs = _floats(args.lr), _floats(args.second or KNOB[opt_name][1])
     probe = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))  # (a throwaway model)
