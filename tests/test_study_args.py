@@ -153,3 +153,24 @@ def test_train_refuses_a_device_it_cannot_train_on(capsys):
     from benchmarks.training import train
 
     refused(train.parse_args, ["--device", "meta"], capsys, "--device meta", "cpu or cuda")
+
+
+@pytest.mark.parametrize(
+    "study, argv, word",
+    [
+        ("step_ratio", ["--scale", "bogus"], "invalid choice: 'bogus'"),
+        ("step_ratio", ["--threads", "0"], "--threads 0"),
+        ("guard_cost", ["--backend", "nosuch"], "invalid choice: 'nosuch'"),
+        ("cpu_backends", ["--backends", "nosuch"], "invalid choice: 'nosuch'"),
+        ("cpu_host_ops", ["--reps", "0"], "--reps 0"),
+        ("gram_carry", ["--refresh", "4", "0"], "--refresh 0"),
+        ("gram_fusion", ["--reps", "0"], "--reps 0"),
+        ("variant_distance", ["--steps", "0"], "--steps 0"),
+        ("gram_shapes", ["--rounds", "0"], "--rounds 0"),
+    ],
+)
+def test_a_studys_meaningless_count_or_unknown_name_is_refused(study, argv, word, capsys):
+    """A review: these options ended in a traceback (ValueError, StatisticsError, ZeroDivisionError)
+    after the study had started, or ran something else; argparse refuses them first."""
+    main = importlib.import_module(f"benchmarks.studies.{study}").main
+    refused(main, argv, capsys, word)

@@ -20,8 +20,9 @@ def counts_checked(ap, args, *names: str) -> None:
     reports the count)."""
     for name in names:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name} {value}: must be at least 1")
+        for v in value if isinstance(value, list) else [value]:  # (an option of several values: each)
+            if v is not None and v < 1:
+                ap.error(f"--{name} {v}: must be at least 1")
     if "threads" in names and args.threads is not None:
         import torch
 

@@ -16,13 +16,14 @@ import fgd_fast
 from benchmarks.machine import describe, environment
 from benchmarks.models import wide_resnet
 from benchmarks.studies import counts_checked
+from fgd_fast.backends import BACKENDS
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--widths", type=float, nargs="+", default=[4, 10])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--backends", nargs="+", default=["reference", "torch"])
+    ap.add_argument("--backends", nargs="+", default=["reference", "torch"], choices=BACKENDS)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
     args = ap.parse_args(argv)
     counts_checked(ap, args, "repeat", "threads")

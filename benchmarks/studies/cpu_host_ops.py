@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from fgd_fast.backends.layout import Layout
 
 GRAM_SHAPES = [(64, 576), (96, 864), (102, 918), (128, 128), (128, 512), (128, 1152), (192, 1728), (256, 2304)]
@@ -109,9 +110,10 @@ def _layout(name: str, groups: list[tuple[int, int]], reps: int) -> list[tuple[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
+    counts_checked(ap, args, "reps")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     print(f"{describe(env)}\n")

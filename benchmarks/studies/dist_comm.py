@@ -57,6 +57,7 @@ import torch
 
 import fgd_fast
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from fgd_fast._matrix import stiefel_shape
 from fgd_fast.collectives import BUCKET_BYTES
 from fgd_fast.distributed import moved_to_owners, path_bytes
@@ -299,6 +300,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--machine", default="", help="a description of the machine for the report")
     args = parser.parse_args()
+    counts_checked(parser, args, "steps")
     report = ["# FGD across processes: communication per step", ""]
     if args.machine:
         report += [f"Machine: {args.machine}", ""]

@@ -26,6 +26,7 @@ import torch
 from benchmarks.contenders import contender
 from benchmarks.machine import describe, environment
 from benchmarks.measure import LR, gradient_pool
+from benchmarks.studies import counts_checked
 from benchmarks.studies.tf32_middle import settled_distance
 from benchmarks.workloads import weight_shapes, workloads
 from fgd_fast.backends import carry
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=1000, help="steps for the settled distance (0: timing only)")
     args = ap.parse_args(argv)
+    counts_checked(ap, args, "rounds", "refresh")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     refreshes = [1] + [k for k in args.refresh if k != 1]

@@ -18,6 +18,7 @@ import argparse
 import torch
 
 from benchmarks.machine import _median_seconds, describe, environment
+from benchmarks.studies import counts_checked
 
 # (layers in one call, p, n = 9p): the cpu-scale workloads' 3 × 3 convolutions and a few more
 SHAPES = [(1, 102, 918), (1, 96, 864), (1, 64, 576), (1, 51, 459), (4, 26, 234), (3, 13, 117), (1, 128, 1152)]
@@ -36,9 +37,10 @@ def _fused(r, g, phi, blocks, joint, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
+    counts_checked(ap, args, "reps")
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     env = environment(cpu)

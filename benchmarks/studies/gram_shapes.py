@@ -18,6 +18,7 @@ import time
 import torch
 
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 
 
 def _variants(p: int, n: int, pads: list[int]) -> dict:
@@ -43,12 +44,13 @@ def _variants(p: int, n: int, pads: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["51x459", "102x918", "48x432", "96x864"], help="p×n")
     ap.add_argument("--pad", nargs="+", type=int, default=[8, 16], help="pad p to a multiple of these")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
+    counts_checked(ap, args, "rounds", "reps")
     torch.set_num_threads(1)
     env = environment(torch.device("cpu"))
     print(f"{describe(env)} | {args.rounds} rounds")

@@ -19,7 +19,8 @@ import torch
 import fgd_fast
 from benchmarks.machine import describe, environment
 from benchmarks.studies import counts_checked
-from benchmarks.workloads import workloads
+from benchmarks.workloads import SCALES, workloads
+from fgd_fast.backends import BACKENDS
 
 SETTINGS = {
     "guard (default)": dict(guard=True),
@@ -29,9 +30,9 @@ SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", default="cpu")
-    ap.add_argument("--backend", default="torch")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", default="cpu", choices=SCALES)
+    ap.add_argument("--backend", default="torch", choices=BACKENDS)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
     args = ap.parse_args(argv)

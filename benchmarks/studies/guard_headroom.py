@@ -31,7 +31,7 @@ from fgd_fast.guards import TRUST_RADIUS
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--width", type=float, default=1.0)
     ap.add_argument("--depth", type=int, default=16)

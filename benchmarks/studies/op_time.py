@@ -79,7 +79,7 @@ def profile(name: str, w, steps: int) -> tuple[float, _Timed]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", type=int, default=1, help="index into the cpu-scale workloads (1: ResNet-50 ×0.2)")
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank"])
     ap.add_argument("--steps", type=int, default=20)

@@ -40,7 +40,7 @@ from benchmarks.contenders import CONTENDERS, contender, unavailable
 from benchmarks.machine import bench_device, describe, environment
 from benchmarks.measure import LR, gradient_pool, synchronizer
 from benchmarks.studies import counts_checked
-from benchmarks.workloads import default_scale, weight_shapes, workloads
+from benchmarks.workloads import SCALES, default_scale, weight_shapes, workloads
 
 
 def interleaved(case_of: dict, pool: list, rounds: int, sync, minor) -> tuple[dict, dict]:
@@ -67,8 +67,10 @@ def _ms(seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", default=None, help="workload sizes (default: the benchmark's, cpu on a CPU)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--scale", default=None, choices=SCALES, help="workload sizes (default: the benchmark's, cpu on a CPU)"
+    )
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (the main job uses 1)")
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank", "sgd"])
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", type=int, nargs="+", help="indices of the workloads to run (default: all)")
     ap.add_argument("--markdown", action="store_true", help="a markdown section (the main job appends it)")
     args = ap.parse_args(argv)
-    counts_checked(ap, args, "rounds")
+    counts_checked(ap, args, "rounds", "threads")
     known = [c.name for c in CONTENDERS]
     unknown = [n for n in args.contenders if n not in known]
     if unknown:

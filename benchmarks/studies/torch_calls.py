@@ -51,7 +51,7 @@ def counts(name: str, w) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contenders", nargs="+", default=["fgd-torch", "cayley-sgd-lowrank"])
     args = ap.parse_args(argv)
     env = environment(torch.device("cpu"))

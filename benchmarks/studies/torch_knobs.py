@@ -56,7 +56,7 @@ def compare(w, knob: str, values: tuple[int, int], rounds: int) -> tuple[float, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name", help="a constant of fgd_fast.backends.torch_batched, or module:NAME for another module")
     ap.add_argument("first", type=int)
     ap.add_argument("second", type=int)

@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from benchmarks.machine import describe, environment
+from benchmarks.studies import counts_checked
 from benchmarks.studies.unit_layer import unit_layer
 
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.4, 0.5, 0.7, 0.9])
     args = ap.parse_args(argv)
+    counts_checked(ap, args, "steps")
     print(f"{describe(environment(torch.device('cpu')))}; 16 × 72, float64, {args.steps} steps")
     print("| α | official ‖D‖_F | official tr D/p | paper ‖D‖_F | paper tr D/p | official ÷ paper |")
     print("|---|---|---|---|---|---|")

@@ -64,7 +64,8 @@ def _title(result: dict) -> str:
     c, d = result["config"], result["device"]
     where = d.get("gpu") or d.get("cpu", "?")
     return (
-        f"{c['model']} on {c['dataset']}, {c['epochs']} epochs × {c['steps_per_epoch']} steps of "
+        f"{c['model']} on {c['dataset']}, {c['epochs']} epoch{'' if c['epochs'] == 1 else 's'} × "
+        f"{c['steps_per_epoch']} steps of "
         f"{c['batch_size']}, {where}, autocast {c['amp']}, channels_last {c['channels_last']}"
     )
 
