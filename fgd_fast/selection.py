@@ -74,6 +74,8 @@ def select_stiefel(
     exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
     _check_excluded(model, exclude)
     chosen = _select(model, rule)
+    if not exclude:
+        return chosen
     aliases: dict[int, list[str]] = {}  # every name of a tensor (a tied head's too: named_parameters drops it)
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
