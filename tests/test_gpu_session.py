@@ -108,7 +108,12 @@ def test_sigterm_stops_the_phase_and_keeps_the_results(tmp_path):
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:
         proc.kill()
-    assert json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))["terminated"] == f"signal {signal.SIGTERM}"
+    result = json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))
+    assert result["terminated"] == f"signal {signal.SIGTERM}"
+    assert result["phases"]["tests"]["error"] == f"stopped by signal {signal.SIGTERM}"
+    report = (out / "report.md").read_text(encoding="utf-8")  # (a review: only the JSON said so)
+    assert f"**stopped early** (signal {signal.SIGTERM}" in report
+    assert f"| tests | no | {result['phases']['tests']['seconds']} | stopped by signal {signal.SIGTERM}" in report
     time.sleep(1.0)
     left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
     assert not left, f"the phase's processes outlived gpu_check: {left}"

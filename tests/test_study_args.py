@@ -149,6 +149,23 @@ def test_sweep_checks_the_whole_grid_before_training(tmp_path, capsys):
     refused(main, argv, capsys, "--second (attraction) -1", "invalid attraction=-1")
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lr", ","], ("argument --lr: ','", "at least one number")),
+        (["--lr", "0.1,abc"], ("argument --lr: '0.1,abc'", "comma-separated numbers")),
+        (["--second", "0.4,nan"], ("argument --second/--feedback: '0.4,nan'", "finite numbers only")),
+    ],
+)
+def test_sweep_refuses_an_empty_or_unreadable_grid(argv, words, tmp_path, capsys):
+    """A review: ``--lr ,`` trained the SGD run and wrote an empty report; a word ended in a
+    traceback. argparse refuses both before anything runs."""
+    from benchmarks.training.sweep import main
+
+    refused(main, [*argv, "--out", str(tmp_path / "r.md")], capsys, *words)
+    assert not list(tmp_path.iterdir())
+
+
 def test_train_refuses_a_device_it_cannot_train_on(capsys):
     from benchmarks.training import train
 
@@ -162,6 +179,8 @@ def test_train_refuses_a_device_it_cannot_train_on(capsys):
         ("step_ratio", ["--threads", "0"], "--threads 0"),
         ("guard_cost", ["--backend", "nosuch"], "invalid choice: 'nosuch'"),
         ("cpu_backends", ["--backends", "nosuch"], "invalid choice: 'nosuch'"),
+        ("cpu_backends", ["--widths", "4", "0"], "--widths 0: WRN-28-k widths must be positive"),
+        ("cpu_backends", ["--widths", "nan"], "--widths nan"),
         ("cpu_host_ops", ["--reps", "0"], "--reps 0"),
         ("gram_carry", ["--refresh", "4", "0"], "--refresh 0"),
         ("gram_fusion", ["--reps", "0"], "--reps 0"),

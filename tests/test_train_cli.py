@@ -98,6 +98,8 @@ def test_sweep_reports_where_the_guard_bound(tmp_path):
     text = out.read_text()
     assert "Layer-steps the step guard scaled / reset" in text
     assert f"| 4 | {steps[4.0]['scaled']} / {steps[4.0]['reset']} |" in text
+    # (the command line in the report is the grid that ran, not the default grid)
+    assert "`python -m benchmarks.training.sweep --epochs 1 --lr 0.1,4 --second 0.4 --threads 1`" in text
 
 
 def test_gpu_configuration_rehearsed_on_a_narrow_wrn(tmp_path, train_main):

@@ -117,6 +117,7 @@ class Check:
         self.work.mkdir(parents=True, exist_ok=True)
         (self.work / WORK_MARK).touch()
         self.current: subprocess.Popen | None = None  # the phase's process group, killed on SIGTERM
+        self.current_name: tuple[str, str, float] | None = None  # (phase, log, start) while one runs
         self.publishing = False  # inside publish(): a SIGTERM then waits for its end
         self.stop_signal: int | None = None
         self.deadline = time.monotonic() + args.budget
@@ -175,6 +176,11 @@ class Check:
             except OSError:
                 pass
         self.result["terminated"] = f"signal {signum}"
+        if self.current_name is not None:  # (the phase it stopped: in the table, not missing from it)
+            name, log, t0 = self.current_name
+            seconds = round(time.monotonic() - t0, 1)
+            self.result["phases"][name] = {"ok": False, "error": f"stopped by signal {signum}", "log": log}
+            self.result["phases"][name]["seconds"] = seconds
         if self.publishing:  # (files half written: publish() ends them, publishes again and exits)
             self.stop_signal = signum
             return
@@ -209,7 +215,7 @@ class Check:
                 proc = subprocess.Popen(
                     cmd, cwd=ROOT, env=env or self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
                 )
-                self.current = proc
+                self.current, self.current_name = proc, (name, log.name, t0)
                 try:
                     outcome["rc"] = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -223,7 +229,7 @@ class Check:
         except OSError as exc:
             outcome.update(rc=None, error=str(exc))
         finally:
-            self.current = None
+            self.current = self.current_name = None
         outcome["seconds"] = round(time.monotonic() - t0, 1)
         outcome["ok"] = outcome.get("rc") == 0 and not outcome.get("timed_out")
         outcome["tail"] = _tail(log)
@@ -516,6 +522,11 @@ def render(check: Check) -> str:
         f"- CUDA extension: {r.get('cuda_extension', 'not built yet (the build runs last)')}",
         "- backends on the device: " + ", ".join(f"`{k}` {v}" for k, v in r.get("backends", {}).items()),
         "",
+        *(
+            [f"- **stopped early** ({r['terminated']}: the session's time limit): the phases after it did not run", ""]
+            if r.get("terminated")
+            else []
+        ),
         "| phase | ok | seconds | note |",
         "|---|---|---|---|",
     ]

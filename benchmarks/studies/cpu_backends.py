@@ -7,6 +7,7 @@ step time of each backend and the speed-up of ``torch`` over ``reference``.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; the README's table used 2)")
     args = ap.parse_args(argv)
     counts_checked(ap, args, "repeat", "threads")
+    for width in args.widths:  # (WRN-28-0 would build 1-channel layers and time them as if WRN-28-k)
+        if not (math.isfinite(width) and width > 0):
+            ap.error(f"--widths {width:g}: WRN-28-k widths must be positive numbers, e.g. 4 10 (0.5 narrows)")
     # (after the threads are set: the header reports the count used)
     print(f"{describe(environment(torch.device('cpu')))} | float32")
     for width in args.widths:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -31,15 +32,26 @@ KNOB = {"fgd": ("feedback", "0.1,0.2,0.4,0.7"), "landing": ("attraction", "0.5,1
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+    """A comma-separated list of finite numbers (for argparse: a bad one is a usage error)."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 0.1,0.2") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least one number, comma-separated, e.g. 0.1,0.2")
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: finite numbers only")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lr", default="0.05,0.1,0.2,0.4,0.8", help="Stiefel learning rates")
+    ap.add_argument("--lr", type=_floats, default="0.05,0.1,0.2,0.4,0.8", help="Stiefel learning rates")
     ap.add_argument("--optimizer", choices=tuple(KNOB), default="fgd")
-    ap.add_argument("--second", "--feedback", dest="second", help="values of the second knob (default per optimizer)")
+    ap.add_argument(
+        "--second", "--feedback", dest="second", type=_floats, help="values of the second knob (default per optimizer)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="out/sweep-digits.md")
     ap.add_argument("--render", metavar="JSON", help="only print the report of an earlier run's .json")
@@ -61,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         ap.error(f"--out {args.out}: its folder cannot be made ({exc.strerror})")
     opt_name, knob = args.optimizer, KNOB[args.optimizer][0]
-    lrs, fbs = _floats(args.lr), _floats(args.second or KNOB[opt_name][1])
+    lrs, fbs = args.lr, args.second or _floats(KNOB[opt_name][1])
     probe = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))  # (a throwaway model)
     for lr in lrs:  # every grid point's settings, checked before any training (as train.check_args does)
         for fb in fbs:
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "grid": grid,
         "sgd": {k: sgd[k] for k in ("test_accuracy", "max_distance", "train_loss", "settings")},
         "config": cfg,
+        "options": {"epochs": args.epochs, "lr": lrs, "second": fbs, "threads": args.threads},
         **record,
         "seconds": time.perf_counter() - t0,
     }
@@ -147,6 +160,10 @@ def render(result: dict, lrs: list[float], fbs: list[float]) -> list[str]:
     head = f"| Stiefel lr \\ {knob} | " + " | ".join(f"{f:g}" for f in fbs) + " |"
     rule = "|---" * (len(fbs) + 1) + "|"
     flag = "" if name == "fgd" else f" --optimizer {name}"
+    if "options" in result:  # (the grid as run; reports of earlier versions lack it)
+        o = result["options"]
+        flag += f" --epochs {o['epochs']} --lr {','.join(f'{v:g}' for v in o['lr'])}"
+        flag += f" --second {','.join(f'{v:g}' for v in o['second'])} --threads {o['threads']}"
     lines = [
         f"# {title} on digits: test accuracy and distance across lr and {knob}",
         "",
