@@ -18,7 +18,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):  # (installed, the
 
     _map(__path__[0])
 
-from ._matrix import as_stiefel, stiefel_shape
+from ._matrix import as_stiefel, from_stiefel, stiefel_shape
 from ._version import __version__
 from .backends import BACKENDS, BackendUnavailable
 from .distributed import shard_placement
@@ -35,6 +35,7 @@ __all__ = [
     "GuardReport",
     "as_stiefel",
     "fgd",
+    "from_stiefel",
     "orthogonalize_",
     "select_stiefel",
     "sgd",

@@ -58,7 +58,8 @@ def as_w2(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_stiefel(theta: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`as_stiefel`: a tensor of ``shape`` holding ``theta`` (``n × p``)."""
+    """Inverse of :func:`as_stiefel`: a tensor of ``shape`` holding ``theta`` (``n × p``), e.g.
+    ``w.copy_(fgd_fast.from_stiefel(theta, w.shape))`` writes θ back into the weight ``w``."""
     n, p, transposed = stiefel_shape(shape)
     w2 = theta.t() if transposed else theta
     return w2.reshape(shape)

@@ -40,7 +40,15 @@ __all__ = ["fgd", "sgd", "backend_for", "GuardReport"]
 
 
 class GuardReport(NamedTuple):
-    """What the guard did in one :func:`fgd` step."""
+    """What the guard did in one :func:`fgd` step.
+
+    ``guarded``: per parameter, a 0-d int8 device tensor, ``KEPT`` (0: the update as computed),
+    ``SCALED`` (1: a fraction of it) or ``RESET`` (2: the feedback pull-back alone, Φ₊ = 0), or
+    ``None`` where the guard was off; ``read``: the same as ints where the checks synchronised
+    with the host this step, else ``None`` (reading ``guarded`` later costs a synchronisation);
+    ``distance``: per parameter, ‖θ₊ᵀθ₊ − I‖_F as the step computed it (0-d), or ``None`` where
+    the backend only bounded it within the target (the torch backend, for plain tensors).
+    """
 
     # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None; read-only (on a CPU the
     # torch backend makes it in torch.inference_mode: usable anywhere, not writable in place outside it)
@@ -191,6 +199,13 @@ def fgd(
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
+    ``params``: the constrained weights (any shape whose Stiefel view is n × p, n ≥ p; see
+    :func:`fgd_fast.stiefel_shape`), each within ``max_distance`` of the manifold; ``grads[i]``:
+    the gradient of ``params[i]``, same shape; ``labels[i]``: the name an error or warning gives
+    ``params[i]`` (default: its index); ``momentum`` (β) and ``feedback`` (α): one value or one
+    per layer, like ``lr``; ``backend``: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"``
+    or ``"cuda"`` (see :class:`fgd_fast.FGD`); ``check_finite``: refuse non-finite gradients, Φ
+    and steps (``check_manifold``: a θ too far off), before writing anything.
     ``momentum_buffers[i]`` is Φ of ``params[i]`` or ``None``. Where ``momentum[i] > 0`` and
     the buffer is ``None`` (first step), a new float32/float64 buffer is created and stored
     into the list, as ``torch.optim.sgd`` does. With ``check_finite``/``check_manifold`` the
@@ -568,6 +583,10 @@ def sgd(
 
     d ← ±g + λθ (−g with ``maximize``);  b ← μb + (1 − τ)d (b = d on the first step);
     d ← d + μb (Nesterov) or b;  θ ← θ − η d. New buffers are stored into ``momentum_buffers``.
+
+    ``params``/``grads``: the weights and their gradients; ``momentum_buffers[i]``: b of
+    ``params[i]`` or ``None``; ``lr`` η, ``momentum`` μ, ``dampening`` τ, ``weight_decay`` λ,
+    ``nesterov``, ``maximize``: as ``torch.optim.SGD`` takes them (checked by ``FGD``, not here).
     """
     if not params:
         return

@@ -110,7 +110,8 @@ class FGD(StiefelOptimizer):
             within ``max_distance``, less a rounding margin
             of the parameter's dtype. Φ and g are first scaled into a safety radius ρ
             (``trust_radius``). One rule in every backend; where it does not bind the update is
-            exactly the one above, and with it on no finite input makes a step raise.
+            exactly the one above, and with it on no finite input from a θ within ``max_distance`` makes a
+            step raise.
             ``guard_stats()`` counts the steps it bound; a warning says so once (at the
             checks' synchronisation). See :mod:`fgd_fast.backends.guard_rule`.
         trust_radius: ρ (> 0) of the inputs' scaling ``s = min(1, ρ/(‖Φ‖_F + η‖g‖_F))``, a
@@ -518,8 +519,8 @@ class FGD(StiefelOptimizer):
         return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per optimizer) of
-        a feedback outside :data:`FEEDBACK_RANGE` and of options this group sets itself that
+        """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per value, per
+        optimizer) of a feedback outside :data:`FEEDBACK_RANGE` and (once per option name) of options this group sets itself that
         do nothing for orthogonal parameters (nesterov, dampening, weight_decay: FGD's update
         has no such terms); options inherited from the optimizer-wide defaults stay silent, and so
         do values equal to them (``ZeroRedundancyOptimizer`` copies its keyword arguments into

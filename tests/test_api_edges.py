@@ -308,3 +308,15 @@ def test_a_groups_params_given_as_a_generator_are_all_kept(make):
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in net.parameters()]
     opt.add_param_group(dict(params=(nn.Parameter(torch.randn(3)) for _ in range(2))))
     assert len(opt.param_groups[1]["params"]) == 2
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (3, 7), (8, 3, 3, 3), (2, 5, 3)])
+def test_from_stiefel_inverts_as_stiefel(shape):
+    """``from_stiefel`` (public: ``as_stiefel``'s docstring sends writers to it) puts θ back into
+    the weight's shape, so ``w.copy_(from_stiefel(θ, w.shape))`` round-trips every layout."""
+    w = torch.randn(shape)
+    theta = fgd_fast.as_stiefel(w)
+    n, p, _ = fgd_fast.stiefel_shape(shape)
+    assert theta.shape == (n, p) and n >= p
+    assert torch.equal(fgd_fast.from_stiefel(theta.clone(), shape), w)
+    assert "from_stiefel" in fgd_fast.__all__

@@ -504,6 +504,34 @@ def test_a_finite_gradient_that_overflows_in_the_step_raises_and_changes_nothing
 
 
 @pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
+def test_a_weight_off_the_manifold_drifts_until_a_step_is_refused(cls):
+    """What the README says of a hand-built group whose weight starts 3.9 off the manifold: the
+    Cayley step (s = 2) neither keeps θᵀθ (a review found the README's "stays 3.9 off" false)
+    nor pulls it back, its momentum grows until a step would overflow, and that step is refused
+    with nothing written (64 × 16, lr 0.1, gradients 0.01·randn; 3.75 off after 80 steps and a
+    refusal at step 86 (SGD) / 89 (ADAM) on the CPU where the README's figures come from)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(64, 16)) * 1.975**0.5)
+    assert fgd_fast.stiefel_distance(w) == pytest.approx(3.9, abs=1e-5)
+    opt = cls([dict(params=[w], orthogonal=True)], lr=0.1)
+    module = nn.ParameterList([w])
+    for k in range(300):
+        w.grad = 0.01 * torch.randn_like(w)
+        snap = snapshot(module, opt)
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            assert "would write non-finite values" in str(exc)
+            assert_unchanged(module, opt, snap)
+            break
+        if k == 80:
+            assert 3.6 < fgd_fast.stiefel_distance(w) < 3.85  # (moved, and not back to the manifold)
+    else:
+        raise AssertionError("300 steps off the manifold and no step refused")
+    assert 80 < k < 120
+
+
+@pytest.mark.parametrize("cls", [CayleySGD, CayleyADAM])
 def test_equal_shapes_at_different_step_counts_step_as_separate_groups(cls):
     """A review's surviving mutant: one bucket for equal-shape layers whatever their state (ADAM's
     step count, SGD's buffer) passed every test, yet fails as soon as one layer missed a step."""

@@ -149,6 +149,10 @@ def geoopt_stiefel_sgd(
     ``canonical=True``: ``geoopt.CanonicalStiefel`` (canonical metric, Cayley retraction).
     ``stabilize`` is geoopt's (project every ``stabilize`` steps; ``None``: never). Modifies
     ``model`` in place (see the module docstring) and raises ``ImportError`` without geoopt.
+    ``rule``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes it;
+    ``orthogonalize``: project them onto the manifold first (``False`` when resuming); ``lr``,
+    ``momentum``, ``dampening``, ``nesterov``: ``torch.optim.SGD``'s, for every parameter;
+    ``weight_decay``: for the unconstrained parameters only (the constrained group gets 0).
     """
     sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
     check_bool("canonical", canonical)
@@ -178,7 +182,12 @@ def torch_orthogonal_sgd(
 ) -> torch.optim.SGD:
     """``torch.optim.SGD`` with ``torch.nn.utils.parametrizations.orthogonal`` on ``θ`` of the
     weights ``rule`` selects (``orthogonal_map`` is torch's: ``None`` picks ``"matrix_exp"``
-    for square ``θ``, else ``"householder"``). Modifies ``model`` in place."""
+    for square ``θ``, else ``"householder"``). Modifies ``model`` in place.
+    ``rule``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes it;
+    ``orthogonalize``: project them onto the manifold first (``False`` when resuming); ``lr``,
+    ``momentum``, ``dampening``, ``nesterov``: ``torch.optim.SGD``'s, for every parameter;
+    ``weight_decay``: for the unconstrained parameters only (the constrained group gets 0).
+    """
     sgd = _sgd_options(lr, momentum, weight_decay, nesterov, dampening)
     check_bool("orthogonalize", orthogonalize)
     if orthogonal_map is not None:  # (torch checks it inside, after the first weight was replaced)
