@@ -522,9 +522,10 @@ class FGD(StiefelOptimizer):
         """As ``torch.optim.Optimizer``'s; once the group is added, warn (once per value, per
         optimizer) of a feedback outside :data:`FEEDBACK_RANGE` and (once per option name) of
         options this group sets itself that do nothing for orthogonal parameters (nesterov,
-        dampening, weight_decay: FGD's update has no such terms); options inherited from the optimizer-wide defaults stay silent, and so
-        do values equal to them (``ZeroRedundancyOptimizer`` copies its keyword arguments into
-        every group it hands its optimizer)."""
+        dampening, weight_decay: FGD's update has no such terms); options inherited from the
+        optimizer-wide defaults stay silent, and so do values equal to them
+        (``ZeroRedundancyOptimizer`` copies its keyword arguments into every group it hands its
+        optimizer)."""
         defaults = getattr(self, "defaults", {})
         own = {
             k: param_group[k]
