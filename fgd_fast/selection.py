@@ -143,8 +143,9 @@ def stiefel_param_groups(
     model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True, exclude: Iterable[str] = ()
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`fgd_fast.FGD`: ``[{"params": [...], "orthogonal": True},
-    {"params": [...]}]``, the first holding the weights chosen by ``rule`` (see
-    :func:`select_stiefel`, ``exclude`` as there), the second every other trainable parameter. Each group also has
+    {"params": [...]}]`` over ``model``'s parameters, the first holding the weights chosen by
+    ``rule`` (see :func:`select_stiefel`, ``exclude`` as there), the second every other trainable
+    parameter. Each group also has
     a ``"names"`` list (the ``named_parameters`` names), which FGD uses in messages and in
     :meth:`FGD.orthogonality`; it is not torch's ``param_names`` key, so groups without
     names can still be added next to these.

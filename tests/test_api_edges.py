@@ -320,3 +320,29 @@ def test_from_stiefel_inverts_as_stiefel(shape):
     assert theta.shape == (n, p) and n >= p
     assert torch.equal(fgd_fast.from_stiefel(theta.clone(), shape), w)
     assert "from_stiefel" in fgd_fast.__all__
+
+
+def _public_callables():
+    import fgd_fast.baselines as baselines
+
+    for module in (fgd_fast, baselines):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj) and not (isinstance(obj, type) and issubclass(obj, Exception)):
+                yield f"{module.__name__}.{name}", obj
+
+
+@pytest.mark.parametrize("name, obj", list(_public_callables()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_public_argument_is_documented(name, obj):
+    """A review found public arguments that no docstring described (``fgd``'s ``grads`` and
+    ``labels``, the adapters' SGD options, ``stiefel_param_groups``'s ``model``): each keyword of a
+    public callable appears in its docstring (the class's or its ``__init__``'s)."""
+    import inspect
+
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        pytest.skip(f"{name} has no signature to read")
+    doc = (obj.__doc__ or "") + ((obj.__init__.__doc__ or "") if inspect.isclass(obj) else "")
+    missing = [p for p in params if not p.startswith("_") and p not in ("self", "args", "kwargs") and p not in doc]
+    assert not missing, f"{name}: arguments not in the docstring: {missing}"
