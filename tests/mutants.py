@@ -122,6 +122,10 @@ MUTANTS = {
         "carried Gram blocks used after a write to θ or Φ between steps",
         [f"{CARRY}::test_writes_between_steps_are_seen"],
     ),
+    "carry_ignores_addresses": (
+        "carried Gram blocks used after p.data = other (vector_to_parameters) between steps",
+        [f"{CARRY}::test_new_memory_assigned_through_data_is_seen"],
+    ),
     "carry_kept_after_failed_step": (
         "a failed step's carried blocks (scaled in place by its middle) kept for the next step",
         [f"{CARRY}::test_a_failed_step_leaves_no_stale_blocks"],
@@ -876,7 +880,7 @@ def plant(name: str) -> Callable[[], None]:
         for cls in (CayleySGD, CayleyADAM):
             undo.append((cls, "_bucket_key", cls._bucket_key))
             cls._bucket_key = lambda self, group, state: ()
-    elif name in ("carry_ignores_versions", "carry_kept_after_failed_step"):
+    elif name in ("carry_ignores_versions", "carry_ignores_addresses", "carry_kept_after_failed_step"):
         from fgd_fast.backends import carry
 
         original = carry.take
@@ -888,8 +892,10 @@ def plant(name: str) -> Callable[[], None]:
                 if found is not None:
                     carry._store[key] = found
                 return found
-            if entry is not None:  # versions as they are now: every write unseen
-                entry.versions = tuple(t._version for t in tensors)
+            if entry is not None and name == "carry_ignores_versions":  # as they are now: every write unseen
+                entry.versions = carry._state(tensors)
+            elif entry is not None and len(entry.versions) == len(tensors):  # addresses as they are now
+                entry.versions = tuple((v, t.data_ptr()) for (v, _), t in zip(entry.versions, tensors))
             return original(key, tensors, refresh)
 
         undo.append((carry, "take", original))

@@ -117,6 +117,19 @@ def _data_write(k, params, opt):
         carry.forget()
 
 
+def _new_data(k, params, opt):
+    if k == 3:  # (torch's vector_to_parameters assigns p.data: same counter, new memory)
+        torch.nn.utils.vector_to_parameters(params[0].detach().flatten() * 1.01, [params[0]])
+
+
+def test_new_memory_assigned_through_data_is_seen():
+    """A review: ``p.data = other`` (``vector_to_parameters``) kept the version counter, and a
+    carried step used the old θ's Grams (θ stored 2.9 off where a fresh step refused it)."""
+    fresh, _ = _run(1, between=_new_data)
+    carried, _ = _run(4, between=_new_data)
+    _close(fresh, carried)
+
+
 def test_forget_after_a_write_through_data():
     fresh, _ = _run(1, between=_data_write)
     carried, _ = _run(4, between=_data_write)

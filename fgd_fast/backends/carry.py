@@ -16,10 +16,12 @@ its Grams afresh, so it continues equal to the original to rounding, not bit for
 
 A carried entry is used only for the very tensors it was made from, unchanged since: the same
 parameter and buffer objects (weak references), and their version counters as the step left
-them. Any in-place write through autograd's view of a tensor (``p.copy_``, ``p.mul_``,
-``load_state_dict``, ``orthogonalize_``, a new momentum buffer) bumps the counter and the next
-step reads the parameters again. A write through ``p.data`` is invisible to the counter: it is
-seen at the next refresh (call :func:`forget` after such a write, or use ``gram_refresh=1``).
+them, at the same addresses. Any in-place write through autograd's view of a tensor
+(``p.copy_``, ``p.mul_``, ``load_state_dict``, ``orthogonalize_``, a new momentum buffer) bumps
+the counter, and new memory (``p.data = other``, torch's ``vector_to_parameters``) moves the
+address: the next step reads the parameters again. A write in place through ``p.data``
+(``p.data.copy_``, ``orthogonalize_(p.data)``) changes neither: it is seen at the next refresh
+(call :func:`forget` after such a write, or use ``gram_refresh=1``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ GRAM_REFRESH = 1
 class Carried:
     blocks: tuple[torch.Tensor, ...]  # (A,) or (A, B, C), each (L, p, p)
     refs: tuple  # weak references to the parameters and buffers they were made from
-    versions: tuple[int, ...]  # their version counters after the step that made them
+    versions: tuple[tuple[int, int], ...]  # their version counters and addresses after the step that made them
     age: int  # steps since the blocks were last read from the parameters
 
 
@@ -49,8 +51,14 @@ _store: dict[tuple, Carried] = {}
 _CAPACITY = 8  # entries kept (one per middle group of layers: a model has a few); the oldest go first
 
 
-def _stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple, tuple[int, ...]]:
-    return tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors)
+def _state(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Per tensor: its version counter and its memory's address (``p.data = other``, as torch's
+    ``vector_to_parameters`` does, keeps the counter but moves the address)."""
+    return tuple((t._version, t.data_ptr()) for t in tensors)
+
+
+def _stamp(tensors: Sequence[torch.Tensor]) -> tuple[tuple, tuple[tuple[int, int], ...]]:
+    return tuple(weakref.ref(t) for t in tensors), _state(tensors)
 
 
 def take(key: tuple, tensors: Sequence[torch.Tensor], refresh: int) -> Carried | None:
@@ -62,7 +70,7 @@ def take(key: tuple, tensors: Sequence[torch.Tensor], refresh: int) -> Carried |
         return None
     if len(entry.refs) != len(tensors) or any(r() is not t for r, t in zip(entry.refs, tensors)):
         return None
-    if entry.versions != tuple(t._version for t in tensors):
+    if entry.versions != _state(tensors):
         return None
     return entry
 
