@@ -173,8 +173,9 @@ class StiefelOptimizer(Optimizer):
     #: itself (shaped like the parameter); ``_check_orthogonal_state`` checks them before any write
     _orthogonal_buffers: tuple[str, ...] = ()
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        """Raise (changing nothing) if a merged group's hyper-parameters are invalid."""
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
+        """Raise (changing nothing) if a merged group's hyper-parameters are invalid (``at_step``:
+        checked again at a step, where a scheduled momentum of 0 may meet ``nesterov``)."""
         raise NotImplementedError
 
     def _validate_options(self, options: dict[str, Any]) -> None:
@@ -266,7 +267,7 @@ class StiefelOptimizer(Optimizer):
                 loss = closure()
         self._check_options(self.param_groups)
         for group in self.param_groups:
-            self._validate_group(group)
+            self._validate_group(group, at_step=True)
         if not torch.compiler.is_compiling():
             self._warn_if_nothing_orthogonal()
         return loss
@@ -374,7 +375,7 @@ class StiefelOptimizer(Optimizer):
             params,
             [p.grad for p in params],
             bufs,
-            lr=float(group["lr"]),  # a validated real: also a one-element tensor
+            lr=group["lr"],  # a validated real or one-element tensor (a GPU one read on the device)
             momentum=momentum,
             dampening=dampening,
             weight_decay=float(group["weight_decay"]),

@@ -571,7 +571,7 @@ def sgd(
     grads: list[torch.Tensor],
     momentum_buffers: list[torch.Tensor | None],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
@@ -587,10 +587,30 @@ def sgd(
     ``params``/``grads``: the weights and their gradients; ``momentum_buffers[i]``: b of
     ``params[i]`` or ``None``; ``lr`` η, ``momentum`` μ, ``dampening`` τ, ``weight_decay`` λ,
     ``nesterov``, ``maximize``: as ``torch.optim.SGD`` takes them (checked by ``FGD``, not here).
+    ``lr`` may be a one-element tensor: a float32 one on a GPU, beside plain dense tensors on its
+    device, is read there by torch's fused SGD kernel (no host synchronisation, so a captured step
+    reads each new value; torch's multi-tensor SGD would read it on the host); elsewhere its value
+    is used.
     """
     if not params:
         return
     kinds = {is_dtensor(p) for p in params}
+    if isinstance(lr, torch.Tensor):
+        if _fused_reads(lr, params, grads):
+            _torch_sgd(
+                params,
+                grads,
+                momentum_buffers,
+                fused=True,  # η read on the device: d as above, θ ← θ − η d in one kernel per dtype
+                weight_decay=weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=maximize,
+            )
+            return
+        lr = float(lr)  # (a host read: free on the CPU; else where the fused kernel cannot take the tensors)
     _torch_sgd(
         params,
         grads,
@@ -603,3 +623,22 @@ def sgd(
         nesterov=nesterov,
         maximize=maximize,
     )
+
+
+#: where a plain group's tensor lr goes to torch's fused SGD rather than a host read (a CPU's read
+#: is free; tests add "cpu" to run that path here)
+_FUSED_LR_DEVICES = ("cuda",)
+
+
+def _fused_reads(lr: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused SGD can take ``lr`` on the device: a one-element float32 GPU tensor
+    (its CUDA kernel reads a ``float``), dense plain tensors of a floating dtype on its device, each
+    gradient of its parameter's dtype, outside a compiled step (whose trace reads it)."""
+    if lr.device.type not in _FUSED_LR_DEVICES or lr.dtype != torch.float32 or lr.numel() != 1:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return all(
+        not is_dtensor(p) and not p.is_sparse and not g.is_sparse and p.device == lr.device and g.device == lr.device
+        for p, g in zip(params, grads)
+    ) and all(p.dtype.is_floating_point and g.dtype == p.dtype for p, g in zip(params, grads))

@@ -488,8 +488,8 @@ class FGD(StiefelOptimizer):
             "nn.Parameter object itself (not .data, .detach() or a copy)"
         )
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        _check_group(group)
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
+        _check_group(group, at_step)
 
     def _loaded(self) -> None:
         self.__dict__.pop("_last_distance", None)  # (the model is usually reloaded with it)
@@ -621,13 +621,14 @@ _GROUP_KEYS = ("lr", "momentum", "feedback", "weight_decay", "dampening", "neste
 FEEDBACK_RANGE = (0.1, 0.9)
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
+def _check_group(group: dict[str, Any], at_step: bool = False) -> None:
+    """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing
+    (``at_step``: see :func:`fgd_fast.validation.check_nesterov`)."""
     check_keys(group, _GROUP_KEYS)
     check_lr(group["lr"])
     check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
     check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
     check_nonnegative("weight_decay", group["weight_decay"])
     check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
-    check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
+    check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
     check_bool("orthogonal", group["orthogonal"])

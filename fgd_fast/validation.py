@@ -291,11 +291,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(offsets(a), offsets(b)).any())
 
 
-def check_nesterov(nesterov: Any, momentum: float, dampening: float) -> bool:
-    """``nesterov`` as a bool, refused (as ``torch.optim.SGD`` does) without momentum or with
-    dampening."""
+def check_nesterov(nesterov: Any, momentum: float, dampening: float, at_step: bool = False) -> bool:
+    """``nesterov`` as a bool, refused (as ``torch.optim.SGD``'s constructor does) without
+    momentum or with dampening. ``at_step``: the check of a step, where momentum 0 is accepted
+    (a schedule that takes momentum to 0, e.g. ``OneCycleLR(base_momentum=0)``: torch's SGD then
+    steps without momentum, so Nesterov has nothing to act on)."""
     check_bool("nesterov", nesterov)
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and ((momentum <= 0 and not (at_step and momentum == 0)) or dampening != 0):
         raise ValueError(
             f"nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD), got momentum={momentum}, "
             f"dampening={dampening}: set momentum (e.g. 0.9) and dampening=0, or nesterov=False"

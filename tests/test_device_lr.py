@@ -225,3 +225,78 @@ def test_a_captured_step_replays_each_new_tensor_lr(backend):
     torch.cuda.synchronize()
     for p, t in zip(params, twins):
         torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_plain_groups_tensor_lr_is_read_on_the_device(monkeypatch):
+    """A review: the plain groups' SGD read ``float(lr)`` every step, a host synchronisation for
+    a GPU lr, which a CUDA graph capture refuses (``stiefel_param_groups`` always makes a plain
+    group). A float32 GPU lr goes to torch's fused SGD, which reads it on the device; run here on
+    the CPU by letting that path take CPU tensors: no host read of the lr by the SGD (the checks
+    read a CPU lr, where that is free), each new value used, the same bits as
+    ``torch.optim.SGD(fused=True)``."""
+    import fgd_fast.functional as functional
+
+    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
+    lr = torch.tensor(0.05)
+    reads = []
+    for name in ("__float__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def watched(self, *args, _real=real, _name=name, **kwargs):
+            caller = traceback.extract_stack()[-2].filename
+            if self is lr and (caller.endswith("functional.py") or caller.endswith("sgd.py")):  # (the SGD path)
+                reads.append((_name, caller))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, watched)
+    torch.manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    kw = dict(momentum=0.9, weight_decay=1e-2, nesterov=True)
+    opt = fgd_fast.FGD([dict(params=plain)], lr=lr, backend="torch", check_finite=False, **kw)
+    ref_lr = torch.tensor(0.05)
+    ref = torch.optim.SGD(twins, lr=ref_lr, fused=True, **kw)
+    for value in (0.05, 0.02, 0.08):
+        lr.fill_(value)
+        ref_lr.fill_(value)
+        for p, t in zip(plain, twins):
+            p.grad = torch.randn_like(p)
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        for p, t in zip(plain, twins):
+            assert torch.equal(p, t)
+    assert reads == []
+    # (where the fused kernel cannot read it: a float64 lr, and the CPU's own default, read on the host)
+    assert not functional._fused_reads(torch.tensor(0.1, dtype=torch.float64), plain, [p.grad for p in plain])
+    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda",))
+    assert not functional._fused_reads(torch.tensor(0.1), plain, [p.grad for p in plain])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+def test_a_captured_step_with_a_plain_group_replays_each_new_tensor_lr():
+    """As the capture test above, with the plain group ``stiefel_param_groups`` makes (biases):
+    its SGD reads the CUDA lr on the device, so the capture succeeds and each replay uses the new
+    value (the eager twin, a float lr, steps torch's multi-tensor SGD: equal to rounding)."""
+    params, grads = stiefel_problem([(8, 4, 3, 3), (20, 6)])
+    plain = [torch.nn.Parameter(torch.randn(8, device=params[0].device)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params + plain]
+    lr = torch.tensor(0.1, device="cuda")
+    kw = dict(backend="torch", check_finite=False, check_manifold=False)
+    groups = [dict(params=params, orthogonal=True), dict(params=plain)]
+    opt = fgd_fast.FGD(groups, lr=lr, **kw)
+    eager = fgd_fast.FGD([dict(params=twins[:2], orthogonal=True), dict(params=twins[2:])], lr=0.1, **kw)
+    for p, t, g in zip(params + plain, twins, grads + [torch.randn_like(q) for q in plain]):
+        p.grad, t.grad = g.clone(), g.clone()
+    graph = captured(opt.step)
+    for _ in range(2):
+        eager.step()
+    for value in (0.05, 0.02, 0.08):
+        lr.fill_(value)
+        for group in eager.param_groups:
+            group["lr"] = value
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    for p, t in zip(params + plain, twins):
+        torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-6, atol=1e-6)

@@ -50,3 +50,38 @@ def test_a_scheduled_run_matches_the_oracle_step_by_step(backend, schedule):
         np.testing.assert_allclose(p.detach().cpu().numpy(), w, rtol=0, atol=1e-12)
         buf = fgd_fast.as_stiefel(opt.state[p]["momentum_buffer"]).cpu().numpy()
         np.testing.assert_allclose(buf, phi, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", ["fgd", "cayley_sgd", "landing"])
+def test_nesterov_with_momentum_scheduled_to_zero_steps_as_torch_sgd(make):
+    """A review: ``OneCycleLR(base_momentum=0)`` (or ``CyclicLR``) with ``nesterov=True`` made the
+    step refuse momentum 0 at the second step, where ``torch.optim.SGD`` (which checks Nesterov at
+    construction only) steps without momentum. The plain group steps as torch's SGD, bit for bit;
+    the constructor still refuses momentum 0 with Nesterov."""
+    from fgd_fast.baselines import CayleySGD, LandingSGD
+
+    cls = {"fgd": fgd_fast.FGD, "cayley_sgd": CayleySGD, "landing": LandingSGD}[make]
+    torch.manual_seed(0)
+    ortho = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(9, 4)))
+    plain = torch.nn.Parameter(torch.randn(5, 3))
+    twin = torch.nn.Parameter(plain.detach().clone())
+    groups = [dict(params=[ortho], orthogonal=True), dict(params=[plain])]
+    opt = cls(groups, lr=0.1, momentum=0.9, nesterov=True)
+    ref = torch.optim.SGD([twin], lr=0.1, momentum=0.9, nesterov=True)
+    kw = dict(max_lr=0.1, total_steps=10, base_momentum=0.0, max_momentum=0.9)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, **kw) for o in (opt, ref)]
+    zero_momentum_steps = 0
+    for _ in range(10):
+        ortho.grad = torch.randn_like(ortho) * 0.1
+        plain.grad = torch.randn_like(plain)
+        twin.grad = plain.grad.clone()
+        zero_momentum_steps += opt.param_groups[1]["momentum"] == 0
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+        assert torch.equal(plain, twin)
+    assert zero_momentum_steps > 0  # (the schedule did reach momentum 0)
+    assert fgd_fast.stiefel_distance(ortho) < 1e-2  # (Landing is near the manifold, not on it)
+    with pytest.raises(ValueError, match="nesterov=True requires momentum > 0"):
+        cls(groups, lr=0.1, momentum=0.0, nesterov=True)

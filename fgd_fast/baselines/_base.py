@@ -155,7 +155,7 @@ class CayleyBase(StiefelOptimizer):
                 )
 
     # -- subclass hooks -----------------------------------------------------------------------
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
         raise NotImplementedError
 
     def _bucket_key(self, group: dict[str, Any], state: dict[str, Any]) -> tuple:

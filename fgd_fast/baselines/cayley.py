@@ -130,11 +130,11 @@ class CayleySGD(CayleyBase):
 
     _STATE_DICT_KEYS = (*CayleyBase._STATE_DICT_KEYS, "momentum")
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
         self._validate_common(group)
         check_unit_interval("momentum", group["momentum"], "0.9 is typical")
         check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
-        check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
+        check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
 
     def _beta(self, group: dict[str, Any]) -> float:
         """β of the orthogonal update: the public code's is effectively 0."""
@@ -230,7 +230,7 @@ class CayleyADAM(CayleyBase):
 
     _STATE_DICT_KEYS = (*CayleyBase._STATE_DICT_KEYS, "betas")
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
         self._validate_common(group)
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:

@@ -153,8 +153,8 @@ class LandingSGD(StiefelOptimizer):
         check_bool("check_finite", options["check_finite"])
         check_bool("maximize", options["maximize"])
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        _check_group(group)
+    def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
+        _check_group(group, at_step)
 
     @torch.no_grad()
     @state_outside_inference_mode
@@ -240,13 +240,14 @@ class LandingSGD(StiefelOptimizer):
         return from_stiefel(new_theta, p.shape).to(p.dtype), new_buf
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing."""
+def _check_group(group: dict[str, Any], at_step: bool = False) -> None:
+    """Check a (merged) group's hyper-parameters; raises with the fix, changes nothing
+    (``at_step``: see :func:`fgd_fast.validation.check_nesterov`)."""
     check_keys(group, _GROUP_KEYS)
     check_nonnegative("lr", group["lr"])
     check_unit_interval("momentum", group["momentum"], "0.9 is typical")
     check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
     check_nonnegative("weight_decay", group["weight_decay"])
-    check_nesterov(group["nesterov"], group["momentum"], group["dampening"])
+    check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
     check_positive("attraction", group["attraction"], "λ of the landing field; 1 is the authors' default")
     check_bool("orthogonal", group["orthogonal"])
