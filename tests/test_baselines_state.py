@@ -162,6 +162,16 @@ def test_a_group_flag_flipped_between_steps_does_not_reuse_the_state(name, made_
     assert_unchanged(net, opt, snap)
     opt.state[net.weight].clear()
     opt.step()
+    # back again: the state the cleared step made is of the flipped kind (a review: the record of
+    # the state's kind was kept from before the clearing, and this flip was not refused)
+    opt.param_groups[0]["orthogonal"] = made_orthogonal
+    if made_orthogonal:
+        fgd_fast.orthogonalize_(net.weight.data)
+    _grads(net, 2)
+    snap = snapshot(net, opt)
+    with pytest.raises(ValueError, match=f"was made under orthogonal={not made_orthogonal}"):
+        opt.step()
+    assert_unchanged(net, opt, snap)
 
 
 @pytest.mark.parametrize("name", list(BASELINES))

@@ -143,10 +143,27 @@ def test_a_non_finite_gradient_or_buffer_raises_and_changes_nothing(poisoned):
     assert_unchanged(net, opt, snap)
 
 
+@pytest.mark.parametrize("lr", [0.1, 0.0])
+def test_beyond_the_safe_distance_the_pull_takes_the_smaller_of_lr_and_its_cap(lr):
+    """Beyond the safe distance the step is θ₊ = θ − min(η, 1/(2λ))·λθ(θᵀθ − I): at an lr below
+    the cap, the lr (a review: the cap alone survived every test, which ran at η = 1/(2λ); at
+    lr = 0 it moved θ)."""
+    torch.manual_seed(0)
+    theta = fgd_fast.orthogonalize_(torch.randn(20, 6, dtype=torch.float64)) * 1.2
+    w = torch.nn.Parameter(theta.clone())
+    opt = LandingSGD([dict(params=[w], orthogonal=True)], lr=lr, momentum=0.0, attraction=1.0)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    expected = theta - lr * theta @ (theta.mT @ theta - torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(w.detach(), expected, rtol=0, atol=1e-13)
+
+
 def test_options_are_checked_and_carried():
     p = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 9)))
     with pytest.raises(ValueError, match="safe_distance"):
         LandingSGD([p], lr=0.1, safe_distance=1.5)
+    with pytest.raises(ValueError, match="safe_distance"):  # (every θ would be outside: the pull alone, always)
+        LandingSGD([p], lr=0.1, safe_distance=0.0)
     with pytest.raises(ValueError, match="attraction"):
         LandingSGD([dict(params=[p], orthogonal=True)], lr=0.1, attraction=0.0)
     opt = LandingSGD([dict(params=[p], orthogonal=True)], lr=0.1, safe_distance=None)

@@ -445,6 +445,25 @@ def test_a_step_at_lr_zero_makes_a_momentum_buffer_only_with_momentum(momentum):
     assert "guard_count" in opt.state[w]
 
 
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_state_a_step_makes_is_what_its_options_read(guard):
+    """A plain group at momentum 0 keeps no state (as torch's SGD: a ``momentum_buffer: None``
+    entry would mark it as state made under ``orthogonal=False`` and refuse a later flip), and
+    ``guard_count`` exists only with the guard on (a review: both survived every test)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4)))
+    b = torch.nn.Parameter(torch.randn(6, 3))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[b], momentum=0.0)], lr=0.1, guard=guard)
+    w.grad, b.grad = torch.randn(8, 4), torch.randn(6, 3)
+    opt.step()
+    assert b not in opt.state or opt.state[b] == {}
+    assert ("guard_count" in opt.state[w]) == guard and "momentum_buffer" in opt.state[w]
+    opt.param_groups[1]["orthogonal"] = True  # (no state of the other kind: the flip steps)
+    fgd_fast.orthogonalize_(b)
+    b.grad = torch.randn(6, 3)
+    opt.step()
+
+
 def test_the_paper_rule_takes_a_square_convolution_and_an_exclude_name_only_its_own_subtree():
     """``c_i·k1·k2 >= c_o`` includes equality (a 9-output conv over 1 × 3 × 3 inputs is square);
     ``exclude="c1"`` leaves out ``c1`` and what lies below it, not ``c10``."""

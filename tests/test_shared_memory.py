@@ -62,6 +62,21 @@ def test_parameters_sharing_memory_are_refused_when_added_and_at_the_step(make, 
     assert torch.equal(p, before) and not opt.state[p] and not opt.state[q]
 
 
+@pytest.mark.parametrize("kind", ["one-entry", "other-dtype"])
+def test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused(kind):
+    """The edges of the overlap test (a review: both survived every test): two views of one flat
+    buffer whose last and first entries are one entry (a span one entry short misses it), and a
+    float16 view over bytes a float32 view holds (entries of other sizes: compared by bytes)."""
+    flat = torch.zeros(64)
+    if kind == "one-entry":
+        p, q = flat[0:16].view(4, 4), flat[15:31].view(4, 4)
+    else:
+        p, q = flat.view(torch.float16)[:32].view(8, 4), flat[8:24].view(8, 2)
+    with pytest.raises(ValueError, match="share memory"):
+        fgd_fast.FGD([dict(params=[nn.Parameter(p), nn.Parameter(q)], orthogonal=True)], lr=0.1)
+    fgd_fast.FGD([dict(params=[nn.Parameter(flat[0:16].view(4, 4)), nn.Parameter(flat[16:32].view(4, 4))])], lr=0.1)
+
+
 @pytest.mark.parametrize("make", OPTIMIZERS)
 def test_views_of_one_buffer_that_share_no_entry_step_as_separate_tensors(make):
     """Disjoint rows of one flat buffer and the even and odd columns of one matrix (their spans
