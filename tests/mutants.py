@@ -5,7 +5,8 @@ contract), for ``tests/test_mutants.py``: each must make at least one named test
 returns the undo), runs the tests named for it in the same process (``pytest.main``, one
 interpreter start for all) and reports each exit status; it exits 0 when every mutant was
 killed (status 1: a test failed). Each entry names the tests expected to kill it, so the run
-stays short."""
+stays short. A mutant is planted by rebinding a function, by an edit of a Triton kernel's source
+(``KERNEL_EDITS``) or by an edit of a Python function's source (``SOURCE_EDITS``)."""
 
 from __future__ import annotations
 
@@ -385,6 +386,26 @@ MUTANTS = {
         "interpreter runs each program whole)",
         [f"{ORDER}::test_no_program_touches_what_another_program_of_its_launch_stores[cuda-cores-float32-phi]"],
     ),
+    "overlap_span_one_entry_short": (
+        "two parameters sharing exactly one entry accepted (each tensor's byte span one entry short)",
+        [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
+    ),
+    "overlap_of_other_dtypes_accepted": (
+        "views of one storage with entries of other sizes accepted where their bytes overlap",
+        [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
+    ),
+    "carried_trace_unclamped": (
+        "a carried C₊'s trace rounding below 0 (Φ₊ ≈ 0) taken as is: its root NaN, the guard resets",
+        [f"{CARRY}::test_a_gradient_in_the_normal_space_never_resets_a_carried_step"],
+    ),
+    "state_kind_record_kept_after_clear": (
+        "the record of a state's kind kept from before a clearing: a flip back over state of the other kind stepped",
+        ["tests/test_baselines_state.py::test_a_group_flag_flipped_between_steps_does_not_reuse_the_state"],
+    ),
+    "landing_pull_ignores_lr": (
+        "Landing's pull beyond the safe distance at its cap 1/(2λ) whatever the lr (at lr = 0 it moved θ)",
+        [f"{LANDING}::test_beyond_the_safe_distance_the_pull_takes_the_smaller_of_lr_and_its_cap"],
+    ),
 }
 
 
@@ -426,6 +447,59 @@ KERNEL_EDITS = {
         "u += beta * tl.load(phi + off, mask=m, other=0.0)",
     ),
 }
+
+
+#: mutants of a Python function's source: (module, the function's qualified name, text, replacement)
+SOURCE_EDITS = {
+    "overlap_span_one_entry_short": ("fgd_fast.validation", "_span", "extent = 1 + sum(", "extent = sum("),
+    "overlap_of_other_dtypes_accepted": (
+        "fgd_fast.validation",
+        "_overlap",
+        "if a.element_size() != b.element_size():\n        return True",
+        "if a.element_size() != b.element_size():\n        return False",
+    ),
+    "carried_trace_unclamped": (
+        "fgd_fast.backends.algebra",
+        "middle",
+        "phi_sq = phi_sq.clamp_min_(0.0)",
+        "pass",
+    ),
+    "state_kind_record_kept_after_clear": (
+        "fgd_fast._stiefel_optimizer",
+        "StiefelOptimizer._check_state_kind",
+        'if made is None or made != group["orthogonal"]:',
+        "if made is None:",
+    ),
+    "landing_pull_ignores_lr": ("fgd_fast.baselines.landing", "LandingSGD._landing", "min(lr, 0.5 / lam)", "0.5 / lam"),
+}
+
+
+def _plant_source_edit(module: str, qualname: str, old: str, new: str, undo: list) -> None:
+    """Recompile function ``qualname`` of ``module`` from its source with ``old`` replaced (once),
+    in the module's globals, and bind it where the original was: on its class, or in every loaded
+    fgd_fast module that imported it (as :func:`_replace` does)."""
+    import importlib
+    import inspect
+    import textwrap
+
+    mod = importlib.import_module(module)
+    owner, _, attr = qualname.rpartition(".")
+    holder = getattr(mod, owner) if owner else mod
+    original = inspect.unwrap(vars(holder)[attr]) if owner else getattr(mod, attr)
+    source = textwrap.dedent(inspect.getsource(original))
+    if source.count(old) != 1:
+        raise ValueError(f"the mutant's text is not once in {module}.{qualname}: {old!r}")
+    scope: dict = {}
+    exec(compile(source.replace(old, new), inspect.getsourcefile(original), "exec"), mod.__dict__, scope)
+    mutated = scope[attr]
+    if owner:
+        undo.append((holder, attr, vars(holder)[attr]))
+        setattr(holder, attr, mutated)
+        return
+    for loaded in list(sys.modules.values()):
+        if loaded is not None and loaded.__name__.startswith("fgd_fast") and getattr(loaded, attr, None) is original:
+            undo.append((loaded, attr, original))
+            setattr(loaded, attr, mutated)
 
 
 def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
@@ -471,6 +545,8 @@ def plant(name: str) -> Callable[[], None]:
     undo: list = []
     if name in KERNEL_EDITS:
         _plant_kernel_edit(*KERNEL_EDITS[name], undo)
+    elif name in SOURCE_EDITS:
+        _plant_source_edit(*SOURCE_EDITS[name], undo)
     elif name in (
         "owner_checks_unshared",
         "grad_sq_unsummed",
