@@ -47,10 +47,9 @@ SLOT_L = 6
 GRAM_SLOTS = 6  # slots of the FMA kernels (A, E, B, C, G, H)
 TC_GRAM_SLOTS = 7  # slots of the tensor-core kernels (A, E, B, C, G, H, L)
 
-# update matrices (the CUDA backend's interleaved buffer): θ₊ = θ + V + θ M_θ-slot, Φ₊ = U + θ M_Φ
+# update matrices: θ₊ = θ + V + θ M_θ, Φ₊ = U + θ M_Φ (slot of each in the update's tables)
 M_THETA = 0
 M_PHI = 1
-M_SLOTS = 2
 
 # work-table columns (int32) of the tensor-core kernels
 G_LAYER, G_LEFT, G_RIGHT, G_SLOT, G_TI, G_TJ, G_SPLIT = range(7)  # Gram: fields of X, Y; slot of XᵀY

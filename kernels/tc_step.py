@@ -4,7 +4,7 @@ Three launches per step cover every layer of a launch class (metadata fields, Gr
 work-table columns are named in :mod:`.meta`):
 
 ``tc_split_kernel`` — θ = hi + lo with hi = tf32(θ) and lo = tf32(θ − hi) (round to nearest,
-ties to even, as the torch backend's split), written once into scratch in θ's layout with the
+ties to even, as ``fgd_fast.backends.tf32.split_tf32``), written once into scratch in θ's layout with the
 n dimension padded to ``ld`` rows of zeros (``lo`` only for ``"tf32x3"``). Memory-bound.
 
 ``tc_gram_kernel`` — pass 1 as ONE TF32 GEMM per layer, hiᵀ[hi | lo | Φ | g] plus ΦᵀΦ:
@@ -59,7 +59,7 @@ _LD_ALIGN = tl.constexpr(LD_ALIGN)  # (as the kernels read it)
 @triton.jit
 def _tf32(x):
     """x rounded to TF32 (10-bit mantissa), to nearest, ties to even; fp32 storage. Inf and NaN
-    are kept as they are. Bit for bit ``fgd_fast.backends.tf32.round_tf32`` (the torch backend's)."""
+    are kept as they are. Bit for bit ``fgd_fast.backends.tf32.round_tf32`` (tests/test_tf32_split.py compares them)."""
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 13) & 1  # the lowest kept bit: ties to even
     rounded = ((bits + 0xFFF + lsb) >> 13) << 13

@@ -2,8 +2,9 @@
 
 The interpreter and the CPU have no TF32, so the arithmetic itself is tested: rounding to
 TF32 (round to nearest, ties to even) against an independent float64 model, the hi/lo split,
-the stacked-sum identity of the lean Gram, and the torch backend's ``"tf32x3"`` path (on a
-CPU it computes the same sums in fp32) against the float64 oracle.
+the stacked-sum identity of the lean Gram, the Triton kernels' own rounding and split against
+these bit for bit, and the torch backend's ``"tf32x3"`` path (on a CPU, fp32 sums) against the
+float64 oracle.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_stacked_lean_gram_identity(n, p):
     right = torch.cat([hi, lo, hi]).double()
     h64, l64 = hi.double().T @ hi.double(), hi.double().T @ lo.double()
     torch.testing.assert_close(left.T @ right, h64 + l64 + l64.T, rtol=1e-15, atol=1e-15)
-    # what the torch backend computes: hiᵀ[hi | lo] in one product, A = H + (L + Lᵀ), in fp32
+    # the lean Gram's sums in fp32 (the Triton kernels' order): hiᵀ[hi | lo] in one product, A = H + (L + Lᵀ)
     both = hi.T @ torch.cat([hi, lo], dim=1)
     a = both[:, :p] + (both[:, p:] + both[:, p:].T)
     exact = theta.double().T @ theta.double()
@@ -125,9 +126,10 @@ def _fp32_tolerance(problem: str, steps: int) -> float:
 
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_torch_tf32x3_matches_oracle(problem):
-    """On a CPU the ``"tf32x3"`` path computes the same sums in fp32: A from the split
-    (H + L + Lᵀ), everything else as ``"ieee"``. Within the float32 bound of the oracle test;
-    on a GPU (TF32 in B, C, E and the update) see test_torch_tf32x3_on_gpu."""
+    """On a CPU the torch backend's ``"tf32x3"`` path computes in fp32: A in IEEE fp32 (as on a
+    GPU, where cuBLAS's truncating tensor-core adds rule out the split), everything else as
+    ``"ieee"``. Within the float32 bound of the oracle test; on a GPU (TF32 in B, C, E and the
+    update) see test_torch_tf32x3_on_gpu."""
     if device_for_tests().type != "cpu":
         pytest.skip("TF32 products on a GPU differ from fp32 by ~1e-3 relative: test_torch_tf32x3_on_gpu")
     steps = 25
@@ -197,3 +199,31 @@ def test_default_precision_is_tf32x3_as_measured_on_a_gpu():
 
     assert DEFAULT_PRECISION == "tf32x3"
     assert fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1).precision == "tf32x3"
+
+
+def test_the_kernels_rounding_and_split_are_split_tf32_bit_for_bit():
+    """The tensor-core kernels' TF32 rounding (``tc_step._tf32``, what the split pass writes into
+    hi and lo) is ``round_tf32`` and their split is ``split_tf32``, bit for bit, on random values
+    of every scale and on the edges: ties to even both ways, the carry into the next binade and
+    to Inf, subnormals, ±0, ±Inf and NaN."""
+    from helpers import backend_reason
+
+    device = device_for_tests()
+    reason = backend_reason("triton", str(device))
+    if reason:
+        pytest.skip(f"triton backend unavailable: {reason}")
+    import tf32_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(3000, generator=gen) * torch.logspace(-40, 38, 3000).to(torch.float32)
+    ties = [0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001, 0x3FFFF000, 0x7F7FF000, 0x00001000, 0x00003000]
+    edges = torch.tensor(ties + [0x00000001, 0x007FFFFF, 0x80000000, 0, 0x7F800000, 0xFF800000, 0x7FC00001])
+    special = edges.to(torch.int32).view(torch.float32)
+    x = torch.cat([rand, special, -special]).to(device)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    tf32_kernel.split_kernel[((x.numel() + 255) // 256,)](x, hi, lo, x.numel(), BLOCK=256)  # (12 programs)
+    want_hi, want_lo = split_tf32(x.cpu())
+    for got, want in ((hi.cpu(), want_hi), (lo.cpu(), want_lo)):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))

@@ -2,7 +2,8 @@
 
 ``reference`` and ``torch`` run anywhere. ``triton`` and ``cuda`` are imported lazily the
 first time they are asked for, so the package imports with no Triton, no GPU and no compiler.
-``resolve_backend`` is called once per (requested name, device type) and cached by the caller.
+``resolve_backend`` is called once per (requested name, device type, precision) and cached by the
+caller.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import PRECISIONS, Backend, BackendUnavailable, StepPlan, compute_dtype
+from .base import PRECISIONS, Backend, BackendUnavailable, StepPlan, check_precision, compute_dtype
 
 __all__ = [
     "BACKENDS",
@@ -43,8 +44,7 @@ def checked_precision(precision: str | None, backend: str, advice: str = "") -> 
     (``advice`` is added to its message)."""
     if precision is None:
         return DEFAULT_PRECISION if backend in PRECISION_BACKENDS else "ieee"
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(precision)
     if precision != "ieee" and backend not in PRECISION_BACKENDS:
         raise ValueError(
             f"precision={precision!r} needs backend='torch', 'triton' or 'auto'; backend={backend!r} always "

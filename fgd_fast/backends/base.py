@@ -68,7 +68,7 @@ from typing import Protocol
 import torch
 
 from .algebra import Checks, join_checks, middle, velocity_blocks
-from .layout import Layout
+from .layout import Layout, _capturing
 
 __all__ = [
     "PRECISIONS",
@@ -149,13 +149,8 @@ class BackendUnavailable(RuntimeError):
 
 def check_precision(precision: str) -> None:
     """Every backend's first check: ``precision`` is one of :data:`PRECISIONS`."""
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}: choose one of {', '.join(map(repr, PRECISIONS))}")
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class TableCache(OrderedDict):

@@ -86,7 +86,8 @@ _pinned: set = set()  # entries used while a CUDA graph was captured: its replay
 
 
 def _capturing() -> bool:
-    # (a capture needs CUDA initialised: the cheap test first, is_available() costs host time)
+    """Whether the current CUDA stream is capturing a graph (False without CUDA; a capture needs
+    CUDA initialised: the cheap test first, ``is_available()`` costs host time)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 

@@ -1,4 +1,6 @@
-"""TF32 rounding and the hi/lo split behind ``precision="tf32x3"`` (one concern: the arithmetic).
+"""TF32 rounding and the hi/lo split behind the Triton backend's ``precision="tf32x3"`` (one
+concern: the arithmetic; the kernels' own rounding is compared with it bit for bit in the tests;
+the torch backend computes A in IEEE fp32 instead, see ``torch_bucket``).
 
 TF32 keeps float32's sign and 8-bit exponent and 10 of its 23 mantissa bits. Tensor cores
 take fp32 operands as TF32, so a plain TF32 product has ~2⁻¹¹ relative input error, far above
