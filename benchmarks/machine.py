@@ -69,7 +69,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _version(module: str) -> str:
+def version_of(module: str) -> str:
+    """``module.__version__``, or "not installed" (also where importing it fails)."""
     try:
         return __import__(module).__version__
     except Exception:  # not installed, or broken
@@ -109,9 +110,9 @@ def environment(device: torch.device) -> dict[str, object]:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "numpy": _version("numpy"),
-        "geoopt": _version("geoopt"),
+        "triton": version_of("triton"),
+        "numpy": version_of("numpy"),
+        "geoopt": version_of("geoopt"),
         "commit": git_commit(),
         "source_digest": source_digest(ROOT),
     }
@@ -128,7 +129,9 @@ def environment(device: torch.device) -> dict[str, object]:
     return env
 
 
-def _median_seconds(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
+def median_seconds(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
+    """The median time of ``fn()`` over ``repeat`` calls after a warm-up (on a GPU, by CUDA events
+    around each call; on a CPU, by the wall clock)."""
     fn()  # warm-up
     if device.type == "cuda":
         fn()
@@ -174,7 +177,7 @@ def _matmul_seconds(n: int, device: torch.device, gen: torch.Generator, reps: in
     a = torch.randn(n, n, device=device, generator=gen)
     b = torch.randn(n, n, device=device, generator=gen)
     c = torch.empty(n, n, device=device)
-    return _median_seconds(lambda: torch.mm(a, b, out=c), device, reps)
+    return median_seconds(lambda: torch.mm(a, b, out=c), device, reps)
 
 
 def device_rates(device: torch.device, *, small: bool = False) -> dict[str, object]:
@@ -191,7 +194,7 @@ def device_rates(device: torch.device, *, small: bool = False) -> dict[str, obje
         t_mm = _matmul_seconds(n, device, gen, 3 if small else (10 if gpu else 5))
         src = torch.randn(copy_bytes // 4, device=device, generator=gen)
         dst = torch.empty_like(src)
-        t_copy = _median_seconds(lambda: dst.copy_(src), device, 3 if small else 10)
+        t_copy = median_seconds(lambda: dst.copy_(src), device, 3 if small else 10)
     return {
         "matmul_flops": 2.0 * n**3 / t_mm,
         "matmul": f"fp32 {n}x{n}x{n} (TF32 off)",

@@ -66,7 +66,7 @@ class Workload:
 
     def model(self, device: torch.device | str = "cpu") -> nn.Module:
         """A fresh copy of the seeded model on ``device``, constrained weights orthonormal."""
-        return copy.deepcopy(_template(self, torch.device(device)))
+        return copy.deepcopy(template_model(self, torch.device(device)))
 
 
 _BUILT: dict[tuple[str, str], nn.Module] = {}  # (name, description) -> seeded model on the CPU
@@ -82,7 +82,7 @@ def _built(w: Workload) -> nn.Module:
     return _BUILT[key]
 
 
-def _template(w: Workload, device: torch.device) -> nn.Module:
+def template_model(w: Workload, device: torch.device) -> nn.Module:
     """The model of ``w`` on ``device`` with its constrained weights orthonormalised there."""
     key = (w.name, w.description, str(device))
     if key not in _TEMPLATES:

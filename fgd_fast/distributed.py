@@ -56,6 +56,11 @@ __all__ = [
     "gram64",
     "prepare_dtensors",
     "agree_across_ranks",
+    "agree_mesh_by_mesh",
+    "agree_on_local_checks",
+    "checks_stay_in_groups",
+    "in_rank_independent_order",
+    "meshes_of",
     "summing_over",
     "fold_float64",
     "unfold_float64",
@@ -450,3 +455,68 @@ def agree_across_ranks(settings: dict[str, object], device: torch.device, mesh=N
             "nothing changed. Every rank must build the optimizer with the same options and step the same "
             "parameters with the same hyper-parameters (a scheduler on every rank)"
         )
+
+
+def checks_stay_in_groups(meshes: list) -> bool:
+    """Whether a sharded layer's checks, shared within its own group only (the ranks of its mesh,
+    or of one dimension of it: HSDP's shards, not its replicas), may miss ranks of this step:
+    with several meshes, or a mesh of more than one dimension, a check that failed on some ranks
+    reaches the others only by an agreement on the verdict."""
+    return len(meshes) > 1 or any(m.ndim > 1 for m in meshes)
+
+
+def meshes_of(tensors: list) -> tuple[list, dict]:
+    """The device meshes of DTensors ``tensors`` in one order on every rank (see
+    :func:`in_rank_independent_order`), and each mesh's device on this rank."""
+    mesh_device: dict = {}
+    for t in tensors:
+        mesh_device.setdefault(t.device_mesh, t.device)
+    meshes = list(mesh_device)
+    if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
+        meshes = in_rank_independent_order(meshes)
+    return meshes, mesh_device
+
+
+def agree_mesh_by_mesh(settings_on, meshes: list, mesh_device: dict) -> ValueError | None:
+    """The ranks of each mesh in turn agree on ``settings_on(mesh)``; returns the first
+    disagreement (``None``: every mesh agreed). A disagreement on one mesh is carried into the
+    later, wider meshes' agreements: the ranks outside the first mesh raise too instead of
+    waiting for the ranks that raised."""
+    disagreed: ValueError | None = None
+    for mesh in meshes:
+        settings = {**settings_on(mesh), "whether the ranks of another device mesh disagreed": disagreed is not None}
+        try:
+            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
+        except ValueError as error:
+            disagreed = disagreed or error
+    return disagreed
+
+
+@eager
+def in_rank_independent_order(meshes: list) -> list:
+    """The device meshes in one order on every rank, the smaller first (by their ranks): the ranks'
+    agreements on them are collectives, which every rank must call in the same order, and a
+    disagreement on a sub-mesh reaches the wider meshes after it."""
+    return sorted(meshes, key=lambda m: (m.mesh.numel(), tuple(m.mesh.shape), m.mesh.flatten().tolist()))
+
+
+def agree_on_local_checks(
+    passed: bool,
+    meshes: list,
+    mesh_device: dict,
+    failed: Exception | None = None,
+    *,
+    what: str = "the orthogonal parameters passed the checks on this rank",
+) -> None:
+    """A check that failed on some ranks only (this rank's unsharded layers, or a sharded layer
+    whose group is one sub-mesh or one dimension of an HSDP mesh) would leave the other ranks
+    writing theirs, then waiting in the sharded layers' collectives: the ranks of each mesh agree
+    on the verdict first, and every rank raises (this rank its own error) before anything is
+    written. A disagreement on one
+    mesh is carried into the later, wider meshes' agreements (as in the step's own agreement):
+    the ranks outside the first mesh raise too instead of waiting."""
+    disagreed = agree_mesh_by_mesh(lambda mesh: {f"whether {what}": passed}, meshes, mesh_device)
+    if disagreed is not None:
+        if failed is not None:
+            raise failed from None
+        raise disagreed

@@ -17,11 +17,12 @@ from typing import NamedTuple
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
+from . import distributed
 from ._compile import eager
 from .backends import Backend, BackendUnavailable, checked_precision, compute_dtype, resolve_backend
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
-from .distributed import SHARDINGS, agree_across_ranks, is_dtensor, prepare_dtensors
+from .distributed import SHARDINGS, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, check_guard_room, raise_if_invalid
 from .validation import (
     check_bool,
@@ -317,7 +318,7 @@ def fgd(
     )
     plans, index, bounded = [], [], []  # bounded: plans whose dist_next may be a bound
     # (the ranks agree per device mesh: FSDP2 may run on a mesh over some of them)
-    meshes, mesh_device = _meshes_of([params[i] for i in sharded] + list(_idle_dtensors))
+    meshes, mesh_device = distributed.meshes_of([params[i] for i in sharded] + list(_idle_dtensors))
     # A rank that fails before the ranks' first collective (input that does not fit on this rank
     # only, a backend that loads on some nodes only, memory) holds its error until the agreement,
     # where the others learn of it and raise too, instead of waiting for it in a collective.
@@ -395,7 +396,7 @@ def fgd(
             "trust_radius": trust_radius,
         }
 
-    disagreed = _agree_mesh_by_mesh(settings_on, meshes, mesh_device)
+    disagreed = distributed.agree_mesh_by_mesh(settings_on, meshes, mesh_device)
     if held:
         raise held[0]
     if disagreed is not None:
@@ -405,7 +406,7 @@ def fgd(
         beside = bool(sharded) and any(not is_dtensor(p) for p in params)
     # (with the checks off too: an owner's failure, e.g. out of memory, reaches the other replicas
     # of an HSDP mesh, or the ranks of another mesh, only by this agreement)
-    agree = bool(meshes) and (beside or _checks_stay_in_groups(meshes))
+    agree = bool(meshes) and (beside or distributed.checks_stay_in_groups(meshes))
     if _rest_sharded_at_zero_lr:  # (agreed above; FGD's lr = 0 moves nothing: only their state is made)
         sharded = [i for i in sharded if host_lrs()[i] != 0.0]
     if sharded:  # (a rank's DTensors share its device: the kernels launch there, as above)
@@ -428,7 +429,7 @@ def fgd(
                 )
         except Exception as failed:  # (an owner's failure, raised by every rank of its group alike:
             if agree:  # the other replicas and meshes learn of it here instead of waiting)
-                _agree_on_local_checks(False, meshes, mesh_device, failed)
+                distributed.agree_on_local_checks(False, meshes, mesh_device, failed)
             raise
         for idx, plan in dtensor_plans:
             plans.append(plan)
@@ -450,12 +451,12 @@ def fgd(
         )
     except (ValueError, FloatingPointError) as failed:
         if agree:
-            _agree_on_local_checks(False, meshes, mesh_device, failed)
+            distributed.agree_on_local_checks(False, meshes, mesh_device, failed)
         raise
     if _before_writes is not None and not meshes:  # (a step of this process alone: before its first write)
         _before_writes()
     if agree:  # (this rank's verdict is not every rank's; the sharded apply is collective)
-        _agree_on_local_checks(True, meshes, mesh_device)
+        distributed.agree_on_local_checks(True, meshes, mesh_device)
     for pl, idx in zip(plans, index):
         with on_device(params[idx[0]].device):
             pl.apply()
@@ -474,14 +475,6 @@ def fgd(
             for i, t in zip(idx, pl.dist_next.unbind(0)):
                 distance[i] = t
     return GuardReport(per_param, read, distance)
-
-
-def _checks_stay_in_groups(meshes: list) -> bool:
-    """Whether a sharded layer's checks, shared within its own group only (the ranks of its mesh,
-    or of one dimension of it: HSDP's shards, not its replicas), may miss ranks of this step:
-    with several meshes, or a mesh of more than one dimension, a check that failed on some ranks
-    reaches the others only by an agreement on the verdict."""
-    return len(meshes) > 1 or any(m.ndim > 1 for m in meshes)
 
 
 def _momentum_buffers(params, grads, momentum_buffers, betas, labels) -> tuple[list, list[bool]]:
@@ -507,63 +500,6 @@ def _momentum_buffers(params, grads, momentum_buffers, betas, labels) -> tuple[l
         bufs.append(buf)
         fresh.append(False)
     return bufs, fresh
-
-
-def _meshes_of(tensors: list) -> tuple[list, dict]:
-    """The device meshes of DTensors ``tensors`` in one order on every rank (see
-    :func:`_in_rank_independent_order`), and each mesh's device on this rank."""
-    mesh_device: dict = {}
-    for t in tensors:
-        mesh_device.setdefault(t.device_mesh, t.device)
-    meshes = list(mesh_device)
-    if len(meshes) > 1:  # (which layers have gradients may differ between ranks)
-        meshes = _in_rank_independent_order(meshes)
-    return meshes, mesh_device
-
-
-def _agree_mesh_by_mesh(settings_on, meshes: list, mesh_device: dict) -> ValueError | None:
-    """The ranks of each mesh in turn agree on ``settings_on(mesh)``; returns the first
-    disagreement (``None``: every mesh agreed). A disagreement on one mesh is carried into the
-    later, wider meshes' agreements: the ranks outside the first mesh raise too instead of
-    waiting for the ranks that raised."""
-    disagreed: ValueError | None = None
-    for mesh in meshes:
-        settings = {**settings_on(mesh), "whether the ranks of another device mesh disagreed": disagreed is not None}
-        try:
-            agree_across_ranks(settings, mesh_device[mesh], mesh=mesh)
-        except ValueError as error:
-            disagreed = disagreed or error
-    return disagreed
-
-
-@eager
-def _in_rank_independent_order(meshes: list) -> list:
-    """The device meshes in one order on every rank, the smaller first (by their ranks): the ranks'
-    agreements on them are collectives, which every rank must call in the same order, and a
-    disagreement on a sub-mesh reaches the wider meshes after it."""
-    return sorted(meshes, key=lambda m: (m.mesh.numel(), tuple(m.mesh.shape), m.mesh.flatten().tolist()))
-
-
-def _agree_on_local_checks(
-    passed: bool,
-    meshes: list,
-    mesh_device: dict,
-    failed: Exception | None = None,
-    *,
-    what: str = "the orthogonal parameters passed the checks on this rank",
-) -> None:
-    """A check that failed on some ranks only (this rank's unsharded layers, or a sharded layer
-    whose group is one sub-mesh or one dimension of an HSDP mesh) would leave the other ranks
-    writing theirs, then waiting in the sharded layers' collectives: the ranks of each mesh agree
-    on the verdict first, and every rank raises (this rank its own error) before anything is
-    written. A disagreement on one
-    mesh is carried into the later, wider meshes' agreements (as in the step's own agreement):
-    the ranks outside the first mesh raise too instead of waiting."""
-    disagreed = _agree_mesh_by_mesh(lambda mesh: {f"whether {what}": passed}, meshes, mesh_device)
-    if disagreed is not None:
-        if failed is not None:
-            raise failed from None
-        raise disagreed
 
 
 def sgd(

@@ -72,13 +72,13 @@ def agree_on_saved_state(failed: ValueError | None, params: list[torch.Tensor]) 
     """Raise ``failed`` (this rank's verdict on the saved state); with sharded parameters, first
     agree with the other ranks of their meshes, so that every rank raises or none does (a rank
     that loaded while another refused would step with other state, or wait in its collectives)."""
-    from .functional import _agree_on_local_checks, _meshes_of
+    from .distributed import agree_on_local_checks, meshes_of
 
-    meshes, mesh_device = _meshes_of([p for p in params if is_dtensor(p)])
+    meshes, mesh_device = meshes_of([p for p in params if is_dtensor(p)])
     if meshes:
         try:
             verdict = "the saved state passed the checks"
-            _agree_on_local_checks(failed is None, meshes, mesh_device, failed, what=verdict)
+            agree_on_local_checks(failed is None, meshes, mesh_device, failed, what=verdict)
         except ValueError as error:
             if error is failed:
                 raise

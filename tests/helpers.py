@@ -127,14 +127,14 @@ def gram_blocks(lay, dtype, gen, *, scale: float, off: float):
 def record_launches(monkeypatch) -> list[tuple[str, dict]]:
     """Every Triton launch the backend makes from now on (for the test's duration), as ``(kernel
     name, keyword arguments)``: its constexprs and tile sizes."""
-    from fgd_fast.backends import triton as tb
+    from fgd_fast.backends import triton_launch
 
     launched = []
-    real = tb._launch
+    real = triton_launch.launch
 
     def launch(kernel, grid, *args, **kwargs):
         launched.append((kernel.fn.__name__, kwargs))
         return real(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(tb, "_launch", launch)
+    monkeypatch.setattr(triton_launch, "launch", launch)
     return launched

@@ -1030,13 +1030,13 @@ def plant_here(name: str) -> None:
 
         FGD._raise_with_the_ranks = lambda self, error: None
     elif name == "local_checks_unshared":
-        import fgd_fast.functional as functional
+        import fgd_fast.distributed as distributed
 
-        functional._agree_on_local_checks = lambda *args, **kwargs: None
+        distributed.agree_on_local_checks = lambda *args, **kwargs: None
     elif name == "sharded_checks_kept_in_groups":
-        import fgd_fast.functional as functional
+        import fgd_fast.distributed as distributed
 
-        functional._checks_stay_in_groups = lambda meshes: False
+        distributed.checks_stay_in_groups = lambda meshes: False
     elif name == "saved_state_unshared":
         import fgd_fast._stiefel_optimizer as stiefel
 

@@ -70,16 +70,16 @@ def _count_step(backend: str, monkeypatch) -> tuple[int, int]:
     launches = [0]
     if backend == "triton":  # as on a GPU: the guard blends every layer (no full-step-first host read)
         monkeypatch.setattr(guard_rule, "HOST_READ_DEVICES", ())
-        from fgd_fast.backends import triton as tb
+        from fgd_fast.backends import triton_launch
 
-        real = tb._launch
+        real = triton_launch.launch
 
         def launch(*args, **kwargs):  # one launch; the interpreter's own tensor work not counted
             launches[0] += 1
             with _disable_current_modes():
                 return real(*args, **kwargs)
 
-        monkeypatch.setattr(tb, "_launch", launch)
+        monkeypatch.setattr(triton_launch, "launch", launch)
     gen = torch.Generator().manual_seed(0)
     # three p-classes; the torch backend's CPU path depends on the sizes (it stacks small layers),
     # the Triton count does not, and its interpreter is slow: narrower layers there

@@ -58,8 +58,9 @@ def _expected_kernels(dtype, precision, variant):
 @pytest.fixture
 def many_programs(monkeypatch):
     from fgd_fast.backends import triton as tb
+    from fgd_fast.backends import triton_launch
 
-    monkeypatch.setattr(tb, "force_programs", 5)  # more programs than work items in some launches
+    monkeypatch.setattr(triton_launch, "force_programs", 5)  # more programs than work items in some launches
     monkeypatch.setattr(tb, "force_splits", 3)  # the Gram pass's partial sums over n
 
 

@@ -161,14 +161,14 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
     import numpy as np
 
     import fgd_fast
-    from fgd_fast.backends import triton as tb
+    from fgd_fast.backends import triton_launch
 
     allowed = {
         (name, json.dumps({k: str(v) for k, v in consts.items()}, sort_keys=True), json.dumps(cfg, sort_keys=True))
         for name, consts, cfg in aot.configurations()
     }
     seen = []
-    real = tb._launch
+    real = triton_launch.launch
 
     def record(kernel, grid, *args, **kw):
         keys = ("DTYPE", "ACC", "ROWS", "ALIGNED", "LO", "PRECISION", "BLOCK", "MODE", "HAS_PHI", "W_MODE")
@@ -193,7 +193,7 @@ def test_backend_launches_only_checked_configurations(monkeypatch):
         )
         return real(kernel, grid, *args, **kw)
 
-    monkeypatch.setattr(tb, "_launch", record)
+    monkeypatch.setattr(triton_launch, "launch", record)
     rng = np.random.default_rng(0)
     cases = [
         (torch.float32, 0.9, "tf32x3"),

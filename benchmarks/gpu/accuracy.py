@@ -61,9 +61,9 @@ def distances(weights: list[torch.Tensor]) -> list[float]:
 def run_case(contender, workload, pool, device, steps: int, every: int, deadline: float) -> dict:
     """``steps`` steps of one case (fewer if ``deadline`` passes: ``steps`` says how many ran)."""
     from benchmarks.measure import LR, synchronizer
-    from benchmarks.workloads import _template
+    from benchmarks.workloads import template_model
 
-    model = copy.deepcopy(_template(workload, device))
+    model = copy.deepcopy(template_model(workload, device))
     case = contender.make(model, workload.rule, LR)
     sync = synchronizer(device)
     worst, t0, done = 0.0, time.monotonic(), 0

@@ -252,9 +252,9 @@ def _agreement(name: str, workload, pool, device) -> dict:
 
     from benchmarks.contenders import contender
     from benchmarks.measure import LR
-    from benchmarks.workloads import _template
+    from benchmarks.workloads import template_model
 
-    template = _template(workload, device)
+    template = template_model(workload, device)
     cands, refs, f64s = [], [], []
     for c, store in ((name, cands), ("fgd-torch", refs), ("fgd-torch", f64s)):
         model = copy.deepcopy(template)
@@ -316,7 +316,7 @@ def run_one(args) -> int:
     from benchmarks.contenders import contender, unavailable
     from benchmarks.measure import LR, gradient_pool
     from benchmarks.memtrack import peak_extra_bytes
-    from benchmarks.workloads import _template, weight_shapes, workloads
+    from benchmarks.workloads import template_model, weight_shapes, workloads
 
     if os.environ.get("FGD_FIRST_PHASE_ABORT") == args.one:  # rehearsal: a case that dies like a CUDA fault
         os.abort()
@@ -336,7 +336,7 @@ def run_one(args) -> int:
     reps, steps = (3, 4) if args.cpu_dry_run else (args.reps, args.steps)
 
     def fresh():
-        case = c.make(copy.deepcopy(_template(workload, device)), workload.rule, LR)
+        case = c.make(copy.deepcopy(template_model(workload, device)), workload.rule, LR)
         case.set_grads(pool[0])
         return case
 

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from benchmarks.machine import _median_seconds, describe, environment
+from benchmarks.machine import describe, environment, median_seconds
 from benchmarks.studies import counts_checked
 
 # (layers in one call, p, n = 9p): the cpu-scale workloads' 3 × 3 convolutions and a few more
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         r, g, phi = (torch.randn(c, p, n, generator=gen) for _ in range(3))  # R = θᵀ, G = gᵀ, P = Φᵀ
         blocks = [torch.empty(c, p, p) for _ in range(3)]  # A, E, B
         joint, out = torch.empty(c, 3 * p, n), torch.empty(c, p, 3 * p)
-        a = _median_seconds(lambda: _three(r, g, phi, blocks), cpu, args.reps)  # noqa: B023  (timed here, in this iteration)
-        b = _median_seconds(lambda: _fused(r, g, phi, blocks, joint, out), cpu, args.reps)  # noqa: B023
+        a = median_seconds(lambda: _three(r, g, phi, blocks), cpu, args.reps)  # noqa: B023  (timed here, in this iteration)
+        b = median_seconds(lambda: _fused(r, g, phi, blocks, joint, out), cpu, args.reps)  # noqa: B023
         print(f"| {c} × ({p}, {n}) | {a * 1e6:.0f} µs | {b * 1e6:.0f} µs | {b / a:.2f}× |")
 
 

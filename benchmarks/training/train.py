@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fgd_fast  # noqa: E402
-from benchmarks.machine import environment  # noqa: E402
+from benchmarks.machine import environment, version_of  # noqa: E402
 from benchmarks.models import cifar_resnet, small_cnn, wide_resnet  # noqa: E402
 from benchmarks.training.data import DATASETS, Dataset, load_dataset  # noqa: E402
 from benchmarks.training.optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
@@ -538,7 +538,7 @@ def machine_record(device: torch.device) -> dict:
     versions = {k: env.pop(k) for k in ("python", "torch", "triton", "numpy", "geoopt")}
     versions["fgd_fast"] = fgd_fast.__version__
     for mod in ("sklearn", "matplotlib", "tqdm"):
-        versions[mod] = _version(mod)
+        versions[mod] = version_of(mod)
     commit = env.pop("commit")
     commit["source_digest"] = env.pop("source_digest")
     return {"device": env, "versions": versions, "commit": commit}
@@ -578,13 +578,6 @@ def finite_json(value):
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
-
-
-def _version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except Exception:
-        return "not installed"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import mid_products
+from . import mid_products, triton_launch
 from .layout import Layout
 
 __all__ = ["FusedMiddle", "applies", "buffers", "run"]
@@ -172,16 +172,15 @@ def run(
     ``feedback``: ``F = M_θ − M_Φ`` where M_θ would be (the CUDA-core θ pass reads Φ₊ and F)."""
     from ..kernels import meta, middle, products
     from . import guard_blend
-    from . import triton as backend
 
     numel, device, blocks = lay.numel, lay.device, bufs.blocks
     if blocks.dtype != torch.float32:
         raise TypeError(f"the fused middle takes float32 blocks, got {blocks.dtype}")
     work, layers = mid_products.tiles(lay, middle.TILE)
     items = work.shape[0]
-    backend._launch(
+    triton_launch.launch(
         middle.mid_prep_kernel,
-        (backend._persistent(items, device),),
+        (triton_launch.persistent(items, device),),
         work,
         layers,
         hyper,
@@ -199,9 +198,9 @@ def run(
     config = products.CONFIG[max(p for _, p in lay.groups) >= products.BIG_P]
     jobs, works, layers = _tables(lay, has_phi, config["BM"])
     for work, items in works:
-        backend._launch(
+        triton_launch.launch(
             products.mid_jobs_kernel,
-            (backend._persistent(items, device),),
+            (triton_launch.persistent(items, device),),
             work,
             layers,
             jobs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import triton_launch
 from .layout import Layout
 
 __all__ = ["gather"]
@@ -38,16 +39,15 @@ def gather(
     import triton.language as tl
 
     from ..kernels import blocks
-    from . import triton as backend
 
     # per layer: the block's offset in the layout, p, and its blocks' offset in a slab
     work, layers = lay.tiles(blocks.TILE, ("gather", sources), lambda k, at, p, first, items: [at, p, sources[k]])
     numel = lay.numel
     dst = out if out is not None else torch.empty(6 * numel, dtype=slabs.dtype, device=slabs.device)
     items = work.shape[0]
-    backend._launch(
+    triton_launch.launch(
         blocks.gram_gather_kernel,
-        (backend._persistent(items, slabs.device),),
+        (triton_launch.persistent(items, slabs.device),),
         work,
         layers,
         slabs,

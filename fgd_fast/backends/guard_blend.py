@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import triton_launch
 from .layout import Layout
 
 __all__ = ["blend", "launches", "tiles"]
@@ -121,8 +122,6 @@ def launches(
     ``guard=False``: t = 1 for every layer (the full step's distance predicted, nothing blended).
     ``write_feedback`` (without ``feedback``): ``F = M_θ − M_Φ`` in M_θ's place.
     Returns the ``(L, meta.GB_RESULT_FIELDS)`` float64 result table."""
-    from . import triton as backend
-
     kernels, meta, tl = _kernels()
     count, device, d = lay.count, lay.device, blocks["d"]
     # per layer: the block's offset, p, its first work item and how many
@@ -130,11 +129,11 @@ def launches(
     weights = _weights(lay)
     acc = {torch.float32: tl.float32, torch.float64: tl.float64}[d.dtype]  # the blocks' (compute) dtype
     items = work.shape[0]
-    programs = backend._persistent(items, device)
+    programs = triton_launch.persistent(items, device)
     if part is None:
         part = torch.empty((items, meta.GB_PART), dtype=torch.float64, device=device)
     w_block = blocks["w"]
-    backend._launch(
+    triton_launch.launch(
         kernels.guard_sums_kernel,
         (programs,),
         work,
@@ -158,9 +157,9 @@ def launches(
     )
     if result is None:
         result = torch.empty((count, meta.GB_RESULT_FIELDS), dtype=torch.float64, device=device)
-    backend._launch(
+    triton_launch.launch(
         kernels.guard_choose_kernel,
-        (backend._persistent(count, device),),
+        (triton_launch.persistent(count, device),),
         layers,
         coef,
         weights,
@@ -176,7 +175,7 @@ def launches(
         HYPER=hyper is not None,
         GUARD=guard,
     )
-    backend._launch(
+    triton_launch.launch(
         kernels.guard_blend_kernel,
         (programs,),
         work,

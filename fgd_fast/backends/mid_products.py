@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import triton_launch
 from .layout import Layout
 
 __all__ = ["engine", "tiles"]
@@ -34,7 +35,6 @@ def engine(precision: str):
         import triton.language as tl
 
         from ..kernels import products as kernels
-        from . import triton as backend
 
         config = kernels.CONFIG[max(p for _, p in lay.groups) >= kernels.BIG_P]
         work, layers = tiles(lay, config["BM"])
@@ -44,9 +44,9 @@ def engine(precision: str):
         items = work.shape[0]
         if x.dtype != torch.float32:
             raise TypeError(f"the middle's product kernel takes float32 blocks, got {x.dtype}")
-        backend._launch(
+        triton_launch.launch(
             kernels.mid_mm_kernel,
-            (backend._persistent(items, lay.device),),
+            (triton_launch.persistent(items, lay.device),),
             work,
             layers,
             x,

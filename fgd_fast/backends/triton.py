@@ -57,7 +57,6 @@ in float64 ("ieee"); 16-bit parameters use the CUDA-core kernels with tensor-cor
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import torch
 import triton.language as tl
@@ -67,7 +66,7 @@ from fgd_fast.kernels import meta
 from fgd_fast.kernels import tc_step as TC
 
 from .._matrix import stiefel_shape
-from . import fused_middle, gram_gather, guard_blend, mid_products
+from . import fused_middle, gram_gather, guard_blend, mid_products, triton_launch
 from . import triton_tables as tables
 from .algebra import grad_norm, grad_sq, scaled_hyper
 from .base import (
@@ -93,6 +92,7 @@ from .base import (
 )
 from .guard_rule import store_unit
 from .layout import Layout
+from .triton_launch import launch_counts  # (re-exported: tests read the counts here)
 
 __all__ = ["prepare_triton", "launch_counts", "PRECISIONS", "SCRATCH_BYTES"]
 
@@ -108,29 +108,8 @@ assert (SLOT_A, SLOT_E, SLOT_B, SLOT_C, M_THETA, M_PHI) == (
     meta.M_PHI,
 ), "the kernels and the backends share one block order"
 
-#: kernel name -> number of launches since import (tests assert the launch count per step)
-launch_counts: Counter = Counter()
 #: tests may force a number of n-splits for the Gram pass (None: chosen from the GPU size)
 force_splits: int | None = None
-#: tests may force the number of programs of the persistent tensor-core grids (None: from the GPU)
-force_programs: int | None = None
-
-
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    launch_counts[kernel.fn.__name__] += 1
-    kernel[grid](*args, **kwargs)
-
-
-def _programs_wanted(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter runs programs one after another
-
-
-def _persistent(items: int, device: torch.device) -> int:
-    """Programs of a persistent grid over ``items`` work items (~2 per SM on a GPU)."""
-    wanted = force_programs or (_programs_wanted(device) // 2 if device.type == "cuda" else 3)
-    return max(1, min(items, wanted))
 
 
 _tables = TableCache()
@@ -287,8 +266,10 @@ class _Class(_Checked):
         self.layers, np_list = _order(layers, params)
         blocking = (self.gram_config["BP"], self.gram_config["BK"], self.update_config["BR"], acc_name)
         self.shapes = _tables.get_or(
-            ("shapes", device, tuple(np_list), _programs_wanted(device), blocking, force_splits),
-            lambda: tables.shapes(np_list, device, _programs_wanted(device), *blocking, forced_splits=force_splits),
+            ("shapes", device, tuple(np_list), triton_launch.programs_wanted(device), blocking, force_splits),
+            lambda: tables.shapes(
+                np_list, device, triton_launch.programs_wanted(device), *blocking, forced_splits=force_splits
+            ),
         )
         sh = self.shapes
         self.ops = ops = _Operands(self.layers, params, grads, bufs, lr, beta, alpha, has_phi, self.acc)
@@ -319,7 +300,7 @@ class _Class(_Checked):
                 blocks += (meta.SLOT_G, meta.SLOT_H) if has_phi else (meta.SLOT_G,)
             for block in blocks:
                 work = sh.gram_sym if block in (SLOT_A, SLOT_C, meta.SLOT_G) else sh.gram_full
-                _launch(
+                triton_launch.launch(
                     K.gram_kernel,
                     (work.shape[0], sh.splits),
                     self.meta,
@@ -360,7 +341,7 @@ class _Class(_Checked):
         # 3% of each other: benchmarks/results/gpu-h200-2026-11-26-triton-probe.md)
         br = self.update_config["BR"]
         acc_bytes = torch.finfo(self.acc).bits // 8
-        programs = _programs_wanted(device) // 2 if device.type == "cuda" else 2
+        programs = triton_launch.programs_wanted(device) // 2 if device.type == "cuda" else 2
         programs = max(1, min(programs, sh.update_work.shape[0], SCRATCH_BYTES // (br * self.p_max * acc_bytes)))
         self.programs = programs
         self.scratch = torch.empty(programs * br * self.p_max, dtype=self.acc, device=device)
@@ -370,7 +351,7 @@ class _Class(_Checked):
         args = (self.meta, self.hyper_step, sh.update_work, sh.update_work.shape[0])
         modes = (meta.MODE_PHI, meta.MODE_THETA) if self.has_phi else (meta.MODE_THETA,)
         for mode in modes:  # Φ₊ first: the θ pass reads it
-            _launch(
+            triton_launch.launch(
                 K.update_kernel,
                 (self.programs,),
                 *args,
@@ -429,7 +410,7 @@ class _TensorCoreClass(_Checked):
             "tc",
             device,
             tuple(np_list),
-            _programs_wanted(device),
+            triton_launch.programs_wanted(device),
             has_phi,
             precision,
             tiling,
@@ -441,7 +422,7 @@ class _TensorCoreClass(_Checked):
             lambda: tables.tc_shapes(
                 np_list,
                 device,
-                _programs_wanted(device),
+                triton_launch.programs_wanted(device),
                 has_phi,
                 self.lo,
                 self.gram_config,
@@ -479,9 +460,9 @@ class _TensorCoreClass(_Checked):
         with phase("gram"):
             # the split pass: hi = tf32(θ), lo = tf32(θ − hi)
             items = sh.split_work.shape[0]
-            _launch(
+            triton_launch.launch(
                 TC.tc_split_kernel,
-                (_persistent(items, device),),
+                (triton_launch.persistent(items, device),),
                 self.meta,
                 sh.split_work,
                 items,
@@ -496,9 +477,9 @@ class _TensorCoreClass(_Checked):
                 ("tc-gram", device, owners, size), lambda: torch.empty(size, dtype=torch.float32, device=device)
             )
             items = sh.gram_work.shape[0]
-            _launch(
+            triton_launch.launch(
                 TC.tc_gram_kernel,
-                (_persistent(items, device),),
+                (triton_launch.persistent(items, device),),
                 self.meta,
                 sh.gram_work,
                 items,
@@ -523,7 +504,7 @@ class _TensorCoreClass(_Checked):
                 self.middle(
                     partial, runs, gather=gather, products=mid_products.engine(precision), precision=precision, **guard
                 )
-        self.programs = _persistent(sh.update_work.shape[0], device)
+        self.programs = triton_launch.persistent(sh.update_work.shape[0], device)
         # the update kernel's ALIGNED hints claim M_θ and M_Φ 16-byte aligned (the middle's buffers,
         # offsets sums of p² with p a multiple of 4): a hint that does not hold is a wrong 16-byte
         # load on a GPU, so refuse here, before any write
@@ -536,7 +517,7 @@ class _TensorCoreClass(_Checked):
     def _apply(self) -> None:
         sh = self.shapes
         items = sh.update_work.shape[0]
-        _launch(
+        triton_launch.launch(
             TC.tc_update_kernel,
             (self.programs,),
             self.meta,
