@@ -26,6 +26,8 @@ from .distributed import SHARDINGS, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, check_guard_room, raise_if_invalid
 from .validation import (
     check_bool,
+    check_feedback,
+    check_fgd_momentum,
     check_grad_fits,
     check_lr,
     check_max_distance,
@@ -33,7 +35,6 @@ from .validation import (
     check_orthogonal_params,
     check_state_tensor,
     check_trust_radius,
-    check_unit_interval,
     check_writable,
 )
 
@@ -270,9 +271,9 @@ def fgd(
         for v in _given(lr):
             check_lr(v)
         for v in _given(momentum):
-            check_unit_interval("momentum", v, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
+            check_fgd_momentum(v)
         for v in _given(feedback):
-            check_unit_interval("feedback", v, "0.3–0.5 is typical; 0.5 cancels first-order drift")
+            check_feedback(v)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     count = len(params)

@@ -26,7 +26,9 @@ from .manifold import orthogonalize_, stiefel_distance
 from .validation import (
     check_bool,
     check_choice,
-    check_closed_unit_interval,
+    check_dampening,
+    check_feedback,
+    check_fgd_momentum,
     check_int_at_least,
     check_keys,
     check_lr,
@@ -35,7 +37,6 @@ from .validation import (
     check_nonnegative,
     check_state_tensor,
     check_trust_radius,
-    check_unit_interval,
     user_stacklevel,
 )
 
@@ -626,9 +627,9 @@ def _check_group(group: dict[str, Any], at_step: bool = False) -> None:
     (``at_step``: see :func:`fgd_fast.validation.check_nesterov`)."""
     check_keys(group, _GROUP_KEYS)
     check_lr(group["lr"])
-    check_unit_interval("momentum", group["momentum"], "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
-    check_unit_interval("feedback", group["feedback"], "0.3–0.5 is typical; 0.5 cancels first-order drift")
+    check_fgd_momentum(group["momentum"])
+    check_feedback(group["feedback"])
     check_nonnegative("weight_decay", group["weight_decay"])
-    check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
+    check_dampening(group["dampening"])
     check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
     check_bool("orthogonal", group["orthogonal"])

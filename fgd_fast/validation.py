@@ -31,6 +31,9 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_nesterov",
+    "check_fgd_momentum",
+    "check_feedback",
+    "check_dampening",
     "check_max_distance",
     "check_trust_radius",
     "check_orthogonal_params",
@@ -289,6 +292,21 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return at.flatten()
 
     return bool(torch.isin(offsets(a), offsets(b)).any())
+
+
+def check_fgd_momentum(value: Any) -> float:
+    """FGD's β in [0, 1) (the paper's γ = 1 − β must be positive)."""
+    return check_unit_interval("momentum", value, "the paper's γ = 1 − momentum must be positive; e.g. 0.9")
+
+
+def check_feedback(value: Any) -> float:
+    """FGD's α in [0, 1)."""
+    return check_unit_interval("feedback", value, "0.3–0.5 is typical; 0.5 cancels first-order drift")
+
+
+def check_dampening(value: Any) -> float:
+    """SGD's τ in [0, 1], as ``torch.optim.SGD`` takes it."""
+    return check_closed_unit_interval("dampening", value, "as torch.optim.SGD's: 0 is no dampening")
 
 
 def check_nesterov(nesterov: Any, momentum: float, dampening: float, at_step: bool = False) -> bool:

@@ -34,7 +34,7 @@ from ..selection import Rule, select_stiefel
 from ..validation import (
     check_bool,
     check_choice,
-    check_closed_unit_interval,
+    check_dampening,
     check_nesterov,
     check_nonnegative,
     check_unit_interval,
@@ -124,7 +124,7 @@ def _sgd_options(lr, momentum, weight_decay, nesterov, dampening) -> dict[str, A
     """The validated SGD keyword arguments both adapters pass on (weight decay goes per group)."""
     check_nonnegative("lr", lr)
     check_unit_interval("momentum", momentum, "e.g. 0.9")
-    check_closed_unit_interval("dampening", dampening, "0 for none")
+    check_dampening(dampening)
     check_nonnegative("weight_decay", weight_decay)
     check_nesterov(nesterov, momentum, dampening)
     return dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .._matrix import as_w2
-from ..validation import check_closed_unit_interval, check_nesterov, check_unit_interval
+from ..validation import check_dampening, check_nesterov, check_unit_interval
 from ._base import Bucket, CayleyBase, store_state
 
 __all__ = ["CayleySGD", "CayleyADAM"]
@@ -133,7 +133,7 @@ class CayleySGD(CayleyBase):
     def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
         self._validate_common(group)
         check_unit_interval("momentum", group["momentum"], "0.9 is typical")
-        check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
+        check_dampening(group["dampening"])
         check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
 
     def _beta(self, group: dict[str, Any]) -> float:

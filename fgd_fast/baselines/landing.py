@@ -49,7 +49,7 @@ from ..backends import compute_dtype
 from ..guards import raise_if_invalid
 from ..validation import (
     check_bool,
-    check_closed_unit_interval,
+    check_dampening,
     check_keys,
     check_nesterov,
     check_nonnegative,
@@ -246,7 +246,7 @@ def _check_group(group: dict[str, Any], at_step: bool = False) -> None:
     check_keys(group, _GROUP_KEYS)
     check_nonnegative("lr", group["lr"])
     check_unit_interval("momentum", group["momentum"], "0.9 is typical")
-    check_closed_unit_interval("dampening", group["dampening"], "as torch.optim.SGD's: 0 is no dampening")
+    check_dampening(group["dampening"])
     check_nonnegative("weight_decay", group["weight_decay"])
     check_nesterov(group["nesterov"], group["momentum"], group["dampening"], at_step)
     check_positive("attraction", group["attraction"], "λ of the landing field; 1 is the authors' default")
