@@ -170,8 +170,6 @@ def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
     return values
 
 
-@torch.no_grad()  # (an in-place step on leaf parameters; FGD.step is under no_grad already)
-@outside_autocast
 def fgd(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -192,12 +190,6 @@ def fgd(
     sharding: str = "auto",
     gram_refresh: int = GRAM_REFRESH,
     maximize: bool = False,
-    _validated: bool = False,
-    _rest_sharded_at_zero_lr: bool = False,
-    _unsharded_beside_sharded: bool | None = None,
-    _idle_dtensors: Sequence[torch.Tensor] = (),
-    _held: Exception | None = None,
-    _before_writes: Callable[[], None] | None = None,
 ) -> GuardReport:
     """One FGD step for Stiefel-constrained ``params`` (in place).
 
@@ -231,6 +223,65 @@ def fgd(
     from step to step before reading them from the parameters again (1: every step; see
     :class:`fgd_fast.FGD`).
     ``maximize``: ascend the objective (the gradients negated, as ``torch.optim.SGD(maximize=True)``).
+
+    Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
+    would take on the full matrices, and the checks raise on every rank alike (see
+    :mod:`fgd_fast.distributed`); every rank must then call this with the same layers.
+    """
+    return _fgd(
+        params,
+        grads,
+        momentum_buffers,
+        lr=lr,
+        momentum=momentum,
+        feedback=feedback,
+        backend=backend,
+        check_finite=check_finite,
+        check_manifold=check_manifold,
+        max_distance=max_distance,
+        precision=precision,
+        labels=labels,
+        guard=guard,
+        trust_radius=trust_radius,
+        variant=variant,
+        sharding=sharding,
+        gram_refresh=gram_refresh,
+        maximize=maximize,
+    )
+
+
+@torch.no_grad()  # (an in-place step on leaf parameters; FGD.step is under no_grad already)
+@outside_autocast
+def _fgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor | None],
+    *,
+    lr: float | torch.Tensor | Sequence[float | torch.Tensor],
+    momentum: float | Sequence[float],
+    feedback: float | Sequence[float],
+    backend: str = "auto",
+    check_finite: bool = True,
+    check_manifold: bool = True,
+    max_distance: float = MAX_DISTANCE,
+    precision: str | None = None,
+    labels: Sequence[str] | None = None,
+    guard: bool = True,
+    trust_radius: float = TRUST_RADIUS,
+    variant: str = "official",
+    sharding: str = "auto",
+    gram_refresh: int = GRAM_REFRESH,
+    maximize: bool = False,
+    _validated: bool = False,
+    _rest_sharded_at_zero_lr: bool = False,
+    _unsharded_beside_sharded: bool | None = None,
+    _idle_dtensors: Sequence[torch.Tensor] = (),
+    _held: Exception | None = None,
+    _before_writes: Callable[[], None] | None = None,
+) -> GuardReport:
+    """:func:`fgd` with ``FGD.step``'s internal arguments (the public function's arguments and
+    step as documented there).
+
     ``_validated``: internal, for ``FGD.step``, which checked lr, momentum, feedback,
     ``max_distance`` and ``trust_radius`` this step already (skips checking them again).
     ``_rest_sharded_at_zero_lr``: internal, for ``FGD.step``: DTensor layers at lr = 0 join
@@ -250,10 +301,6 @@ def fgd(
     out-of-memory error there leaves the orthogonal layers as they were; in a step with DTensor
     layers, after the writes (a rank failing between the ranks' agreement and their collective
     writes would leave the others waiting).
-
-    Parameters may be DTensors (FSDP2's ``fully_shard``): the step is the one a single process
-    would take on the full matrices, and the checks raise on every rank alike (see
-    :mod:`fgd_fast.distributed`); every rank must then call this with the same layers.
     """
     precision = checked_precision(precision, backend)  # (FGD passes its own, checked: this returns it)
     if variant not in VARIANTS:

@@ -20,7 +20,7 @@ from .backends import BACKENDS, PRECISIONS, checked_precision
 from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, is_dtensor
-from .functional import GuardReport, backend_for, fgd, zero_momentum
+from .functional import GuardReport, _fgd, backend_for, zero_momentum
 from .guards import MAX_DISTANCE, RESET, SCALED, TRUST_RADIUS
 from .manifold import orthogonalize_, stiefel_distance
 from .validation import (
@@ -290,7 +290,7 @@ class FGD(StiefelOptimizer):
         # (whether unsharded orthogonal layers step beside sharded ones: from the groups, alike on
         # every rank, not from which of them have a gradient on this one)
         beside = sharded_step and self._unsharded_beside_sharded()
-        report = fgd(
+        report = _fgd(
             orth["params"],
             orth["grads"],
             orth["bufs"],
@@ -382,7 +382,7 @@ class FGD(StiefelOptimizer):
         sharded = [p for g in self.param_groups if g["orthogonal"] for p in g["params"] if is_dtensor(p)]
         if not sharded or torch.compiler.is_compiling():
             return
-        fgd(
+        _fgd(
             [],
             [],
             [],

@@ -755,7 +755,7 @@ def plant(name: str) -> Callable[[], None]:
             undo.append((module, "autocast_on", module.autocast_on))
             module.autocast_on = lambda: ()
     elif name == "plain_step_after_orthogonal_writes":
-        original = fgd_fast.optimizer.fgd
+        original = fgd_fast.optimizer._fgd
 
         def writes_first(*args, _before_writes=None, **kwargs):  # the old order: θ and Φ, then the rest
             report = original(*args, **kwargs)
@@ -763,8 +763,8 @@ def plant(name: str) -> Callable[[], None]:
                 _before_writes()
             return report
 
-        undo.append((fgd_fast.optimizer, "fgd", original))
-        fgd_fast.optimizer.fgd = writes_first
+        undo.append((fgd_fast.optimizer, "_fgd", original))
+        fgd_fast.optimizer._fgd = writes_first
     elif name == "guard_room_unchecked":
         undo.append((fgd_fast.functional, "check_guard_room", fgd_fast.functional.check_guard_room))
         fgd_fast.functional.check_guard_room = lambda *args: None

@@ -79,8 +79,8 @@ def test_fgd_hands_the_backends_a_cpu_tensor_lr_as_its_value(monkeypatch):
     import fgd_fast.optimizer
 
     seen = []
-    real = fgd_fast.optimizer.fgd
-    monkeypatch.setattr(fgd_fast.optimizer, "fgd", lambda *a, **kw: (seen.append(kw["lr"]), real(*a, **kw))[1])
+    real = fgd_fast.optimizer._fgd
+    monkeypatch.setattr(fgd_fast.optimizer, "_fgd", lambda *a, **kw: (seen.append(kw["lr"]), real(*a, **kw))[1])
     params, grads = stiefel_problem(SHAPES)
     opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=torch.tensor(0.05), backend="torch")
     for p, g in zip(params, grads):
@@ -157,7 +157,7 @@ def test_a_non_finite_lr_on_the_device_resets_and_writes_nothing_non_finite(
     phi = torch.randn(6, 3, generator=gen, dtype=dtype) * 0.01
     grad = torch.randn(6, 3, generator=gen, dtype=dtype) * 0.1
     kw = dict(momentum=0.9, feedback=0.4, backend=backend, variant=variant)
-    report = fgd_fast.fgd([theta], [grad], [phi], lr=torch.tensor(value), **kw, _validated=True)
+    report = fgd_fast.functional._fgd([theta], [grad], [phi], lr=torch.tensor(value), **kw, _validated=True)
     assert report.guarded[0].item() == 2  # reset
     assert torch.isfinite(theta).all() and torch.isfinite(phi).all()
     assert fgd_fast.stiefel_distance(theta) < 1e-5
