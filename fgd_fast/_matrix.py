@@ -10,6 +10,7 @@ algorithm sees is always ``θ`` of shape ``n × p`` with ``n >= p`` and target `
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,8 @@ class StiefelShape(NamedTuple):
 
 def stiefel_shape(shape: torch.Size | tuple[int, ...]) -> StiefelShape:
     """Return ``(n, p, transposed)`` for a parameter of ``shape`` (at least 2-D)."""
+    if not isinstance(shape, torch.Size) and not _is_shape(shape):  # (a torch.Size is one: SymInts too)
+        raise TypeError(f"stiefel_shape expects a shape (a torch.Size or a tuple of ints >= 0), got {shape!r}")
     if len(shape) < 2:
         raise ValueError(
             f"a Stiefel-constrained parameter needs at least 2 dims, got shape {tuple(shape)}; "
@@ -41,11 +44,23 @@ def stiefel_shape(shape: torch.Size | tuple[int, ...]) -> StiefelShape:
     return StiefelShape(c_o, m, False)
 
 
+def _is_shape(shape) -> bool:
+    """Whether ``shape`` is a sequence of integers >= 0 (Python's, numpy's: anything ``__index__``)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)):
+        return False
+    try:
+        return all(not isinstance(s, bool) and operator.index(s) >= 0 for s in shape)
+    except TypeError:
+        return False
+
+
 def as_stiefel(t: torch.Tensor) -> torch.Tensor:
     """``θ`` (``n × p``) for ``t``: a view when ``t``'s layout allows, else a copy.
 
     Writers must go through :func:`from_stiefel` + ``copy_`` rather than assume a view.
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"as_stiefel expects a torch.Tensor, got {type(t).__name__}")
     n, p, transposed = stiefel_shape(t.shape)
     w2 = t.reshape(t.shape[0], n if transposed else p)  # explicit: a 0-size -1 is ambiguous
     return w2.t() if transposed else w2
@@ -61,5 +76,11 @@ def from_stiefel(theta: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> to
     """Inverse of :func:`as_stiefel`: a tensor of ``shape`` holding ``theta`` (``n × p``), e.g.
     ``w.copy_(fgd_fast.from_stiefel(theta, w.shape))`` writes θ back into the weight ``w``."""
     n, p, transposed = stiefel_shape(shape)
+    if not isinstance(theta, torch.Tensor) or tuple(theta.shape) != (n, p):
+        got = tuple(theta.shape) if isinstance(theta, torch.Tensor) else type(theta).__name__
+        raise ValueError(
+            f"from_stiefel: a weight of shape {tuple(shape)} holds θ of {n} × {p}, got {got}; pass "
+            "as_stiefel(w)'s shape (stiefel_shape(w.shape) gives n, p)"
+        )
     w2 = theta.t() if transposed else theta
     return w2.reshape(shape)

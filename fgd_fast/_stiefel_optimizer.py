@@ -476,6 +476,8 @@ class StiefelOptimizer(Optimizer):
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):  # (before the copy: None.copy() was the error)
+            check_saved_structure(state_dict)
         state_dict = state_dict.copy()  # (as torch: a hook may edit or replace it)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)

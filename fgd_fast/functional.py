@@ -24,6 +24,7 @@ from .backends.algebra import VARIANTS
 from .backends.carry import GRAM_REFRESH
 from .distributed import SHARDINGS, is_dtensor, prepare_dtensors
 from .guards import MAX_DISTANCE, TRUST_RADIUS, check_guard_room, raise_if_invalid
+from .manifold import check_materialised
 from .validation import (
     check_bool,
     check_feedback,
@@ -323,6 +324,11 @@ def _fgd(
             check_feedback(v)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
+    for name, value in (("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)):
+        if not isinstance(value, Sequence) or isinstance(value, (str, torch.Tensor)):
+            raise TypeError(f"{name} must be a list (one entry per parameter), got {type(value).__name__}")
+    if labels is not None and (not isinstance(labels, Sequence) or isinstance(labels, str)):
+        raise TypeError(f"labels must be a list of names (one per parameter) or None, got {type(labels).__name__}")
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
         raise ValueError(
@@ -348,6 +354,10 @@ def _fgd(
     alphas = _per_layer("feedback", feedback, count)
     labels = list(labels) if labels is not None else [f"params[{i}]" for i in range(count)]
     if not _validated:  # (FGD checked its groups' parameters when they were added)
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{labels[i]} must be a torch.Tensor, got {type(p).__name__}")
+            check_materialised(p, f"fgd ({labels[i]})")
         check_orthogonal_params(params, labels)
 
     live = [i for i in range(count) if params[i].numel() > 0]  # a DTensor's numel is the full one's
@@ -531,8 +541,10 @@ def _momentum_buffers(params, grads, momentum_buffers, betas, labels) -> tuple[l
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
+        if g is None:
+            raise ValueError(f"{labels[i]}: its gradient is None; pass only the parameters that have one")
         if not isinstance(g, torch.Tensor):
-            raise ValueError(f"{labels[i]}: its gradient is {g!r}; pass only the parameters that have one")
+            raise TypeError(f"{labels[i]}: its gradient must be a torch.Tensor, got {type(g).__name__}")
         if g.layout != torch.strided:
             raise ValueError(f"{labels[i]}: its gradient is {g.layout}; FGD needs dense gradients")
         check_grad_fits(p, g, labels[i], "pass grads[i] with params[i]'s shape, dtype and device")

@@ -29,7 +29,16 @@ import torch
 from ._matrix import stiefel_shape
 from .backends.guard_rule import guard_target, store_unit
 
-__all__ = ["MAX_DISTANCE", "TRUST_RADIUS", "KEPT", "SCALED", "RESET", "raise_if_invalid", "check_guard_room"]
+__all__ = [
+    "MAX_DISTANCE",
+    "TRUST_RADIUS",
+    "KEPT",
+    "SCALED",
+    "RESET",
+    "raise_if_invalid",
+    "raise_if_a_param_is_not_finite",
+    "check_guard_room",
+]
 
 #: Default limit on ‖θᵀθ − I‖_F. The truncated Neumann series 2I − θᵀθ approximates
 #: (θᵀθ)⁻¹ with error ‖(I − θᵀθ)²‖, which stops being small well before the series'
@@ -225,3 +234,16 @@ def _raise_if_off_manifold(
                     else ""
                 )
             )
+
+
+def raise_if_a_param_is_not_finite(params: list[torch.Tensor], labels: list[str]) -> None:
+    """After a step (the baselines') was refused as non-finite: where a parameter itself has NaN/Inf
+    entries, say that (the refusal's advice, a smaller lr or clipping, does not help then). Read
+    on the refusal's path only: an ordinary step pays nothing for it."""
+    for p, label in zip(params, labels):
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise ValueError(
+                f"orthogonal parameter {label} is not finite (NaN or Inf entries); the step was not applied "
+                "and nothing changed. No retraction recovers it: re-initialise it (e.g. "
+                "torch.nn.init.orthogonal_(param)) and clear its state (opt.state[param].clear())"
+            ) from None

@@ -6,6 +6,7 @@ import torch
 
 from ._matrix import as_stiefel, from_stiefel
 from .distributed import full_value, gram64, is_dtensor, write_shard
+from .validation import check_writable
 
 __all__ = ["orthogonalize_", "sign_fixed_q", "stiefel_distance"]
 
@@ -36,6 +37,7 @@ def orthogonalize_(tensor: torch.Tensor) -> torch.Tensor:
             f"(c_o, -1)), got shape {tuple(tensor.shape)}"
         )
     check_materialised(tensor, "orthogonalize_")
+    check_writable([tensor], ["orthogonalize_'s tensor"], inside_inference_mode=True)  # (sparse, expand()ed)
     if tensor.numel() == 0:
         return tensor
     if is_dtensor(tensor):
@@ -86,6 +88,11 @@ def stiefel_distance(tensor: torch.Tensor) -> float:
         raise ValueError(
             f"stiefel_distance needs a tensor with at least 2 dims (a matrix, or a weight viewed as "
             f"(c_o, -1)), got shape {tuple(tensor.shape)}"
+        )
+    if not tensor.is_floating_point() or tensor.layout != torch.strided:
+        raise ValueError(
+            f"stiefel_distance needs a dense real floating-point tensor, got {tensor.dtype} ({tensor.layout}); "
+            "convert it first (e.g. t.to_dense().float())"
         )
     check_materialised(tensor, "stiefel_distance")
     gram = gram64(tensor.detach())

@@ -24,7 +24,7 @@ def check_saved_structure(state_dict: Any) -> None:
     dicts with ``params`` (else torch fails half-way through the load, or later, at a step)."""
     how = "; nothing was loaded. Pass what the optimizer's state_dict() returned (or torch.load of it)"
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+        got = f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(
             f"cannot load this state_dict: expected a dict with 'state' and 'param_groups', got {got}{how}"
         )
@@ -48,11 +48,13 @@ def check_saved_tensor(value: Any, p: torch.Tensor, text: str, name: str, dtype:
     ``dtype``, the dtype it will have (``load_state_dict`` casts it to the parameter's dtype and
     device: a float32 buffer past 65504 would be Inf in a float16 one). A sharded (DTensor)
     value is checked on this rank's shard: the ranks agree on the verdict afterwards."""
-    if not isinstance(value, torch.Tensor) or value.shape != p.shape or not value.is_floating_point():
+    dense = isinstance(value, torch.Tensor) and value.layout == torch.strided
+    if not dense or value.shape != p.shape or not value.is_floating_point():
         got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+        got += f" ({value.layout})" if isinstance(value, torch.Tensor) and not dense else ""
         raise ValueError(
-            f"cannot load this state_dict: parameter {text}'s {name} is {got}, expected a floating tensor of shape "
-            f"{tuple(p.shape)}; was it saved for another model? Nothing was loaded"
+            f"cannot load this state_dict: parameter {text}'s {name} is {got}, expected a dense floating tensor of "
+            f"shape {tuple(p.shape)}; was it saved for another model? Nothing was loaded"
         )
     local = value.to_local() if is_dtensor(value) else value
     if local.is_meta:

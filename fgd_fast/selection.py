@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 
 from ._stiefel_optimizer import remember_names
 from .manifold import check_materialised, orthogonalize_
-from .validation import check_bool, check_orthogonal_params, is_numpy_bool, user_stacklevel
+from .validation import check_bool, check_orthogonal_params, check_writable, is_numpy_bool, user_stacklevel
 
 __all__ = ["RULES", "stiefel_param_groups", "select_stiefel"]
 
@@ -69,6 +69,11 @@ def select_stiefel(
     names); a name that matches nothing in the model (a typo would silently constrain the weight
     it meant to leave out) raises ``ValueError``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"expected the model (an nn.Module), got {type(model).__name__}; pass the module itself, e.g. "
+            "stiefel_param_groups(model), not its parameters or state_dict"
+        )
     if exclude is None or not isinstance(exclude, (str, Iterable)):
         raise TypeError(f"exclude= takes parameter or module names, got {exclude!r}; pass () to leave none out")
     exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
@@ -173,6 +178,7 @@ def stiefel_param_groups(
     for name, p in chosen:  # every choice checked before any is projected (a failure changes nothing)
         try:
             check_orthogonal_params([p], [repr(name)])
+            check_writable([p], [repr(name)])  # (a projection writes it in place: expand()ed memory failed there)
         except ValueError as exc:
             raise ValueError(
                 f"rule={rule!r} selected {name!r} ({tuple(p.shape)} {p.dtype}): {exc}; or make the rule leave "

@@ -83,9 +83,10 @@ def check_lr(value: Any) -> float | torch.Tensor:
     backends compute η·g in float32, where a larger η is Inf."""
     if not isinstance(value, torch.Tensor):
         return _check_lr_value(value)
-    if value.numel() != 1 or not value.is_floating_point():
+    if value.numel() != 1 or not value.is_floating_point() or value.is_meta:
         raise TypeError(
-            f"lr as a tensor must hold one floating-point number, got {tuple(value.shape)} {value.dtype}; "
+            f"lr as a tensor must hold one floating-point number, got {tuple(value.shape)} {value.dtype} on "
+            f"{value.device}; "
             "pass e.g. torch.tensor(0.01) (on the parameters' device for a captured step)"
         )
     if value.device.type == "cpu" and not torch.compiler.is_compiling():  # (a compiled step reads no tensor)
@@ -220,6 +221,11 @@ def check_writable(
         if not isinstance(p, torch.Tensor):
             continue
         what = labels[i] if labels is not None else f"parameter {i} of the group"
+        if p.layout != torch.strided:
+            raise ValueError(
+                f"{what} is a sparse tensor ({p.layout}), which no step of fgd_fast updates; use a dense "
+                "parameter (nn.Parameter(t.to_dense()))"
+            )
         if torch._debug_has_internal_overlap(p) == 1:  # 1: overlap for sure
             raise ValueError(
                 f"{what} (shape {tuple(p.shape)}, strides {p.stride()}) has entries that share "
@@ -408,10 +414,15 @@ def check_grad(p: torch.Tensor, label: str) -> None:
             f"{label} has a sparse gradient ({g.layout}); fgd_fast optimizers need dense "
             "gradients (use a dense embedding, or torch.optim.SparseAdam for that parameter)"
         )
-    if g.is_complex() or p.is_complex():
+    if p.is_complex():
         raise ValueError(
             f"{label} is complex ({p.dtype}); fgd_fast optimizers support real parameters only "
             "(split it with torch.view_as_real)"
+        )
+    if g.is_complex():
+        raise ValueError(
+            f"{label}'s gradient is complex ({g.dtype}) but the parameter is {p.dtype}; gradients must be real, "
+            "of the parameter's dtype (set .grad to a real tensor, e.g. its real part)"
         )
     if not p.is_floating_point():  # (torch's SGD raises too, but only after the parameters before it were written)
         raise ValueError(

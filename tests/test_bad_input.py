@@ -3,6 +3,7 @@ every optimizer shares, non-finite gradients and the like: ``test_failed_step_co
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -510,4 +511,142 @@ def test_a_non_finite_parameter_is_named_first_whatever_its_gradient(backend, va
     with pytest.raises(ValueError, match="is not finite"):
         opt.step()
     torch.testing.assert_close(w.detach(), before, rtol=0, atol=0, equal_nan=True)  # (unchanged)
+    assert not opt.state[w]
+
+
+def _q():
+    return torch.linalg.qr(torch.randn(6, 3))[0].T.contiguous()
+
+
+def _expanded_model():
+    m = nn.Module()
+    m.a = nn.Parameter(torch.randn(4, 6))
+    m.b = nn.Parameter(torch.ones(1, 6).expand(4, 6))
+    return m
+
+
+def _stepped(grad):
+    w = nn.Parameter(_q())
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad_dtype = None  # (newer torch: a gradient of another dtype may be set once this is None)
+    try:
+        w.grad = grad
+    except RuntimeError:
+        pytest.skip("this torch refuses a gradient of another dtype itself")
+    return lambda: opt.step()
+
+
+def _load(edit):
+    w = nn.Parameter(_q())
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad = torch.randn(3, 6)
+    opt.step()
+    sd = opt.state_dict()
+    edit(sd)
+    return lambda: opt.load_state_dict(sd)
+
+
+def _sparse_buffer(sd):
+    sd["state"][0]["momentum_buffer"] = torch.zeros(3, 6).to_sparse()
+
+
+_KW = dict(lr=0.1, momentum=0.9, feedback=0.4)
+_REVIEW_CASES = {  # a review's inputs that ended in torch's or Python's own errors, or blamed the wrong cause
+    "groups-over-expanded-weight": (
+        lambda: fgd_fast.stiefel_param_groups(_expanded_model(), rule="all"),
+        ValueError,
+        "'b'.*share memory",
+    ),
+    "complex-gradient": (
+        lambda: _stepped(torch.randn(3, 6, dtype=torch.complex64))(),
+        ValueError,
+        "gradient is complex",
+    ),
+    "sparse-parameter": (
+        lambda: fgd_fast.FGD([nn.Parameter(torch.eye(3, 6).to_sparse())], lr=0.1),
+        ValueError,
+        "sparse tensor",
+    ),
+    "meta-lr": (lambda: fgd_fast.FGD([nn.Parameter(_q())], lr=torch.tensor(0.1, device="meta")), TypeError, "on meta"),
+    "fgd-meta-param": (
+        lambda: fgd_fast.fgd([torch.empty(3, 6, device="meta")], [torch.empty(3, 6, device="meta")], [None], **_KW),
+        ValueError,
+        "meta device",
+    ),
+    "fgd-numpy-param": (
+        lambda: fgd_fast.fgd([np.eye(3, 6)], [torch.randn(3, 6)], [None], **_KW),
+        TypeError,
+        r"params\[0\] must be a torch.Tensor, got ndarray",
+    ),
+    "fgd-numpy-grad": (
+        lambda: fgd_fast.fgd([_q()], [np.ones((3, 6))], [None], **_KW),
+        TypeError,
+        "gradient must be a torch.Tensor, got ndarray",
+    ),
+    "fgd-int-labels": (
+        lambda: fgd_fast.fgd([_q()], [torch.randn(3, 6)], [None], labels=5, **_KW),
+        TypeError,
+        "labels must be a list",
+    ),
+    "fgd-none-params": (lambda: fgd_fast.fgd(None, [], [], **_KW), TypeError, "params must be a list"),
+    "load-none": (
+        lambda: fgd_fast.FGD([nn.Parameter(_q())], lr=0.1).load_state_dict(None),
+        ValueError,
+        "expected a dict with 'state' and 'param_groups', got NoneType",
+    ),
+    "load-sparse-buffer": (lambda: _load(_sparse_buffer)(), ValueError, "sparse_coo.*dense floating tensor"),
+    "groups-of-a-parameter": (
+        lambda: fgd_fast.stiefel_param_groups(nn.Linear(3, 4).weight),
+        TypeError,
+        "expected the model .an nn.Module., got Parameter",
+    ),
+    "orthogonalize-sparse": (lambda: fgd_fast.orthogonalize_(torch.eye(3, 6).to_sparse()), ValueError, "sparse"),
+    "orthogonalize-expanded": (
+        lambda: fgd_fast.orthogonalize_(torch.ones(1, 6).expand(3, 6)),
+        ValueError,
+        "share memory",
+    ),
+    "distance-complex": (
+        lambda: fgd_fast.stiefel_distance(1j * torch.eye(3, 6, dtype=torch.complex64)),
+        ValueError,
+        "real floating-point",
+    ),
+    "distance-int": (lambda: fgd_fast.stiefel_distance(torch.eye(3, 6, dtype=torch.int64)), ValueError, "int64"),
+    "as-stiefel-str": (lambda: fgd_fast.as_stiefel("x"), TypeError, "expects a torch.Tensor, got str"),
+    "from-stiefel-shape": (lambda: fgd_fast.from_stiefel(torch.randn(3, 6), (4, 5)), ValueError, "θ of 5 × 4"),
+    "stiefel-shape-negative": (lambda: fgd_fast.stiefel_shape((-1, 4)), TypeError, "ints >= 0"),
+    "stiefel-shape-str": (lambda: fgd_fast.stiefel_shape("ab"), TypeError, "expects a shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REVIEW_CASES))
+def test_bad_input_a_review_found_gets_the_librarys_own_error(case):
+    """Each of these ended in an AttributeError, a torch RuntimeError or NotImplementedError, or a
+    message naming the wrong cause (a complex gradient blamed on the parameter, a sparse one on
+    expand(), numpy gradients called missing); one (the groups over an expand()ed weight)
+    projected the model's first weight before failing."""
+    torch.manual_seed(0)
+    call, error, match = _REVIEW_CASES[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_the_groups_project_nothing_when_a_later_weight_cannot_be_written():
+    m = _expanded_model()
+    before = m.a.detach().clone()
+    with pytest.raises(ValueError, match="share memory"):
+        fgd_fast.stiefel_param_groups(m, rule="all")
+    assert torch.equal(m.a, before)
+
+
+@pytest.mark.parametrize("name", ["CayleySGD", "CayleyADAM", "LandingSGD"])
+def test_a_baselines_nan_parameter_is_named_as_such(name):
+    """A review: a NaN weight was refused as an overflow of the step, advising a smaller lr."""
+    import fgd_fast.baselines
+
+    w = nn.Parameter(torch.full((3, 6), float("nan")))
+    opt = getattr(fgd_fast.baselines, name)([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.grad = torch.randn(3, 6)
+    with pytest.raises(ValueError, match="is not finite .NaN or Inf entries.*nothing changed"):
+        opt.step()
     assert not opt.state[w]
