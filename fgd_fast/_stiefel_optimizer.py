@@ -173,6 +173,20 @@ class StiefelOptimizer(Optimizer):
     #: itself (shaped like the parameter); ``_check_orthogonal_state`` checks them before any write
     _orthogonal_buffers: tuple[str, ...] = ()
 
+    #: per-group hyper-parameters: ``opt.lr = 0.2`` sets a Python attribute no step reads
+    _GROUP_ONLY = ("lr", "momentum", "feedback", "weight_decay", "dampening", "nesterov", "betas", "attraction")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._GROUP_ONLY and name not in self.__dict__ and name not in self._OPTIONS:
+            warnings.warn(
+                f"{type(self).__name__}.{name} = {value!r} sets an attribute no step reads: {name} is a per-group "
+                f"hyper-parameter; set it in each group (for g in opt.param_groups: g[{name!r}] = ...), as a "
+                "scheduler does",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__setattr__(name, value)
+
     def _validate_group(self, group: dict[str, Any], at_step: bool = False) -> None:
         """Raise (changing nothing) if a merged group's hyper-parameters are invalid (``at_step``:
         checked again at a step, where a scheduled momentum of 0 may meet ``nesterov``)."""

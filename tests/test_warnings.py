@@ -3,6 +3,7 @@ README's quick start is (options inherited from the optimizer-wide defaults)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -77,3 +78,21 @@ def test_guard_warning_points_at_the_step_call():
     with pytest.warns(RuntimeWarning, match="guard bound") as caught:
         opt.step()
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("name", ["FGD", "CayleySGD", "LandingSGD"])
+def test_a_group_hyper_parameter_set_as_an_attribute_warns(name):
+    """A review: ``opt.lr = 0.2`` (and ``opt.momentum``) set a Python attribute no step reads,
+    silently, next to options that do read and write as attributes (``opt.max_distance``)."""
+    import fgd_fast.baselines
+
+    cls = getattr(fgd_fast, name, None) or getattr(fgd_fast.baselines, name)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    opt = cls([dict(params=[w], orthogonal=True)], lr=0.1)
+    with pytest.warns(UserWarning, match=r"lr = 0.2 sets an attribute no step reads.*g\['lr'\]"):
+        opt.lr = 0.2
+    assert opt.param_groups[0]["lr"] == 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.check_finite = True  # (an option: read and written as an attribute)
+        copy.deepcopy(opt)
