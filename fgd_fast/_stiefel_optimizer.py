@@ -524,8 +524,14 @@ class StiefelOptimizer(Optimizer):
                 f"cannot load this state_dict: its param_groups list the parameter key(s) {twice[:3]!r} more than "
                 "once (each parameter's state is listed once); nothing was loaded. Were its keys edited?"
             )
+        if len(saved_groups) != len(self.param_groups):  # (torch's own error gives no counts)
+            raise ValueError(
+                f"cannot load this state_dict: it has {len(saved_groups)} param group(s), this {name} "
+                f"{len(self.param_groups)}; nothing was loaded. Build the optimizer with the groups the checkpoint "
+                "was saved with (stiefel_param_groups(model) makes two), or load the model's weights only"
+            )
         options = self._saved_options(saved_groups)
-        if len(saved_groups) == len(self.param_groups):  # (else torch refuses below)
+        if len(saved_groups) == len(self.param_groups):
             for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
                 if saved_group["orthogonal"] != own["orthogonal"]:  # (the state's meaning differs, not a setting)
                     raise ValueError(

@@ -402,6 +402,10 @@ def _fgd(
                 carrying["exact_next"] = False
                 bounded.append(len(plans))
             layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
+            if device.type != "cpu" and layer_lrs is lrs and not torch.compiler.is_compiling():
+                # (a CPU tensor's value, read where that is free: as a tensor it would be copied to the
+                # GPU every step, a blocking copy that a CUDA-graph capture refuses)
+                layer_lrs = [float(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for v in lrs]
             with on_device(device):
                 plans.append(
                     prepare(
@@ -592,7 +596,7 @@ def sgd(
         return
     kinds = {is_dtensor(p) for p in params}
     if isinstance(lr, torch.Tensor):
-        if _fused_reads(lr, params, grads):
+        if _fused_reads(lr, params, grads, momentum_buffers, momentum):
             _torch_sgd(
                 params,
                 grads,
@@ -626,15 +630,54 @@ def sgd(
 _FUSED_LR_DEVICES = ("cuda",)
 
 
-def _fused_reads(lr: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+def _fused_reads(
+    lr: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor | None],
+    momentum: float,
+) -> bool:
     """Whether torch's fused SGD can take ``lr`` on the device: a one-element float32 GPU tensor
-    (its CUDA kernel reads a ``float``), dense plain tensors of a floating dtype on its device, each
-    gradient of its parameter's dtype, outside a compiled step (whose trace reads it)."""
+    (its CUDA kernel reads a ``float``), outside a compiled step (whose trace reads it), over what
+    its CUDA kernel takes (it refuses the rest with an error, not a slower path): dense plain
+    tensors on the lr's device, each gradient (and momentum buffer) of its parameter's dtype and
+    strides, and with momentum, buffers all made or all to be made (its first step makes every
+    buffer: a group where some parameter gets its first gradient later mixes them)."""
     if lr.device.type not in _FUSED_LR_DEVICES or lr.dtype != torch.float32 or lr.numel() != 1:
         return False
     if torch.compiler.is_compiling():
         return False
+    if momentum != 0 and len({b is None for b in momentum_buffers}) > 1:
+        return False
+
+    def fits(p: torch.Tensor, t: torch.Tensor | None) -> bool:
+        return t is None or (
+            not is_dtensor(t)
+            and t.layout == torch.strided
+            and t.device == lr.device
+            and t.dtype == p.dtype
+            and t.stride() == p.stride()
+        )
+
     return all(
-        not is_dtensor(p) and not p.is_sparse and not g.is_sparse and p.device == lr.device and g.device == lr.device
-        for p, g in zip(params, grads)
-    ) and all(p.dtype.is_floating_point and g.dtype == p.dtype for p, g in zip(params, grads))
+        not is_dtensor(p)
+        and p.layout == torch.strided
+        and p.device == lr.device
+        and p.dtype.is_floating_point
+        and _dense(p)
+        and fits(p, g)
+        and g is not None
+        and fits(p, b if momentum != 0 else None)
+        for p, g, b in zip(params, grads, momentum_buffers)
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s entries fill its memory span exactly once (contiguous in some order of its
+    dims: channels_last too), as torch's fused kernels ask of every tensor."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

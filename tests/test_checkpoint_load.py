@@ -194,3 +194,13 @@ def test_an_optimizer_pickled_before_an_option_existed_unpickles_with_its_defaul
     default = fgd_fast.FGD._OPTIONS["gram_refresh"]
     assert new.defaults["gram_refresh"] == default
     assert all(g["gram_refresh"] == default for g in new.param_groups)
+
+
+def test_a_state_dict_of_another_group_count_names_both_counts():
+    """torch's own refusal ('a different number of parameter groups') gave no counts and no fix."""
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    b = torch.nn.Parameter(torch.randn(3))
+    saved = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[b])], lr=0.1).state_dict()
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    with pytest.raises(ValueError, match=r"it has 2 param group\(s\), this FGD 1; nothing was loaded"):
+        opt.load_state_dict(saved)

@@ -267,10 +267,59 @@ def test_a_plain_groups_tensor_lr_is_read_on_the_device(monkeypatch):
         for p, t in zip(plain, twins):
             assert torch.equal(p, t)
     assert reads == []
-    # (where the fused kernel cannot read it: a float64 lr, and the CPU's own default, read on the host)
-    assert not functional._fused_reads(torch.tensor(0.1, dtype=torch.float64), plain, [p.grad for p in plain])
+    grads, bufs = [p.grad for p in plain], [opt.state[p]["momentum_buffer"] for p in plain]
+    assert functional._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
+    # where the fused kernel cannot read it (its CUDA kernel refuses these with an error, the CPU's
+    # takes them: checked here by the predicate), a host read: a float64 lr; buffers of which some
+    # are still to be made (a parameter whose first gradient comes later); a gradient or buffer of
+    # other strides; a non-dense parameter; and the CPU's own default
+    assert not functional._fused_reads(torch.tensor(0.1, dtype=torch.float64), plain, grads, bufs, 0.9)
+    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.9)
+    assert functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.0)
+    assert not functional._fused_reads(torch.tensor(0.1), plain, [grads[0].t().contiguous().t(), grads[1]], bufs, 0.9)
+    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0].t().contiguous().t(), bufs[1]], 0.9)
+    wide = torch.randn(5, 6)[:, :3]
+    assert not functional._fused_reads(torch.tensor(0.1), [wide, plain[1]], [torch.randn(5, 3), grads[1]], bufs, 0.0)
     monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda",))
-    assert not functional._fused_reads(torch.tensor(0.1), plain, [p.grad for p in plain])
+    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
+
+
+def test_a_plain_group_whose_parameter_gets_its_first_gradient_later_steps_with_a_tensor_lr(monkeypatch):
+    """A review of the fused path: torch's fused SGD makes every momentum buffer at its first step
+    and refuses a group where some are made and some are not (a parameter of an unused branch,
+    unfrozen later): such a step reads the lr on the host and steps as torch's SGD."""
+    import fgd_fast.functional as functional
+
+    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    opt = fgd_fast.FGD([dict(params=plain)], lr=torch.tensor(0.05), backend="torch")
+    ref = torch.optim.SGD(twins, lr=0.05, momentum=0.9)
+    for step in range(3):
+        for k, (p, t) in enumerate(zip(plain, twins)):
+            p.grad = t.grad = None
+            if k == 0 or step > 0:  # (the second parameter's first gradient at step 1)
+                p.grad = torch.randn_like(p)
+                t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        for p, t in zip(plain, twins):
+            torch.testing.assert_close(p, t, rtol=0, atol=1e-7)
+
+
+def test_a_hyper_table_rewritten_by_a_replay_is_copied_again_by_the_next_eager_step():
+    """A review: after a capture, a replay writes the captured values into the table; an eager
+    step with the values the table last had from an eager copy skipped its copy and ran with the
+    replay's values."""
+    from fgd_fast.backends.base import _HyperTable
+
+    table = _HyperTable(2, torch.float32, torch.device("cpu"))
+    now = ((0.1, 0.9, 0.4), (0.2, 0.9, 0.4))
+    table.set(now)
+    table.captured.append(torch.empty(2, 3))  # (a capture recorded a copy of its own mirror)
+    table.table.fill_(7.0)  # (what a replay wrote)
+    assert torch.equal(table.set(now), torch.tensor(now, dtype=torch.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
@@ -300,3 +349,22 @@ def test_a_captured_step_with_a_plain_group_replays_each_new_tensor_lr():
     torch.cuda.synchronize()
     for p, t in zip(params + plain, twins):
         torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU tensor lr beside GPU parameters)")
+@pytest.mark.parametrize("backend", backend_params(("torch", "triton", "cuda")))
+def test_the_functional_step_reads_a_cpu_tensor_lr_for_gpu_parameters_on_the_host(backend):
+    """A review: ``fgd_fast.fgd`` handed a CPU tensor lr to the fused backends, which copied it to
+    the GPU every step (blocking; refused inside a CUDA-graph capture). Its value is read where
+    that is free, so a captured step replays (with the captured value, as a float lr does)."""
+    params, grads = stiefel_problem([(8, 4, 3, 3), (20, 6)])
+    bufs = [None] * len(params)
+    kw = dict(momentum=0.9, feedback=0.4, backend=backend, check_finite=False, check_manifold=False)
+
+    def step():
+        fgd_fast.fgd(params, [g.clone() for g in grads], bufs, lr=torch.tensor(0.05), **kw)
+
+    graph = captured(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in params)

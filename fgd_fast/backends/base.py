@@ -216,8 +216,10 @@ class _HyperTable:
         self.captured: list[torch.Tensor] = []  # the mirrors captured copies read at each replay
 
     def set(self, values: tuple) -> torch.Tensor:
-        if values != self.values:
-            capturing = _capturing()
+        capturing = _capturing()
+        # (after a capture, an eager step copies whatever it finds: a replay may have written the
+        # captured values over the table since the last eager copy)
+        if values != self.values or (self.captured and not capturing):
             host = self.host
             if capturing:
                 host = torch.empty_like(self.host, pin_memory=True)
