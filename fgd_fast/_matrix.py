@@ -48,8 +48,16 @@ def _is_shape(shape) -> bool:
     """Whether ``shape`` is a sequence of integers >= 0 (Python's, numpy's: anything ``__index__``)."""
     if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)):
         return False
-    try:
-        return all(not isinstance(s, bool) and operator.index(s) >= 0 for s in shape)
+    return all(_is_dim(s) for s in shape)
+
+
+def _is_dim(s) -> bool:
+    if isinstance(s, bool):
+        return False
+    if isinstance(s, (int, torch.SymInt)):  # (a compiled step's SymInt compared as it is: no constant made of it)
+        return s >= 0
+    try:  # (numpy's integers, anything with __index__)
+        return operator.index(s) >= 0
     except TypeError:
         return False
 

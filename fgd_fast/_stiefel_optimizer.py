@@ -389,7 +389,7 @@ class StiefelOptimizer(Optimizer):
             params,
             [p.grad for p in params],
             bufs,
-            lr=group["lr"],  # a validated real or one-element tensor (a GPU one read on the device)
+            lr=lr if isinstance(lr := group["lr"], torch.Tensor) else float(lr),  # (a GPU tensor: read on the device)
             momentum=momentum,
             dampening=dampening,
             weight_decay=float(group["weight_decay"]),
@@ -553,7 +553,7 @@ class StiefelOptimizer(Optimizer):
                     )
                 merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
                 try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
-                    self._validate_group(merged)
+                    self._validate_group(merged, at_step=True)  # (saved mid-schedule: momentum 0 with Nesterov)
                     if merged["orthogonal"]:
                         check_orthogonal_params(param_tensors(own["params"]))
                 except (TypeError, ValueError) as exc:

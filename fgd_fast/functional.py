@@ -325,9 +325,9 @@ def _fgd(
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
     for name, value in (("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)):
-        if not isinstance(value, Sequence) or isinstance(value, (str, torch.Tensor)):
+        if not _listlike(value):
             raise TypeError(f"{name} must be a list (one entry per parameter), got {type(value).__name__}")
-    if labels is not None and (not isinstance(labels, Sequence) or isinstance(labels, str)):
+    if labels is not None and not _listlike(labels):
         raise TypeError(f"labels must be a list of names (one per parameter) or None, got {type(labels).__name__}")
     count = len(params)
     if len(grads) != count or len(momentum_buffers) != count:
@@ -681,3 +681,9 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _listlike(value) -> bool:
+    """A sized, indexable collection of entries (a list, a tuple, an ``nn.ParameterList``, a numpy
+    array of names), not a string or a tensor."""
+    return hasattr(value, "__len__") and hasattr(value, "__getitem__") and not isinstance(value, (str, torch.Tensor))

@@ -348,3 +348,52 @@ def test_every_public_argument_is_documented(name, obj):
     doc = (obj.__doc__ or "") + ((obj.__init__.__doc__ or "") if inspect.isclass(obj) else "")
     missing = [p for p in params if not p.startswith("_") and p not in ("self", "args", "kwargs") and p not in doc]
     assert not missing, f"{name}: arguments not in the docstring: {missing}"
+
+
+def test_fgd_takes_any_list_like_collection():
+    """A review: the functional step's new argument check refused an nn.ParameterList (and a
+    numpy array of labels), which it had taken before."""
+    import numpy as np
+
+    ps = nn.ParameterList([nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3))) for _ in range(2)])
+    with torch.no_grad():
+        fgd_fast.fgd(
+            ps,
+            [torch.randn(6, 3) for _ in ps],
+            [None, None],
+            lr=0.1,
+            momentum=0.9,
+            feedback=0.4,
+            labels=np.array(["a", "b"]),
+        )
+
+
+def test_a_fraction_lr_steps_the_plain_groups_too():
+    """A review: any numbers.Real is an lr; a Fraction reached torch's SGD as it was and failed there."""
+    from fractions import Fraction
+
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    b = nn.Parameter(torch.randn(3))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True), dict(params=[b])], lr=Fraction(1, 10))
+    w.grad, b.grad = torch.randn(6, 3), torch.ones(3)
+    before = b.detach().clone()
+    opt.step()
+    torch.testing.assert_close(b.detach(), before - 0.1)
+
+
+def test_stiefel_shape_keeps_a_compiled_steps_sizes_symbolic():
+    """A review: the shape check's operator.index turned a SymInt of a dynamic compile into a
+    constant (a recompile per shape; with mark_dynamic, an error)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def theta_of(w):
+        return fgd_fast.from_stiefel(fgd_fast.as_stiefel(w) * 2, (w.shape[0], w.shape[1]))
+
+    torch._dynamo.reset()
+    for rows in (5, 7, 9):
+        w = torch.randn(rows, 3)
+        torch.testing.assert_close(theta_of(w), 2 * w)
+    assert counter.frame_count == 1

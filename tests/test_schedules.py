@@ -82,6 +82,8 @@ def test_nesterov_with_momentum_scheduled_to_zero_steps_as_torch_sgd(make):
             s.step()
         assert torch.equal(plain, twin)
     assert zero_momentum_steps > 0  # (the schedule did reach momentum 0)
+    opt.param_groups[1]["momentum"] = 0.0  # (saved mid-schedule: a review found this checkpoint refused at load)
+    cls(groups, lr=0.1, momentum=0.9, nesterov=True).load_state_dict(opt.state_dict())
     assert fgd_fast.stiefel_distance(ortho) < 1e-2  # (Landing is near the manifold, not on it)
     with pytest.raises(ValueError, match="nesterov=True requires momentum > 0"):
         cls(groups, lr=0.1, momentum=0.0, nesterov=True)
