@@ -157,6 +157,58 @@ def _given(value) -> list:
     return list({id(v): v for v in values}.values())  # (the layers of a group share its objects)
 
 
+def _checked_options(
+    *, precision, backend, variant, gram_refresh, sharding, max_distance, trust_radius, flags, hyper, validated
+) -> tuple[str, float, float]:
+    """The step's options checked (``validated``: ``FGD.step`` checked the flags, limits and
+    hyper-parameters this step already); returns the precision, ``max_distance`` and
+    ``trust_radius`` to use."""
+    precision = checked_precision(precision, backend)  # (FGD passes its own, checked: this returns it)
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
+    if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
+        raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
+    if not validated:  # (FGD.step has checked its options and groups this step: not twice on the hot path)
+        max_distance = check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
+        trust_radius = check_trust_radius(trust_radius)
+        for name, flag in flags.items():
+            check_bool(name, flag)
+        # the hyper-parameters as given (before they become floats: "0.1" or True is no lr)
+        for v in _given(hyper["lr"]):
+            check_lr(v)
+        for v in _given(hyper["momentum"]):
+            check_fgd_momentum(v)
+        for v in _given(hyper["feedback"]):
+            check_feedback(v)
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
+    return precision, max_distance, trust_radius
+
+
+def _checked_lists(params, grads, momentum_buffers, labels) -> int:
+    """The per-parameter lists: list-like, one entry per parameter, buffers writable; returns the
+    count."""
+    for name, value in (("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)):
+        if not _listlike(value):
+            raise TypeError(f"{name} must be a list (one entry per parameter), got {type(value).__name__}")
+    if labels is not None and not _listlike(labels):
+        raise TypeError(f"labels must be a list of names (one per parameter) or None, got {type(labels).__name__}")
+    count = len(params)
+    if len(grads) != count or len(momentum_buffers) != count:
+        raise ValueError(
+            f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
+            "gradient and one buffer (None before the first step) per parameter"
+        )
+    if not isinstance(momentum_buffers, MutableSequence):  # (before any write: the new Φ are stored into it)
+        raise TypeError(
+            f"momentum_buffers must be a list (the step stores the new buffers into it), got "
+            f"{type(momentum_buffers).__name__}; pass list(momentum_buffers)"
+        )
+    if labels is not None and len(labels) != count:
+        raise ValueError(f"got {len(labels)} labels for {count} params: pass one label per parameter, or None")
+    return count
+
+
 def _per_layer(name: str, value, count: int, tensors: bool = False) -> list:
     """One value per layer (floats; with ``tensors``, a tensor is kept as it is)."""
     keep = (lambda v: v if isinstance(v, torch.Tensor) else float(v)) if tensors else float  # noqa: E731
@@ -303,45 +355,19 @@ def _fgd(
     layers, after the writes (a rank failing between the ranks' agreement and their collective
     writes would leave the others waiting).
     """
-    precision = checked_precision(precision, backend)  # (FGD passes its own, checked: this returns it)
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant={variant!r}: choose one of {', '.join(map(repr, VARIANTS))}")
-    if isinstance(gram_refresh, bool) or not isinstance(gram_refresh, int) or gram_refresh < 1:
-        raise ValueError(f"invalid gram_refresh={gram_refresh!r}: give an int >= 1 (1 reads the Grams every step)")
-    if not _validated:  # (FGD.step has checked its options and groups this step: not twice on the hot path)
-        max_distance = check_max_distance(max_distance)  # (the guard's target and the manifold check's limit)
-        trust_radius = check_trust_radius(trust_radius)
-        for name, flag in (("maximize", maximize), ("guard", guard)):
-            check_bool(name, flag)
-        for name, flag in (("check_finite", check_finite), ("check_manifold", check_manifold)):
-            check_bool(name, flag)
-        # the hyper-parameters as given (before they become floats: "0.1" or True is no lr)
-        for v in _given(lr):
-            check_lr(v)
-        for v in _given(momentum):
-            check_fgd_momentum(v)
-        for v in _given(feedback):
-            check_feedback(v)
-    if sharding not in SHARDINGS:
-        raise ValueError(f"unknown sharding={sharding!r}: choose one of {', '.join(map(repr, SHARDINGS))}")
-    for name, value in (("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers)):
-        if not _listlike(value):
-            raise TypeError(f"{name} must be a list (one entry per parameter), got {type(value).__name__}")
-    if labels is not None and not _listlike(labels):
-        raise TypeError(f"labels must be a list of names (one per parameter) or None, got {type(labels).__name__}")
-    count = len(params)
-    if len(grads) != count or len(momentum_buffers) != count:
-        raise ValueError(
-            f"got {count} params, {len(grads)} grads and {len(momentum_buffers)} momentum_buffers: pass one "
-            "gradient and one buffer (None before the first step) per parameter"
-        )
-    if not isinstance(momentum_buffers, MutableSequence):  # (before any write: the new Φ are stored into it)
-        raise TypeError(
-            f"momentum_buffers must be a list (the step stores the new buffers into it), got "
-            f"{type(momentum_buffers).__name__}; pass list(momentum_buffers)"
-        )
-    if labels is not None and len(labels) != count:
-        raise ValueError(f"got {len(labels)} labels for {count} params: pass one label per parameter, or None")
+    precision, max_distance, trust_radius = _checked_options(
+        precision=precision,
+        backend=backend,
+        variant=variant,
+        gram_refresh=gram_refresh,
+        sharding=sharding,
+        max_distance=max_distance,
+        trust_radius=trust_radius,
+        flags=dict(maximize=maximize, guard=guard, check_finite=check_finite, check_manifold=check_manifold),
+        hyper=dict(lr=lr, momentum=momentum, feedback=feedback),
+        validated=_validated,
+    )
+    count = _checked_lists(params, grads, momentum_buffers, labels)
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
     read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
