@@ -32,6 +32,7 @@ ORDER = (
     "fgd-cuda",
     "fgd-torch",
     "fgd-torch-tf32x3",
+    "fgd-torch-carried",
     "fgd-torch-tf32",
     "fgd-reference",
     "cayley-sgd-lowrank",
@@ -76,11 +77,13 @@ def load(path: str | Path) -> dict:
 
 # -- formatting ------------------------------------------------------------------------------
 def _time(s: float | None) -> str:
+    """Seconds in the unit that keeps three significant figures short (the unit chosen after
+    rounding: 0.9996 s is "1.00 s", not "1e+03 ms")."""
     if s is None:
         return "—"
-    if s >= 1.0:
+    if float(f"{s:.3g}") >= 1.0:
         return f"{s:.2f} s"
-    if s >= 1e-3:
+    if float(f"{s * 1e3:.3g}") >= 1.0:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} µs"
 
@@ -90,7 +93,7 @@ def _sci(x: float | None) -> str:
 
 
 def _pct(x: float | None) -> str:
-    return "—" if x is None else (f"{100 * x:.1f} %" if x >= 0.001 else f"{100 * x:.2g} %")
+    return "—" if x is None else (f"{100 * x:.1f} %" if x >= 0.01 else f"{100 * x:.2g} %")
 
 
 def _mb(b: float | None) -> str:

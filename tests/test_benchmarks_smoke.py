@@ -272,3 +272,13 @@ def test_the_noise_note_pairs_auto_with_the_contender_that_runs_its_code(bench_m
     run = dict(session=dict(settings=dict(fgd_auto_resolves_to=resolved)), cases=cases)
     assert report.same_code_as_auto(run) == twin
     assert report.same_code_as_auto(dict(session={}, cases=cases)) is None
+
+
+def test_every_contender_has_its_row_and_times_change_unit_after_rounding():
+    """A review: ``fgd-torch-carried`` had no place in the report's row order (it came last, after
+    ``sgd``), and 0.9996 s printed as "1e+03 ms"."""
+    from benchmarks.contenders import CONTENDERS
+    from benchmarks.report import ORDER, _time
+
+    assert [c.name for c in CONTENDERS if c.name not in ORDER] == []
+    assert (_time(0.9996), _time(0.0009996), _time(0.0123), _time(4.2e-6)) == ("1.00 s", "1 ms", "12.3 ms", "4.2 µs")
