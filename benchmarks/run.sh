@@ -98,8 +98,6 @@ if [ "$interleaved" = 1 ]; then
   contenders=(fgd-auto fgd-torch-carried cayley-sgd-lowrank cayley-adam-lowrank landing-sgd geoopt-qr sgd)
   python -m benchmarks.studies.step_ratio --markdown --threads "${FGD_BENCH_THREADS:-1}" \
     --contenders "${contenders[@]}" >> "$stem.md"
-  printf '\n(as run: `python -m benchmarks.studies.step_ratio --markdown --threads %s --contenders %s`)\n' \
-    "${FGD_BENCH_THREADS:-1}" "${contenders[*]}" >> "$stem.md"
 fi
 
 if [ "$train" = 1 ]; then

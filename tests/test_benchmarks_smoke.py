@@ -246,6 +246,9 @@ def test_step_ratio_runs_the_workloads_asked_for(capsys):
     assert re.search(r"fgd-torch [\d.]+ \S+ \([\d.]+×, [\d.]+×\), sgd [\d.]+ \S+ \(1\.00×, 1\.00×\)$", lines[0])
     with pytest.raises(SystemExit):
         main(["--scale", "tiny", "--workloads", str(len(tiny))])
+    argv = ["--scale", "tiny", "--rounds", "1", "--contenders", "fgd-torch", "sgd", "--base", "sgd", "--workloads", "0"]
+    main([*argv, "--markdown"])  # (its header names the arguments it ran with: a review found them left out)
+    assert f"`python -m benchmarks.studies.step_ratio {' '.join(argv)} --markdown`" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

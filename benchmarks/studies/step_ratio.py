@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 try:
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         print(f"\n## Interleaved: step time and ratio to `{args.base}`\n")
         print(
-            f"`python -m benchmarks.studies.step_ratio --markdown` ({head}; every round steps each contender "
+            f"`python -m benchmarks.studies.step_ratio {' '.join(argv if argv is not None else sys.argv[1:])}` "
+            f"({head}; every round steps each contender "
             "once, in turn, the order alternating, so a change in the machine's speed hits all alike: the ratios "
             f"to quote). {describe(env)}.\n"
         )
