@@ -829,6 +829,8 @@ def fsdp_buffer_unfit_on_one_rank(rank, world, out, *, what="buffer"):
         opt.param_groups[0]["lr"] = -0.1
     elif rank == world - 1 and what == "plain_weight_decay":
         opt.param_groups[1]["weight_decay"] = -1.0
+    elif rank == world - 1 and what.startswith("phi_"):  # (a NaN/Inf in this rank's rows of Φ only)
+        opt.state[w]["momentum_buffer"].to_local().view(-1)[0] = float(what[4:])
     elif rank == world - 1:
         unfit = w if what == "buffer" else bias
         opt.state[unfit]["momentum_buffer"] = opt.state[unfit]["momentum_buffer"].float()
@@ -836,7 +838,7 @@ def fsdp_buffer_unfit_on_one_rank(rank, world, out, *, what="buffer"):
     try:
         opt.step()
         message = None
-    except ValueError as error:
+    except (ValueError, FloatingPointError) as error:
         message = str(error)
     return dict(message=message, unchanged=torch.equal(before, w.to_local()))
 

@@ -119,6 +119,11 @@ MUTANTS = {
         "the row shards' ‖g‖² (the guard's safety radius) left out of the all-reduce",
         [f"{DIST}::test_the_guard_binding_on_one_row_sharded_layer_matches_one_process[2]"],
     ),
+    "phi_sq_of_own_rows": (
+        "‖Φ‖² of row shards (asked where the summed tr C is not finite) from this rank's rows alone: a NaN in "
+        "another rank's rows called finite there, the ranks deciding apart",
+        [f"{DIST}::test_a_non_finite_momentum_in_one_ranks_rows_stops_every_rank"],
+    ),
     "carry_ignores_versions": (
         "carried Gram blocks used after a write to θ or Φ between steps",
         [f"{CARRY}::test_writes_between_steps_are_seen"],
@@ -550,6 +555,7 @@ def plant(name: str) -> Callable[[], None]:
     elif name in (
         "owner_checks_unshared",
         "grad_sq_unsummed",
+        "phi_sq_of_own_rows",
         "guard_settings_not_agreed",
         "local_checks_unshared",
         "sharded_checks_kept_in_groups",
@@ -1045,6 +1051,11 @@ def plant_here(name: str) -> None:
                 raise failed
 
         stiefel.agree_on_saved_state = unshared
+    elif name == "phi_sq_of_own_rows":
+        from fgd_fast.backends import torch_groups
+        from fgd_fast.backends.algebra import grad_sq
+
+        torch_groups.Group._phi_sq = lambda self: grad_sq(self._of("bufs"))
     elif name == "grad_sq_unsummed":  # the per-layer ‖g‖² are the only 1-D tensors the row path reduces
         summing = distributed.summing_over
 

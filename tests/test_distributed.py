@@ -616,6 +616,17 @@ def test_a_buffer_that_does_not_fit_on_one_rank_stops_every_rank(what):
     assert "could not be prepared" in results[0]["message"], results
 
 
+@pytest.mark.parametrize("what", ["phi_nan", "phi_inf"])
+def test_a_non_finite_momentum_in_one_ranks_rows_stops_every_rank(what):
+    """A failure-injection review: a NaN or Inf in one rank's rows of Φ made the summed tr C
+    non-finite on every rank, and each rank then took ‖Φ‖² from its own rows (to tell a huge
+    finite Φ from a non-finite one): the other ranks found theirs finite and stepped, the one
+    holding the NaN raised. Those sums are taken over the ranks now: every rank refuses."""
+    results = run(2, "fsdp_buffer_unfit_on_one_rank", what=what)
+    assert all(r["message"] is not None and "non-finite" in r["message"] for r in results), results
+    assert all(r["unchanged"] for r in results), results
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank

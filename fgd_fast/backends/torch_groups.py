@@ -75,6 +75,16 @@ class Group:
     def symmetric_slots(self) -> tuple[int, ...]:
         return self.first.symmetric_slots()
 
+    def _phi_sq(self) -> torch.Tensor:
+        """``(L,)`` float64 ‖Φ‖² of the layers from Φ itself; of row shards, summed over the ranks
+        (this rank's rows alone would call a NaN in another rank's rows finite: the ranks would
+        decide apart, one raising, one stepping). Every rank calls it alike: the middle asks only
+        where the summed ``tr C`` is not finite."""
+        phi_sq = grad_sq(self._of("bufs"))
+        if self.reduce is not None:
+            reduce_packed(self.reduce, [], [phi_sq])()  # Σ over the ranks, in place
+        return phi_sq
+
     def _of(self, name: str) -> list[torch.Tensor]:
         """The members' ``params``, ``grads`` or ``bufs`` of the group's layers, in its order."""
         return [t for m, gc in self.members for t in getattr(m, name)[gc[0].s : gc[-1].e]]
@@ -149,7 +159,7 @@ class Group:
         unit = b.unit * (self.refresh if self.carry else 1)
         extra = dict(g_sq=g_sq, gg=gg, uu=uu, unit=unit, stored=b.dtype, carry=self.carry, layout=lay)
         if b.predict and b.reads_phi:  # ‖Φ‖² from Φ, where its float32 Gram overflowed
-            extra.update(phi_sq_later=lambda: grad_sq(self._of("bufs")))
+            extra.update(phi_sq_later=self._phi_sq)
         if b.predict:  # (also s²UᵀU from sU, where the unscaled Gram overflowed float32)
             extra.update(uu_later=lambda scale=None: self.velocity_grams(lay.empty(b.cdt), scratch, scale))
         mid = middle(a, phi_b, c, g_blk, **hyper, **extra, **b.guard)
