@@ -497,6 +497,61 @@ class StiefelOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        # every check of the saved state, its outline and hyper-parameters included: a refusal on one
+        # rank joins the ranks' agreement (with sharded parameters), so that every rank raises or none
+        # does (a rank that raised alone left the others waiting in their next collective)
+        failed: ValueError | None = None
+        try:
+            saved, saved_key, options = self._checked_saved(state_dict)
+        except ValueError as error:
+            failed = error
+        agree_on_saved_state(failed, [p for _, p, _ in self._keyed()])
+        changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
+        pre_hooks, post_hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()  # (ran above; the post-hooks run at the end)
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:  # (the same dicts: the hooks' handles keep working)
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        for group in self.param_groups:
+            for o in self._OPTIONS:
+                group[o] = options.get(o, self.defaults[o])
+        self.defaults.update(options)
+        # torch casts every loaded state tensor but "step" to a floating parameter's dtype: integer
+        # state (FGD's guard counters) keeps its own dtype, and the float32 state of a 16-bit
+        # orthogonal parameter stays float32
+        for index, (group, p, _) in enumerate(self._keyed()):
+            if not isinstance(saved.get(saved_key(index)), dict):
+                continue
+            cdt = state_dtype(p, group)
+            for name, value in saved[saved_key(index)].items():
+                if not isinstance(value, torch.Tensor) or name == "step":
+                    continue
+                if not value.is_floating_point():
+                    self.state[p][name] = value.to(device=p.device, copy=True)
+                elif cdt != p.dtype:
+                    self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
+                elif self.state[p][name].is_inference():  # (kept as it is by torch's load: no step could
+                    self.state[p][name] = self.state[p][name].clone()  # update it in place; a copy)
+        self._loaded()
+        self._record_state_kinds()  # (the loaded state's flags were checked against the groups')
+        if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once
+            # the load is complete: a warning raised as an error leaves a whole, usable optimizer)
+            what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
+            warnings.warn(
+                f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
+                f"to keep this optimizer's, set them again after loading: {self._restore_order(changed)}",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        for post_hook in post_hooks.values():
+            post_hook(self)
+
+    def _checked_saved(self, state_dict: dict[str, Any]):
+        """``load_state_dict``'s checks of ``state_dict`` (raises ``ValueError``; changes nothing):
+        its saved state, the key function of its parameters, its optimizer-wide options."""
         check_saved_structure(state_dict)
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
@@ -568,58 +623,10 @@ class StiefelOptimizer(Optimizer):
                     f"{' …' if len(stray) > 3 else ''}, which its param_groups do not list (their state would be "
                     "dropped); nothing was loaded. Was it saved for another model, or were its keys edited?"
                 )
-            failed: ValueError | None = None
-            try:
-                for index, (group, p, key) in enumerate(self._keyed()):
-                    if saved_key(index) in saved:
-                        self._check_saved_state(p, group, saved[saved_key(index)], label(key))
-            except ValueError as error:
-                failed = error
-            # (a sharded state tensor is checked on each rank's shard: the ranks agree on the verdict,
-            # so that none loads while another refuses)
-            agree_on_saved_state(failed, [p for _, p, _ in self._keyed()])
-        changed = {o: (self.defaults[o], v) for o, v in options.items() if v != self.defaults[o]}
-        pre_hooks, post_hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
-        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()  # (ran above; the post-hooks run at the end)
-        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
-        try:
-            super().load_state_dict(state_dict)
-        finally:  # (the same dicts: the hooks' handles keep working)
-            self._optimizer_load_state_dict_pre_hooks = pre_hooks
-            self._optimizer_load_state_dict_post_hooks = post_hooks
-        for group in self.param_groups:
-            for o in self._OPTIONS:
-                group[o] = options.get(o, self.defaults[o])
-        self.defaults.update(options)
-        # torch casts every loaded state tensor but "step" to a floating parameter's dtype: integer
-        # state (FGD's guard counters) keeps its own dtype, and the float32 state of a 16-bit
-        # orthogonal parameter stays float32
-        for index, (group, p, _) in enumerate(self._keyed()):
-            if not isinstance(saved.get(saved_key(index)), dict):
-                continue
-            cdt = state_dtype(p, group)
-            for name, value in saved[saved_key(index)].items():
-                if not isinstance(value, torch.Tensor) or name == "step":
-                    continue
-                if not value.is_floating_point():
-                    self.state[p][name] = value.to(device=p.device, copy=True)
-                elif cdt != p.dtype:
-                    self.state[p][name] = value.to(device=p.device, dtype=cdt, copy=True)
-                elif self.state[p][name].is_inference():  # (kept as it is by torch's load: no step could
-                    self.state[p][name] = self.state[p][name].clone()  # update it in place; a copy)
-        self._loaded()
-        self._record_state_kinds()  # (the loaded state's flags were checked against the groups')
-        if changed:  # (a constructor's explicit choice replaced without a word is a surprise; warned once
-            # the load is complete: a warning raised as an error leaves a whole, usable optimizer)
-            what = ", ".join(f"{o} {old!r} → {new!r}" for o, (old, new) in changed.items())
-            warnings.warn(
-                f"load_state_dict: the state_dict's optimizer-wide options replace this optimizer's: {what}; "
-                f"to keep this optimizer's, set them again after loading: {self._restore_order(changed)}",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        for post_hook in post_hooks.values():
-            post_hook(self)
+            for index, (group, p, key) in enumerate(self._keyed()):
+                if saved_key(index) in saved:
+                    self._check_saved_state(p, group, saved[saved_key(index)], label(key))
+        return saved, saved_key, options
 
     def _loaded(self) -> None:
         """Runs after a successful load, before the post-hooks (subclasses drop caches here)."""

@@ -1008,6 +1008,33 @@ def dcp_load_with_a_nan_in_one_shard(rank, world, out):
     return dict(message=message, refused_whole=refused_whole, loaded_after=len(fresh.state) == len(opt.state))
 
 
+def fsdp_load_refused_on_one_rank(rank, world, out, *, what="nokey"):
+    """A failure-injection review: a plain ``load_state_dict`` whose saved group lacks a key
+    (``what="nokey"``) or holds an invalid lr (``"lr"``) on one rank only was refused there alone
+    (those checks ran before the ranks' agreement) and the others waited in their next collective.
+    Every check now joins the agreement: every rank raises, none loads."""
+    import copy
+
+    model = _sharded(world)
+    opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **HYPER)
+    for step in range(2):
+        _set_grads(model, step)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    if rank == world - 1:
+        if what == "nokey":
+            del sd["param_groups"][0]["feedback"]
+        else:
+            sd["param_groups"][0]["lr"] = -1.0
+    fresh = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule, orthogonalize=False), **HYPER)
+    try:
+        fresh.load_state_dict(sd)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    return dict(message=message, refused_whole=len(fresh.state) == 0)
+
+
 def fsdp_disagreements(rank, world, out):
     """One rank with another lr, feedback, momentum, check flag, backend, sharding or guard
     setting: every rank raises the same error naming it, nothing is written, and nothing hangs
@@ -1380,6 +1407,7 @@ CASES = {
         fsdp_owner_fails,
         owner_step_without_received,
         fsdp_buffer_unfit_on_one_rank,
+        fsdp_load_refused_on_one_rank,
         rows_float64_beside_float32,
         tp_nan_at_the_first_step,
         dcp_load_with_a_nan_in_one_shard,

@@ -627,6 +627,17 @@ def test_a_non_finite_momentum_in_one_ranks_rows_stops_every_rank(what):
     assert all(r["unchanged"] for r in results), results
 
 
+@pytest.mark.parametrize("what", ["nokey", "lr"])
+def test_a_load_whose_groups_are_refused_on_one_rank_is_refused_on_every_rank(what):
+    """A failure-injection review: the outline and hyper-parameter checks of a load ran before
+    the ranks' agreement; a refusal on one rank left the others waiting (the process group's
+    timeout). Every rank raises now, the refusing one its own error, and none loads."""
+    results = run(2, "fsdp_load_refused_on_one_rank", what=what)
+    assert all(r["message"] is not None and r["refused_whole"] for r in results), results
+    assert "another rank refused" in results[0]["message"], results
+    assert ("no 'feedback'" if what == "nokey" else "invalid lr") in results[-1]["message"], results
+
+
 def test_a_dcp_load_refused_on_one_rank_is_refused_on_every_rank():
     """A checkpoint review: a NaN in one rank's shard of Φ was refused by that rank alone (the
     finiteness check read the local shard); every rank refuses now, naming the cause on the rank
