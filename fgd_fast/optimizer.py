@@ -269,7 +269,12 @@ class FGD(StiefelOptimizer):
             loss = self._run_closure(closure)
             orth, eucl, resting = self._collect(idle)  # (raises on a parameter listed twice, in any groups)
         except Exception as error:
-            self._raise_with_the_ranks(error)
+            try:
+                self._raise_with_the_ranks(error)
+            except Exception as joined:  # (the agreement itself failed, e.g. the other ranks were in the
+                if joined is error:  # closure's own collectives: this rank still raises its own error)
+                    raise
+                raise error from joined
             raise
 
         def before_writes() -> None:  # what allocates memory, after every check and before θ or Φ is written

@@ -498,3 +498,25 @@ def test_messages_name_an_unnamed_parameter_of_a_named_optimizer_by_its_index():
     named.grad, extra.grad = torch.zeros(6, 4), torch.full((6, 4), float("nan"))
     with pytest.raises(FloatingPointError, match=r"orthogonal parameter\(s\) #1;"):
         opt.step()
+
+
+def test_a_failed_closure_raises_its_own_error_when_the_ranks_agreement_fails(monkeypatch):
+    """A failure-injection review (FSDP2, gloo): a closure that raised on one rank before its
+    forward made that rank join the ranks' agreement while the others were in the forward's
+    all-gather; the mismatched collective timed out and its error replaced the closure's. The
+    closure's error is raised, the collective's as its cause (here the agreement is faked)."""
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+
+    def agreement_times_out(error):
+        raise RuntimeError("gloo: Timed out waiting for recv")
+
+    monkeypatch.setattr(opt, "_raise_with_the_ranks", agreement_times_out)
+
+    def closure():
+        raise KeyError("the batch")
+
+    with pytest.raises(KeyError, match="the batch") as info:
+        opt.step(closure)
+    assert isinstance(info.value.__cause__, RuntimeError) and "Timed out" in str(info.value.__cause__)
+    assert not opt.state
