@@ -361,6 +361,12 @@ class StiefelOptimizer(Optimizer):
             if not group["orthogonal"]:
                 self._check_sgd_state(p, f"parameter {text}")
             else:  # (a Euclidean one steps as torch.optim.SGD would, on the meta device too)
+                if p.dim() < 2:  # (checked when added: its .data was replaced since)
+                    raise ValueError(
+                        f"orthogonal parameter {text} has shape {tuple(p.shape)} now: a Stiefel constraint needs at "
+                        "least 2 dims (was its .data replaced after the optimizer was built?); give it back a "
+                        "matrix-shaped weight, or move it to a group without orthogonal=True; nothing changed"
+                    )
                 check_materialised(p, f"{type(self).__name__}.step (parameter {text})")
                 self._check_orthogonal_state(p, group, f"parameter {text}")
             yield group, p, text

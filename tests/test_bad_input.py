@@ -650,3 +650,19 @@ def test_a_baselines_nan_parameter_is_named_as_such(name):
     with pytest.raises(ValueError, match="is not finite .NaN or Inf entries.*nothing changed"):
         opt.step()
     assert not opt.state[w]
+
+
+@pytest.mark.parametrize("name", ["FGD", "CayleySGD", "LandingSGD"])
+def test_an_orthogonal_weight_made_1d_after_construction_is_named(name):
+    """An error review: the step's message for a weight whose ``.data`` became 1-D came from
+    ``stiefel_shape`` and named no parameter."""
+    import fgd_fast.baselines
+
+    cls = getattr(fgd_fast, name, None) or getattr(fgd_fast.baselines, name)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3)))
+    opt = cls([dict(params=[w], orthogonal=True)], lr=0.1)
+    w.data = torch.randn(5)
+    w.grad = torch.randn(5)
+    with pytest.raises(ValueError, match=r"orthogonal parameter #0 has shape \(5,\) now.*nothing changed"):
+        opt.step()
+    assert not opt.state[w]
