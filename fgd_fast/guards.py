@@ -36,7 +36,6 @@ __all__ = [
     "SCALED",
     "RESET",
     "raise_if_invalid",
-    "raise_if_a_param_is_not_finite",
     "check_guard_room",
 ]
 
@@ -100,12 +99,15 @@ def raise_if_invalid(
     tables: Sequence[torch.Tensor | None] | None = None,
     carried: bool = False,
     fgd: bool = True,
+    params: Sequence[torch.Tensor] | None = None,
 ) -> list[int] | None:
     """Raise if any layer failed a check; return the guard's per-layer decisions read at the
     same synchronisation (``None`` when no check is on: nothing is read). ``carried``: the step
     may have read θᵀθ carried from the last one (``gram_refresh > 1``): the off-manifold message
     then names the write that carried blocks cannot see. ``fgd=False``: the messages of a
     baseline optimizer (no ``reset_parameter``, no guard, no fused backends to name).
+    ``params`` (the layers' tensors, in ``labels``' order): read only where a step is refused
+    as non-finite, to name a parameter that is itself NaN/Inf rather than advise a smaller lr.
 
     ``dist[k]``, ``finite[k]``, … are per-layer device tensors of one backend call whose
     layers are ``index[k]`` (positions into ``labels``). One ``.tolist()`` per device.
@@ -164,6 +166,8 @@ def raise_if_invalid(
         _raise_if_off_manifold(dist_all, labels, max_distance, only_non_finite=True)
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_all) if not ok]
+        if bad and params is not None:
+            _raise_if_a_param_is_not_finite(params, labels, [i for i, ok in enumerate(fin_all) if not ok])
         if bad and not fgd:
             raise FloatingPointError(
                 f"non-finite gradient or optimizer state (NaN or Inf) for orthogonal parameter(s) {', '.join(bad)}; "
@@ -184,6 +188,8 @@ def raise_if_invalid(
         _raise_if_off_manifold(dist_all, labels, max_distance, carried=carried)
     if check_finite:
         bad = [labels[i] for i, ok in enumerate(fin_next_all) if not ok]
+        if bad and params is not None:
+            _raise_if_a_param_is_not_finite(params, labels, [i for i, ok in enumerate(fin_next_all) if not ok])
         if bad:
             advice = _RESET_ADVICE if fgd else "Lower the learning rate or clip the gradient"
             raise FloatingPointError(
@@ -236,14 +242,14 @@ def _raise_if_off_manifold(
             )
 
 
-def raise_if_a_param_is_not_finite(params: list[torch.Tensor], labels: list[str]) -> None:
-    """After a step (the baselines') was refused as non-finite: where a parameter itself has NaN/Inf
+def _raise_if_a_param_is_not_finite(params: Sequence[torch.Tensor], labels: Sequence[str], refused: list[int]):
+    """A step refused as non-finite (layers ``refused``): where such a parameter itself has NaN/Inf
     entries, say that (the refusal's advice, a smaller lr or clipping, does not help then). Read
     on the refusal's path only: an ordinary step pays nothing for it."""
-    for p, label in zip(params, labels):
-        if not bool(torch.isfinite(p.detach()).all()):
+    for i in refused:
+        if not bool(torch.isfinite(params[i].detach()).all()):
             raise ValueError(
-                f"orthogonal parameter {label} is not finite (NaN or Inf entries); the step was not applied "
+                f"orthogonal parameter {labels[i]} is not finite (NaN or Inf entries); the step was not applied "
                 "and nothing changed. No retraction recovers it: re-initialise it (e.g. "
                 "torch.nn.init.orthogonal_(param)) and clear its state (opt.state[param].clear())"
             ) from None

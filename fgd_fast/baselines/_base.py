@@ -19,7 +19,7 @@ import torch
 from .._matrix import as_w2, stiefel_shape
 from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode, step_outside_autocast
 from ..backends import compute_dtype
-from ..guards import raise_if_a_param_is_not_finite, raise_if_invalid
+from ..guards import raise_if_invalid
 from ..manifold import sign_fixed_q
 from ..saved_state import check_saved_tensor, state_dtype
 from ..validation import (
@@ -237,20 +237,17 @@ class CayleyBase(StiefelOptimizer):
                 b.finite = torch.isfinite(torch.linalg.vector_norm(b.m, float("inf"), dim=(1, 2)))
             self._prepare(b)
             buckets.append(b)
-        try:
-            raise_if_invalid(  # the one host synchronisation; raises before any write
-                [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
-                [b.finite for b in buckets],
-                [b.idx for b in buckets],
-                labels,
-                check_finite=self.check_finite,
-                check_manifold=False,
-                finite_next=[b.finite_next for b in buckets],
-                fgd=False,
-            )
-        except FloatingPointError:
-            raise_if_a_param_is_not_finite(params, labels)
-            raise
+        raise_if_invalid(  # the one host synchronisation; raises before any write
+            [torch.zeros(len(b.idx), device=b.store.device) for b in buckets],
+            [b.finite for b in buckets],
+            [b.idx for b in buckets],
+            labels,
+            check_finite=self.check_finite,
+            check_manifold=False,
+            finite_next=[b.finite_next for b in buckets],
+            fgd=False,
+            params=params,
+        )
         for group in self.param_groups:  # (first: its temporaries allocated before an orthogonal write)
             if not group["orthogonal"]:
                 self._euclidean(group, [p for p in group["params"] if p.grad is not None])

@@ -46,7 +46,7 @@ import torch
 from .._matrix import as_stiefel, from_stiefel
 from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode, step_outside_autocast
 from ..backends import compute_dtype
-from ..guards import raise_if_a_param_is_not_finite, raise_if_invalid
+from ..guards import raise_if_invalid
 from ..validation import (
     check_bool,
     check_dampening,
@@ -177,20 +177,17 @@ class LandingSGD(StiefelOptimizer):
                 finite_next.append(_finite(new_theta, new_buf))
         if planned and self.check_finite:  # the one host synchronisation; raises before any write
             dev = planned[0][0].device
-            try:
-                raise_if_invalid(
-                    [torch.zeros(len(planned), device=dev)],
-                    [torch.stack([f.to(dev) for f in finite])],
-                    [list(range(len(planned)))],
-                    labels,
-                    check_finite=True,
-                    check_manifold=False,
-                    finite_next=[torch.stack([f.to(dev) for f in finite_next])],
-                    fgd=False,
-                )
-            except FloatingPointError:
-                raise_if_a_param_is_not_finite([p for p, _, _ in planned], labels)
-                raise
+            raise_if_invalid(
+                [torch.zeros(len(planned), device=dev)],
+                [torch.stack([f.to(dev) for f in finite])],
+                [list(range(len(planned)))],
+                labels,
+                check_finite=True,
+                check_manifold=False,
+                finite_next=[torch.stack([f.to(dev) for f in finite_next])],
+                fgd=False,
+                params=[p for p, _, _ in planned],
+            )
         for group, ps in euclidean.values():  # (first: its temporaries allocated before an orthogonal write)
             self._group_sgd(group, ps)
         for p, new_theta, new_buf in planned:
