@@ -592,46 +592,45 @@ class StiefelOptimizer(Optimizer):
                 "was saved with (stiefel_param_groups(model) makes two), or load the model's weights only"
             )
         options = self._saved_options(saved_groups)
-        if len(saved_groups) == len(self.param_groups):
-            for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
-                if saved_group["orthogonal"] != own["orthogonal"]:  # (the state's meaning differs, not a setting)
-                    raise ValueError(
-                        f"cannot load this state_dict: its param_groups[{k}] was saved with orthogonal="
-                        f"{saved_group['orthogonal']!r}, this optimizer's has orthogonal={own['orthogonal']!r} "
-                        f"(a Euclidean group's momentum is in gradient units, an orthogonal one's state is {name}'s "
-                        "own); nothing was loaded. Build the optimizer with the groups the checkpoint was saved with, "
-                        "or load the model's weights only and start the optimizer fresh"
-                    )
-                # (torch installs the saved group whole: a hyper-parameter it lacks would be missing at
-                # every later step; the optimizer-wide options are set from the saved ones)
-                lacking = [k for k in self.defaults if k in own and k not in saved_group and k not in self._OPTIONS]
-                if lacking:
-                    raise ValueError(
-                        f"cannot load this state_dict: its param_groups[{k}] has no {', '.join(map(repr, lacking))}; "
-                        "nothing was loaded. Put the saved value back (e.g. "
-                        f"state_dict['param_groups'][{k}][{lacking[0]!r}] = opt.param_groups[{k}][{lacking[0]!r}]), "
-                        "or load the model's weights only and start the optimizer fresh"
-                    )
-                merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
-                try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
-                    self._validate_group(merged, at_step=True)  # (saved mid-schedule: momentum 0 with Nesterov)
-                    if merged["orthogonal"]:
-                        check_orthogonal_params(param_tensors(own["params"]))
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(
-                        f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
-                    ) from exc
-            listed = set(keys)
-            stray = [k for k in saved if k not in listed]
-            if stray:
+        for k, (saved_group, own) in enumerate(zip(saved_groups, self.param_groups)):
+            if saved_group["orthogonal"] != own["orthogonal"]:  # (the state's meaning differs, not a setting)
                 raise ValueError(
-                    f"cannot load this state_dict: state_dict['state'] has entries for {stray[:3]!r}"
-                    f"{' …' if len(stray) > 3 else ''}, which its param_groups do not list (their state would be "
-                    "dropped); nothing was loaded. Was it saved for another model, or were its keys edited?"
+                    f"cannot load this state_dict: its param_groups[{k}] was saved with orthogonal="
+                    f"{saved_group['orthogonal']!r}, this optimizer's has orthogonal={own['orthogonal']!r} "
+                    f"(a Euclidean group's momentum is in gradient units, an orthogonal one's state is {name}'s "
+                    "own); nothing was loaded. Build the optimizer with the groups the checkpoint was saved with, "
+                    "or load the model's weights only and start the optimizer fresh"
                 )
-            for index, (group, p, key) in enumerate(self._keyed()):
-                if saved_key(index) in saved:
-                    self._check_saved_state(p, group, saved[saved_key(index)], label(key))
+            # (torch installs the saved group whole: a hyper-parameter it lacks would be missing at
+            # every later step; the optimizer-wide options are set from the saved ones)
+            lacking = [k for k in self.defaults if k in own and k not in saved_group and k not in self._OPTIONS]
+            if lacking:
+                raise ValueError(
+                    f"cannot load this state_dict: its param_groups[{k}] has no {', '.join(map(repr, lacking))}; "
+                    "nothing was loaded. Put the saved value back (e.g. "
+                    f"state_dict['param_groups'][{k}][{lacking[0]!r}] = opt.param_groups[{k}][{lacking[0]!r}]), "
+                    "or load the model's weights only and start the optimizer fresh"
+                )
+            merged = {**own, **{key: v for key, v in saved_group.items() if key != "params"}, **options}
+            try:  # the loaded hyper-parameters, and an orthogonal flag only on usable parameters
+                self._validate_group(merged, at_step=True)  # (saved mid-schedule: momentum 0 with Nesterov)
+                if merged["orthogonal"]:
+                    check_orthogonal_params(param_tensors(own["params"]))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"cannot load this state_dict: its param_groups[{k}]: {exc}; nothing was loaded"
+                ) from exc
+        listed = set(keys)
+        stray = [k for k in saved if k not in listed]
+        if stray:
+            raise ValueError(
+                f"cannot load this state_dict: state_dict['state'] has entries for {stray[:3]!r}"
+                f"{' …' if len(stray) > 3 else ''}, which its param_groups do not list (their state would be "
+                "dropped); nothing was loaded. Was it saved for another model, or were its keys edited?"
+            )
+        for index, (group, p, key) in enumerate(self._keyed()):
+            if saved_key(index) in saved:
+                self._check_saved_state(p, group, saved[saved_key(index)], label(key))
         return saved, saved_key, options
 
     def _loaded(self) -> None:

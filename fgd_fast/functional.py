@@ -47,19 +47,17 @@ class GuardReport(NamedTuple):
 
     ``guarded``: per parameter, a 0-d int8 device tensor, ``KEPT`` (0: the update as computed),
     ``SCALED`` (1: a fraction of it) or ``RESET`` (2: the feedback pull-back alone, Φ₊ = 0), or
-    ``None`` where the guard was off; ``read``: the same as ints where the checks synchronised
-    with the host this step, else ``None`` (reading ``guarded`` later costs a synchronisation);
-    ``distance``: per parameter, ‖θ₊ᵀθ₊ − I‖_F as the step computed it (0-d), or ``None`` where
-    the backend only bounded it within the target (the torch backend, for plain tensors).
+    ``None`` where the guard was off; read-only (on a CPU the torch backend makes it in
+    ``torch.inference_mode``: usable anywhere, not writable in place outside it). ``read``: the
+    same as ints where the checks synchronised with the host this step, else ``None`` (reading
+    ``guarded`` later costs a synchronisation). ``distance``: per parameter, ‖θ₊ᵀθ₊ − I‖_F as the
+    step computed it (0-d, exact to rounding), or ``None`` where not predicted or where the backend
+    only bounded it within the target (``prepare.bounds_next``: the torch backend, for parameters
+    that are not DTensors).
     """
 
-    # per parameter: a 0-d int8 device tensor (KEPT/SCALED/RESET), or None; read-only (on a CPU the
-    # torch backend makes it in torch.inference_mode: usable anywhere, not writable in place outside it)
     guarded: list[torch.Tensor | None]
-    read: list[int] | None  # the same, read at the checks' host synchronisation (None: no check ran)
-    # per parameter: ‖θ₊ᵀθ₊ − I‖_F the step computed (0-d), exact to rounding; None where not predicted
-    # or where the backend may have only bounded it within the target (prepare.bounds_next: the torch
-    # backend, for parameters that are not DTensors)
+    read: list[int] | None
     distance: list[torch.Tensor | None] | None = None
 
 
