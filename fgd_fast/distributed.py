@@ -40,7 +40,7 @@ from ._compile import eager
 from ._matrix import as_stiefel, stiefel_shape
 from .backends.base import StepPlan
 from .collectives import fold_float64, full_values, is_dtensor, summing_over, unfold_float64
-from .owners import busiest_bytes, layout_of, owner_bytes, owner_group, prepare_owned
+from .owners import busiest_bytes, owner_bytes, owner_group, pieces_of, prepare_owned
 
 __all__ = [
     "shard_placement",
@@ -298,7 +298,7 @@ def prepare_dtensors(
                 rows.setdefault((params[i].device_mesh, row_mesh_dim(params[i]), params[i].device), []).append(i)
     for (group, device), layers in owned.items():  # pieces that do not tile θ: gathered instead
         layers.sort()  # (input order, as every rank has it)
-        lay = layout_of([params[i] for i in layers], group)
+        lay = pieces_of([params[i] for i in layers], group)
         for i in [i for i, ok in zip(layers, lay.ok) if not ok]:
             whole.setdefault(device, []).append(i)
             forced.append(params[i])
@@ -333,7 +333,7 @@ def prepare_dtensors(
         for (group, device), layers in owned.items():
             if layers:  # (those whose pieces tile θ; the same layout when all do)
                 pick = lambda seq, layers=layers: [seq[i] for i in layers]  # noqa: E731
-                lay = layout_of(pick(params), group)
+                lay = pieces_of(pick(params), group)
                 plan = prepare_owned(
                     resolve(device.type),
                     lay,

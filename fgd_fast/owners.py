@@ -41,11 +41,11 @@ from ._matrix import stiefel_shape
 from .backends.base import StepPlan, TableCache
 from .collectives import all_gather_flat
 
-__all__ = ["Layout", "owner_group", "layout_of", "owner_bytes", "busiest_bytes", "deal_cost", "prepare_owned"]
+__all__ = ["Pieces", "owner_group", "pieces_of", "owner_bytes", "busiest_bytes", "deal_cost", "prepare_owned"]
 
 
 @dataclass(frozen=True)
-class Layout:
+class Pieces:
     """Where the pieces of a set of DTensor layers lie in ``group`` (``size`` ranks, this one
     ``me``): ``boxes[l][s]`` is ``(shape, offset)`` of group rank ``s``'s piece of layer ``l``,
     ``senders[l]`` the group ranks whose piece travels (one per distinct piece), ``owners[l]``
@@ -60,7 +60,7 @@ class Layout:
     ok: tuple
 
 
-_layouts = TableCache(capacity=16)  # (group, the layers' shapes and placements) → Layout
+_pieces_cache = TableCache(capacity=16)  # (group, the layers' shapes and placements) → Pieces
 
 
 def owner_group(t):
@@ -132,14 +132,14 @@ def _deal(costs: list[int], size: int) -> tuple[int, ...]:
 
 
 def deal_cost(param) -> int:
-    """How :func:`layout_of` weighs a layer when dealing owners: its Gram pass and middle."""
+    """How :func:`pieces_of` weighs a layer when dealing owners: its Gram pass and middle."""
     n, p, _ = stiefel_shape(param.shape)
     return n * p * p + p**3
 
 
 def busiest_bytes(layers: list, ranks: int) -> float:
     """The bytes the busiest rank sends or receives per step on the owner path for ``layers``
-    (``(param, buf)`` pairs; shapes only), owners dealt as :func:`layout_of` deals them: an
+    (``(param, buf)`` pairs; shapes only), owners dealt as :func:`pieces_of` deals them: an
     owner receives ``(R−1)/R`` of θ, g, Φ whole and sends ``(R−1)/R`` of θ₊, Φ₊ for each of its
     layers; every rank sends its ``1/R`` of the others' and receives ``1/R`` of their results."""
     if ranks < 2 or not layers:
@@ -163,16 +163,16 @@ def busiest_bytes(layers: list, ranks: int) -> float:
 
 
 @torch.no_grad()
-def layout_of(params: list, group) -> Layout:
-    """The :class:`Layout` of DTensor layers ``params`` (sharing ``group``), exchanged in one
+def pieces_of(params: list, group) -> Pieces:
+    """The :class:`Pieces` of DTensor layers ``params`` (sharing ``group``), exchanged in one
     ``all_gather_single`` the first time this set of layers is seen (a collective: every
     rank calls it for the same layers) and kept."""
     key = (group, tuple((tuple(p.shape), p.device_mesh, tuple(p.placements)) for p in params))
-    return _layouts.get_or(key, lambda: _exchanged_layout(params, group))
+    return _pieces_cache.get_or(key, lambda: _exchanged_pieces(params, group))
 
 
-def _exchanged_layout(params: list, group) -> Layout:
-    """:func:`layout_of` for a set of layers not seen before (the collectives)."""
+def _exchanged_pieces(params: list, group) -> Pieces:
+    """:func:`pieces_of` for a set of layers not seen before (the collectives)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -210,7 +210,7 @@ def _exchanged_layout(params: list, group) -> Layout:
     owners = [-1] * len(params)
     for i, o in zip(owned, _deal([deal_cost(params[i]) for i in owned], size)):
         owners[i] = o
-    return Layout(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
+    return Pieces(group, size, me, tuple(boxes), tuple(senders), tuple(owners), tuple(ok))
 
 
 def _placed_as_the_table_says(params: list, mine: list, device, group) -> list[bool]:
@@ -275,7 +275,7 @@ def _share_checks(checks: torch.Tensor, group) -> None:
     dist.all_reduce(checks, group=group)
 
 
-def _raise_if_an_owner_failed(failed: torch.Tensor, params: list, lay: Layout) -> None:
+def _raise_if_an_owner_failed(failed: torch.Tensor, params: list, lay: Pieces) -> None:
     """On the ranks whose owned layers prepared: raise if another owner's did not (it raises its
     own error), before anything is written on any rank (one host read of the shared flags)."""
     where = [i for i, f in enumerate(failed.tolist()) if f]
@@ -292,7 +292,7 @@ def _raise_if_an_owner_failed(failed: torch.Tensor, params: list, lay: Layout) -
 
 def prepare_owned(
     prepare,
-    lay: Layout,
+    lay: Pieces,
     params: list,
     grads: list,
     bufs: list,

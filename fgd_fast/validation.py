@@ -168,12 +168,12 @@ def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> i
     return value
 
 
-def check_keys(group: dict, names: Iterable[str], what: str = "parameter group") -> None:
+def check_keys(group: dict, names: Iterable[str]) -> None:
     """Every key of ``names`` is in ``group`` (a ``ValueError`` names the missing ones)."""
     missing = [k for k in names if k not in group]
     if missing:
         raise ValueError(
-            f"the {what} has no {', '.join(map(repr, missing))}; a group gets every key from the optimizer's "
+            f"the parameter group has no {', '.join(map(repr, missing))}; a group gets every key from the optimizer's "
             "defaults when it is added, so put the key(s) back (e.g. group[key] = opt.defaults[key])"
         )
 

@@ -310,7 +310,7 @@ def _lying_layout_table():
 
     from fgd_fast import owners
 
-    real_table, real_geometry = owners._exchanged_layout, geometry.compute_local_shape_and_global_offset
+    real_table, real_geometry = owners._exchanged_pieces, geometry.compute_local_shape_and_global_offset
 
     def plain(shape, mesh, placements, *args, **kwargs):
         placements = [Shard(pl.dim) if type(pl).__name__ == "_StridedShard" else pl for pl in placements]
@@ -323,7 +323,7 @@ def _lying_layout_table():
         finally:
             geometry.compute_local_shape_and_global_offset = real_geometry
 
-    owners._exchanged_layout = lying
+    owners._exchanged_pieces = lying
 
 
 def tp_steps(rank, world, out, *, steps=5, fsdp=False, spike=None, sharding="auto", lying_table=False):
