@@ -309,6 +309,19 @@ def middle(
             beta=beta,
         )
         return Middle(m_theta, m_phi, feedback, dist, finite, scale, dist_next, fits, codes)  # scale: ts
+    blended = _blend(lay, a_minus_i, delta, t, w, alpha, alpha_, m_phi, m_theta, feedback, pull_back, finite, target)
+    m_theta, m_phi, feedback, weight, dist_next = blended
+    scale = scale * weight  # U → tsU
+    return Middle(
+        m_theta, m_phi, feedback, dist, finite, scale, dist_next, storable(dist_next, p, stored), guard_codes(scale)
+    )
+
+
+def _blend(lay: Layout, a_minus_i, delta, t, w, alpha, alpha_, m_phi, m_theta, feedback, pull_back, finite, target):
+    """The guard's blend by torch ops: per layer the weight t of ``θ₊ = θK₀ + t(θΔ + sU)`` that
+    :func:`.guard_rule.choose_weight` picks from ``D(t) = D₀ + tX₁ + t²X₂``, applied to the blocks:
+    ``(M_θ, M_Φ, F, t, ‖D(t)‖)`` (t = 0: a reset, Φ₊ = 0 and θ₊ = θK₀). ``alpha`` as :func:`middle`
+    takes it, ``alpha_`` broadcast to the blocks."""
     movable = finite & all_finite(m_phi, lay)
     d0, d_newton = pull_back_distances(a_minus_i, alpha_, lay)
     y = block_i_plus_d(lay, a_minus_i, delta, 1.0, t)  # Y = AΔ + T = Δ + DΔ + T = θᵀ(θΔ + sU)
@@ -316,20 +329,17 @@ def middle(
     # X₁ = 2 sym(K₀Y), K₀ = I − αD;  X₂ = ΔᵀAΔ + ΔᵀT + TᵀΔ + s²UᵀU = sym(Δᵀ(Y + T)) + s²UᵀU
     # (ΔᵀAΔ symmetric, ΔᵀT + TᵀΔ = 2 sym(ΔᵀT))
     x2 = lay.sym(block_mm(lay, delta, y.add_(t), tx=True)).add_(w)
-    del y, t, w
     movable = movable & all_finite(x2, lay)
     blend = choose_weight(d0, x1, x2, d_newton, target=target, movable=movable, layout=lay)
     del x1, x2, d0, d_newton
-    weight = lay.col(blend.weight.to(a.dtype))
-    alpha_m = alpha_.to(a.dtype) if isinstance(alpha_, torch.Tensor) else torch.full_like(weight, alpha_)
+    weight = lay.col(blend.weight.to(a_minus_i.dtype))
+    alpha_m = alpha_.to(a_minus_i.dtype) if isinstance(alpha_, torch.Tensor) else torch.full_like(weight, alpha_)
     base = a_minus_i * -torch.where(lay.col(blend.newton), 0.5, alpha_m)  # F₀ = −α'D (α' = ½: Newton–Schulz)
     whole, moving = weight == 1.0, weight > 0
     m_phi = torch.where(whole, m_phi, torch.where(moving, m_phi * weight, 0.0))  # tM_Φ (a reset: Φ₊ = 0)
     m_theta = torch.where(whole, m_theta, torch.where(moving, base + delta * weight, base))  # F₀ + tΔ
     feedback = torch.where(whole, feedback, torch.where(moving, base + (feedback - pull_back) * weight, base))
-    scale = scale * blend.weight  # U → tsU
-    fits = storable(blend.dist, p, stored)
-    return Middle(m_theta, m_phi, feedback, dist, finite, scale, blend.dist, fits, guard_codes(scale))
+    return m_theta, m_phi, feedback, blend.weight, blend.dist
 
 
 class Checks(NamedTuple):
