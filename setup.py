@@ -38,9 +38,9 @@ def _cuda_extension() -> dict:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError as exc:
-        reason = f"torch is not importable ({exc}); install with --no-build-isolation"
+        reason, torch_cuda = f"torch is not importable ({exc}); install with --no-build-isolation", True
     else:
-        reason = None
+        reason, torch_cuda = None, torch.version.cuda is not None and not getattr(torch.version, "hip", None)
         if getattr(torch.version, "hip", None):
             reason = f"torch {torch.__version__} is a ROCm (HIP) build; the extension is for NVIDIA GPUs"
         elif torch.version.cuda is None:
@@ -51,9 +51,11 @@ def _cuda_extension() -> dict:
             # (torch picks the architectures from the visible GPUs; with none its build raises)
             reason = "no GPU visible to build for (set TORCH_CUDA_ARCH_LIST, e.g. '8.0;9.0', to name the GPUs)"
     if reason:
+        # (a JIT build needs the CUDA build of torch and a toolkit at run time; a CPU or ROCm torch cannot)
+        later = "backend='cuda' builds it on first use" if torch_cuda else "backend='cuda' needs a CUDA build of torch"
         if mode == "1":
             raise SystemExit(f"fgd_fast: FGD_FAST_BUILD_CUDA=1 but fgd_fast._C cannot be built: {reason}")
-        print(f"fgd_fast: skipping the CUDA extension fgd_fast._C: {reason} (backend='cuda' builds it on first use)")
+        print(f"fgd_fast: skipping the CUDA extension fgd_fast._C: {reason} ({later})")
         return {}
     # the build settings live in fgd_fast/_cuda_build.py (shared with the just-in-time build);
     # load that file alone rather than importing the package being built
@@ -108,12 +110,15 @@ setup(
     packages=["fgd_fast", "fgd_fast.backends", "fgd_fast.baselines", "fgd_fast.kernels", "fgd_fast.csrc"],
     package_dir={"fgd_fast": "fgd_fast", "fgd_fast.kernels": "kernels", "fgd_fast.csrc": "csrc"},
     package_data={"fgd_fast.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h"]},
-    install_requires=["torch>=2.4", "numpy"],
+    # 2.11 and 2.13 are the versions tested (DTensor/FSDP2 paths import torch.distributed.tensor,
+    # public from 2.5 on; nothing older than 2.11 has run the suite)
+    install_requires=["torch>=2.11"],
     extras_require={
-        # 3.6 and 3.8 are the versions tested (3.0-3.3's interpreter cannot run the kernels)
-        "triton": ["triton>=3.6"],
+        # 3.6 and 3.8 are the versions tested (the backend refuses an older one: 3.0-3.3's interpreter
+        # cannot run the kernels); numpy: the CPU interpreter (TRITON_INTERPRET=1) needs it
+        "triton": ["triton>=3.6", "numpy"],
         # what the test suite uses (hypothesis: the guard's fuzz test; geoopt: a contender's tests)
-        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "geoopt"],
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "geoopt", "numpy"],
         # benchmarks/training/train.py: the digits data set, the figure, the progress bars
         "examples": ["scikit-learn", "matplotlib", "tqdm"],
     },

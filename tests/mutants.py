@@ -411,6 +411,10 @@ MUTANTS = {
         "Landing's pull beyond the safe distance at its cap 1/(2λ) whatever the lr (at lr = 0 it moved θ)",
         [f"{LANDING}::test_beyond_the_safe_distance_the_pull_takes_the_smaller_of_lr_and_its_cap"],
     ),
+    "triton_version_unchecked": (
+        "a Triton older than the tested 3.6 loaded as if it were one (failing later in its own way)",
+        ["tests/test_bad_input.py::test_a_triton_older_than_the_tested_one_is_refused_with_the_reason[3.5.0]"],
+    ),
 }
 
 
@@ -476,6 +480,12 @@ SOURCE_EDITS = {
         "if made is None:",
     ),
     "landing_pull_ignores_lr": ("fgd_fast.baselines.landing", "LandingSGD._landing", "min(lr, 0.5 / lam)", "0.5 / lam"),
+    "triton_version_unchecked": (
+        "fgd_fast.backends",
+        "_load_triton",
+        "if _release(version) < MIN_TRITON:",
+        "if False:",
+    ),
 }
 
 

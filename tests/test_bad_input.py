@@ -3,6 +3,8 @@ every optimizer shares, non-finite gradients and the like: ``test_failed_step_co
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -168,6 +170,40 @@ def test_explicit_backend_that_cannot_run_fails_loudly(monkeypatch):
     with pytest.raises(BackendUnavailable, match="CUDA tensors"):
         resolve_backend("cuda", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu"))[0] == "torch"  # auto never raises
+
+
+@pytest.mark.parametrize("version", ["3.5.0", "3.3.1+git0a1b2c", "2.3.0", ""])
+def test_a_triton_older_than_the_tested_one_is_refused_with_the_reason(monkeypatch, version):
+    """An explicit ``backend="triton"`` with a Triton older than 3.6 (what a torch of before 2.11
+    pulls in) names the version and the fix; ``"auto"`` falls back to the torch backend quietly."""
+    import types
+
+    import fgd_fast.backends as registry
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    with pytest.raises(BackendUnavailable, match=r"needs Triton >= 3\.6.*found .*pip install 'triton>=3\.6'"):
+        resolve_backend("triton", torch.device("cuda"))
+    assert registry.resolve_backend("auto", torch.device("cuda"), "tf32x3")[0] == "torch"
+
+
+@pytest.mark.parametrize(
+    "version, release", [("3.6.0", (3, 6, 0)), ("3.10.0rc1", (3, 10, 0)), ("3.5.0+git9a", (3, 5, 0)), ("x", ())]
+)
+def test_triton_release_numbers(version, release):
+    from fgd_fast.backends import _release
+
+    assert _release(version) == release
+
+
+def test_triton_on_cpu_tensors_without_triton_says_to_install_it(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(
+        BackendUnavailable, match=r"install Triton \(pip install 'fgd_fast\[triton\]'\) and set TRITON_INTERPRET=1"
+    ):
+        resolve_backend("triton", torch.device("cpu"))
 
 
 def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():

@@ -252,6 +252,8 @@ def test_setup_py_with_cpu_torch_skips_with_one_line_or_fails_when_forced():
     assert run.returncode == 0, run.stderr
     assert len([ln for ln in run.stdout.splitlines() if "skipping the CUDA extension" in ln]) == 1
     assert "CPU-only build" in run.stdout
+    # (no just-in-time build can follow with a CPU torch: the line says what backend='cuda' needs)
+    assert "needs a CUDA build of torch" in run.stdout and "on first use" not in run.stdout
     forced = _setup_py("1")
     assert forced.returncode != 0 and "cannot be built" in (forced.stdout + forced.stderr)
 
@@ -287,6 +289,7 @@ def test_setup_py_without_a_gpu_needs_an_arch_list(arch_list, mode):
         assert run.returncode == 0, said
         skipped = [ln for ln in run.stdout.splitlines() if "skipping the CUDA extension" in ln]
         assert len(skipped) == 1 and "no GPU visible" in skipped[0] and "TORCH_CUDA_ARCH_LIST" in skipped[0]
+        assert "backend='cuda' builds it on first use" in skipped[0]  # (a CUDA torch: the JIT build can)
 
 
 # ---------------------------------------------------------------- on a GPU with the extension

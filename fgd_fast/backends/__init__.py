@@ -8,7 +8,9 @@ caller.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -35,6 +37,10 @@ BACKENDS = ("auto", "reference", "torch", "triton", "cuda")
 #: ``"tf32x3"`` computes exactly what ``"ieee"`` does (a CPU has no TF32).
 DEFAULT_PRECISION = "tf32x3"
 PRECISION_BACKENDS = ("auto", "torch", "triton")  # honour precision= (the others compute in IEEE fp32)
+#: The oldest Triton the kernels are tested with (3.6, the GPU machine's; CI runs 3.8): an older one
+#: is refused with the reason rather than failing in its own way (3.0–3.3's interpreter cannot run
+#: the kernels).
+MIN_TRITON = (3, 6)
 
 
 def checked_precision(precision: str | None, backend: str, advice: str = "") -> str:
@@ -70,16 +76,35 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string: ``"3.6.0+git9a1b"`` → ``(3, 6, 0)``."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
 def _load_triton(device: torch.device) -> Backend:
     if device.type != "cuda" and not _triton_interpreted():
+        how = "" if importlib.util.find_spec("triton") else "install Triton (pip install 'fgd_fast[triton]') and "
         raise BackendUnavailable(
-            f"backend='triton' needs CUDA tensors, got {device.type} tensors (set TRITON_INTERPRET=1 "
+            f"backend='triton' needs CUDA tensors, got {device.type} tensors ({how}set TRITON_INTERPRET=1 "
             "before importing fgd_fast to run the kernels on the CPU for testing, or use "
             "backend='torch')"
         )
     try:
+        import triton
+
+        version = getattr(triton, "__version__", "")
+        if _release(version) < MIN_TRITON:
+            raise BackendUnavailable(
+                f"backend='triton' needs Triton >= {'.'.join(map(str, MIN_TRITON))}, the oldest version its kernels "
+                f"are tested with; found {version or 'one without a version'}: pip install "
+                f"'triton>={'.'.join(map(str, MIN_TRITON))}' (matching your torch), or use backend='torch' (or "
+                "'auto', which falls back quietly)"
+            )
         from .triton import prepare_triton
-    except Exception as exc:  # Triton missing, too old, or failing at import (driver, ...)
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # Triton missing or failing at import (driver, ...)
         raise BackendUnavailable(
             f"backend='triton' is unavailable: {type(exc).__name__}: {exc}; install a Triton that runs here "
             "(pip install triton), or use backend='torch' (or 'auto', which falls back quietly)"
