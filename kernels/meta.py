@@ -117,3 +117,8 @@ def meta_row(**fields) -> list[int]:
     for name, value in fields.items():
         row[FIELD_NAMES.index(name)] = int(value)
     return row
+
+
+#: guard_rule.MIN_TRUST_SCALE, float32's smallest normal number (a test checks they agree): below it the
+#: middle kernel resets a layer
+MIN_TRUST_SCALE = 2.0**-126

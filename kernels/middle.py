@@ -85,7 +85,9 @@ def mid_prep_kernel(
         r = tl.sqrt(phi_sq) + eta.to(tl.float64) * g_norm
         rule = rule_ptr + layer * meta.MP_RULE_FIELDS
         radius = tl.load(rule + meta.MP_RULE_RADIUS)
-        s64 = tl.where(r - r == 0.0, tl.minimum(radius / r, 1.0), 0.0)  # ρ/0 = inf → 1
+        s64 = tl.minimum(radius / r, 1.0)  # ρ/0 = inf → 1
+        # 0 (a reset) where r is not finite or s is too small for float32 blocks to carry
+        s64 = tl.where((r - r == 0.0) & (s64 >= meta.MIN_TRUST_SCALE), s64, 0.0)
         s64 = tl.where(radius - radius == 0.0, s64, 1.0)  # ρ = ∞: the guard off, no scaling whatever r
         if (ti == 0) & (tj == 0):  # the layer's per-layer values, once
             tl.store(scale_ptr + layer, s64)

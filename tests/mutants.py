@@ -411,6 +411,14 @@ MUTANTS = {
         "Landing's pull beyond the safe distance at its cap 1/(2λ) whatever the lr (at lr = 0 it moved θ)",
         [f"{LANDING}::test_beyond_the_safe_distance_the_pull_takes_the_smaller_of_lr_and_its_cap"],
     ),
+    "trust_scale_without_floor": (
+        "a trust scale too small for float32 (0 or subnormal) scaled by rather than reset: θ stored 8.5 off",
+        [f"{GUARD}::test_a_trust_scale_float32_cannot_carry_resets_the_layer[zero-scale-torch]"],
+    ),
+    "middle_kernel_scale_without_floor": (
+        "the Triton middle kernel scaling by a subnormal trust scale rather than resetting: θ stored 0.85 off",
+        [f"{GUARD}::test_a_trust_scale_float32_cannot_carry_resets_the_layer[subnormal-scale-triton]"],
+    ),
     "triton_version_unchecked": (
         "a Triton older than the tested 3.6 loaded as if it were one (failing later in its own way)",
         ["tests/test_bad_input.py::test_a_triton_older_than_the_tested_one_is_refused_with_the_reason[3.5.0]"],
@@ -429,6 +437,7 @@ def _replace(name: str, new, undo: list) -> None:
 
 #: mutants of the Triton kernels' source: (module of fgd_fast.kernels, text, its replacement)
 KERNEL_EDITS = {
+    "middle_kernel_scale_without_floor": ("middle", "(r - r == 0.0) & (s64 >= meta.MIN_TRUST_SCALE)", "(r - r == 0.0)"),
     "guard_kernel_movable_ignored": ("guard", "(sums <= target * target) & movable", "(sums <= target * target)"),
     "guard_kernel_m_phi_unchecked": (
         "guard",
@@ -480,6 +489,12 @@ SOURCE_EDITS = {
         "if made is None:",
     ),
     "landing_pull_ignores_lr": ("fgd_fast.baselines.landing", "LandingSGD._landing", "min(lr, 0.5 / lam)", "0.5 / lam"),
+    "trust_scale_without_floor": (
+        "fgd_fast.backends.guard_rule",
+        "trust_scale",
+        "finite_of(r) & (s >= MIN_TRUST_SCALE)",
+        "finite_of(r)",
+    ),
     "triton_version_unchecked": (
         "fgd_fast.backends",
         "_load_triton",

@@ -170,6 +170,49 @@ def test_a_trust_scale_below_float32s_square_root_range_still_counts_the_velocit
     assert abs(d - d_ref) <= 1e-5 and torch.allclose(w, w_ref, atol=1e-5, rtol=0), (d, d_ref)
 
 
+# (shape, lr, |g| entry): s = ρ/(η‖g‖) is 0 in float32 (~1e-50), or subnormal (~6e-45)
+TINY_SCALES = {"zero-scale": ((4, 4), 1e30, 1e20), "subnormal-scale": ((64, 16), 3.4e38, 6e4)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(TINY_SCALES))
+def test_a_trust_scale_float32_cannot_carry_resets_the_layer(backend, case):
+    """Review: with η‖g‖ beyond ρ·2¹²⁶ the trust scale s is 0 or subnormal in float32. The torch
+    backend's guard predicted the step with s rounded to 0 while writing it with the exact sη (θ
+    stored 8.5 from the manifold, counted as scaled; the next step raised), and the Triton kernel's
+    subnormal s stored 0.85. Below ``MIN_TRUST_SCALE`` every backend now resets the layer, as for a
+    non-finite input: the pull-back, within ``max_distance``, and the next step runs."""
+    shape, lr, big = TINY_SCALES[case]
+    stored = {}
+    for name in ("reference", backend):
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape, generator=torch.Generator().manual_seed(0))))
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=lr, backend=name, precision="ieee")
+        g = torch.full(shape, big)
+        g[::2] *= -1
+        w.grad = g
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        stored[name] = (fgd_fast.stiefel_distance(w), opt.guard_stats()[0], w.detach().clone())
+        opt.param_groups[0]["lr"] = 0.01
+        w.grad = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        opt.step()  # (raised "… is ‖θᵀθ − I‖_F = 8.485 from the manifold")
+        assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
+    (d_ref, stats_ref, w_ref), (d, stats, w) = stored["reference"], stored[backend]
+    assert stats == stats_ref == {"scaled": 0, "reset": 1}, (stats, stats_ref)
+    assert d <= MAX_DISTANCE and torch.allclose(w, w_ref, atol=1e-6, rtol=0), (d, d_ref)
+
+
+def test_the_trust_scale_resets_below_the_smallest_scale_float32_carries():
+    from fgd_fast.backends.guard_rule import MIN_TRUST_SCALE, trust_scale
+    from fgd_fast.kernels import meta
+
+    assert meta.MIN_TRUST_SCALE == MIN_TRUST_SCALE == torch.finfo(torch.float32).tiny  # (the kernel's copy)
+    g_norm = torch.tensor([4.0 / MIN_TRUST_SCALE, 4.0 / MIN_TRUST_SCALE * 1.01, 8.0], dtype=torch.float64)
+    s, _ = trust_scale(torch.zeros(3, dtype=torch.float64), g_norm, 1.0, 4.0)
+    assert s.tolist() == [MIN_TRUST_SCALE, 0.0, 0.5]
+
+
 @pytest.mark.parametrize("shape", [(24, 6), (6, 24)])
 def test_carried_grams_after_a_normal_gradient_do_not_reset(shape):
     """A guard fuzz: with ``gram_refresh=2`` a gradient normal to the manifold (g = θ: Φ₊ ≈ 0)

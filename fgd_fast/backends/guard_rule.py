@@ -9,7 +9,8 @@ the step written is the one of largest weight ``t ∈ [0, 1]`` whose distance af
 target ``limit − margin``.
 
 * Inputs. With ``r = ‖Φ‖_F + η‖g‖_F`` (``‖Φ‖² = tr C``, ``‖g‖²`` from the backend in
-  float64), Φ and g are scaled by ``s = min(1, ρ/r)`` (``s = 0`` where r overflows). ρ is a
+  float64), Φ and g are scaled by ``s = min(1, ρ/r)`` (``s = 0``, a reset, where r overflows or
+  s < :data:`MIN_TRUST_SCALE`, which float32 blocks cannot carry). ρ is a
   numerical safety net (default 4: the middle's terms stay ≤ ρ⁴ and fp32 keeps ~1e-5 of the
   distance), far above what training produces; the distance decides the rest.
 * Exact distance. ``θ₊ = θK + sU`` with ``K = I + M_θ``, so ``θ₊ᵀθ₊ − I =
@@ -57,6 +58,7 @@ __all__ = [
     "inputs_finite",
     "per_layer",
     "trust_scale",
+    "MIN_TRUST_SCALE",
     "HOST_READ_DEVICES",
     "host_reads_free",
     "WEIGHTS",
@@ -98,6 +100,14 @@ def per_layer(x: Scalar) -> Scalar:
     return x.reshape(-1).to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
 
 
+#: The smallest trust scale s the guard scales a step by: float32's smallest normal number. Below
+#: it the layer is reset, as for a non-finite input: the middle applies s to float32 blocks (sE,
+#: sB, s·(sG), …), where a subnormal s keeps a few bits and one below 1.4e-45 is 0, so the step
+#: the guard predicted was not the one written with the exact sη (θ stored 8.5 from the manifold).
+#: With the default ρ = 4 a reset needs ‖Φ‖ + η‖g‖ > 3.4e38.
+MIN_TRUST_SCALE = 2.0**-126
+
+
 def trust_scale(
     phi_norm: torch.Tensor,
     g_norm: torch.Tensor,
@@ -105,10 +115,11 @@ def trust_scale(
     radius: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, r)``: ``r = ‖Φ‖ + η‖g‖`` and ``s = min(1, ρ/r)`` per layer (float64), with ``s = 0``
-    where ``r`` is not finite (an overflowing or non-finite input: the step is reset)."""
+    where ``r`` is not finite (an overflowing or non-finite input: the step is reset) or where s
+    is below :data:`MIN_TRUST_SCALE` (an input too large for float32 to scale it: reset too)."""
     r = phi_norm + per_layer(lr) * g_norm  # r = ‖Φ‖_F + η‖g‖_F
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
-    return torch.where(finite_of(r), s, 0.0), r
+    return torch.where(finite_of(r) & (s >= MIN_TRUST_SCALE), s, 0.0), r
 
 
 #: Devices on which a host read costs nothing (a CPU): there the guard first computes every full
