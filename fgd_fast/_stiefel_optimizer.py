@@ -117,6 +117,7 @@ class _Memory:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.guarded: list[bool] = []
+        self.read_only: list[bool] = []  # (a gradient: read, never written)
         self.whose: list[tuple[str, str | None]] = []  # (the parameter's label, the state entry or None)
         self.seen: dict[int, str] = {}
 
@@ -125,14 +126,18 @@ class _Memory:
         if is_dtensor(p):  # (its shards' memory is the mesh's, and so is its state's: not checked here)
             return
         orthogonal = bool(group["orthogonal"])
-        self.tensors.append(p)
-        self.guarded.append(orthogonal)
-        self.whose.append((text, None))
+        self._add(p, orthogonal, text, None)
         for name, value in state.items():  # (a plain one's momentum may not share an orthogonal one's memory)
             if isinstance(value, torch.Tensor):
-                self.tensors.append(value)
-                self.guarded.append(orthogonal)
-                self.whose.append((text, name))
+                self._add(value, orthogonal, text, name)
+        if isinstance(p.grad, torch.Tensor) and not is_dtensor(p.grad):
+            self._add(p.grad, orthogonal, text, "gradient", read_only=True)
+
+    def _add(self, t: torch.Tensor, guarded: bool, text: str, name: str | None, read_only: bool = False) -> None:
+        self.tensors.append(t)
+        self.guarded.append(guarded)
+        self.read_only.append(read_only)
+        self.whose.append((text, name))
 
     def label(self, i: int) -> str:
         text, name = self.whose[i]
@@ -371,7 +376,7 @@ class StiefelOptimizer(Optimizer):
                 self._check_orthogonal_state(p, group, f"parameter {text}")
             yield group, p, text
         if not compiling:  # (every caller collects the whole pass before writing)
-            check_no_shared_memory(memory.tensors, memory.label, memory.guarded)
+            check_no_shared_memory(memory.tensors, memory.label, memory.guarded, read_only=memory.read_only)
 
     def _group_sgd(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """:meth:`_sgd` on a plain group's ``params`` with the group's momentum, dampening and

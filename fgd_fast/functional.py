@@ -412,10 +412,12 @@ def _fgd(
             check_writable(params, labels, inside_inference_mode=True)  # (else an error after earlier layers' writes)
         bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
         if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them with their state)
-            written = list(zip(params, labels))
-            written += [(b, f"{text}'s momentum_buffer") for b, text in zip(bufs, labels) if b is not None]
-            written = [(t, text) for t, text in written if not is_dtensor(t)]
-            check_no_shared_memory([t for t, _ in written], [text for _, text in written], [True] * len(written))
+            seen = [(t, text, False) for t, text in zip(params, labels)]  # (tensor, label, read only)
+            seen += [(b, f"{text}'s momentum_buffer", False) for b, text in zip(bufs, labels) if b is not None]
+            seen += [(g, f"{text}'s gradient", True) for g, text in zip(grads, labels) if isinstance(g, torch.Tensor)]
+            seen = [entry for entry in seen if not is_dtensor(entry[0])]
+            tensors, texts, read_only = (list(column) for column in zip(*seen)) if seen else ([], [], [])
+            check_no_shared_memory(tensors, texts, [True] * len(tensors), read_only=read_only)
         if guard:
             check_guard_room(params, labels, max_distance)
         for device, idx in by_device.items():

@@ -245,13 +245,18 @@ def check_no_shared_memory(
     labels: list[str] | Callable[[int], str],
     guarded: list[bool],
     outcome: str = "the step was not applied and nothing changed",
+    read_only: list[bool] | None = None,
 ) -> None:
     """No two of ``tensors`` (plain tensors) share memory where one of them is ``guarded`` (an
     orthogonal parameter or its state): two Parameters made from one tensor, a momentum buffer set
     to its parameter's memory or to another layer's. A step would write such memory twice, each
     update over the other's, and the guard's prediction (made for each tensor alone) would not
-    hold: θ was stored beyond ``max_distance``. Costs a storage lookup per tensor where no two
-    share a storage; where two do (views of one flat buffer), their spans, then their entries."""
+    hold: θ was stored beyond ``max_distance``. ``read_only`` marks tensors the step reads only
+    (gradients): two of them may share memory; one sharing a written tensor's would be read after
+    that write by some backends (the torch backend writes a layer before reading the next one's
+    gradient), so the step would depend on the backend's order. Costs a storage lookup per tensor
+    where no two share a storage; where two do (views of one flat buffer), their spans, then their
+    entries."""
     first: dict[int, int] = {}
     shared: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):  # (a storage's address alone: ~0.1 µs a tensor, where t.device costs 0.3)
@@ -268,15 +273,24 @@ def check_no_shared_memory(
             for (start, _), j in spans[a + 1 :]:
                 if start >= end:  # (sorted by start: no later span reaches this one)
                     break
-                if (guarded[i] or guarded[j]) and _overlap(tensors[i], tensors[j]):
-                    first, second = sorted((i, j))
-                    name = labels if callable(labels) else labels.__getitem__
+                read = (read_only[i], read_only[j]) if read_only is not None else (False, False)
+                if read == (True, True) or not (guarded[i] or guarded[j]) or not _overlap(tensors[i], tensors[j]):
+                    continue
+                first, second = sorted((i, j))
+                name = labels if callable(labels) else labels.__getitem__
+                if any(read):  # a gradient and a tensor the step writes
+                    grad, other = (i, j) if read[0] else (j, i)
                     raise ValueError(
-                        f"{name(first)} and {name(second)} share memory, so a step would write it twice, each "
-                        f"update over the other's, and leave the Stiefel manifold; {outcome}. Give each its own "
-                        "memory: nn.Parameter(t.clone()) for a parameter, "
-                        "opt.state[param]['momentum_buffer'] = buf.clone() for a buffer"
+                        f"{name(grad)} shares memory with {name(other)}, which the step writes: the step would "
+                        f"read the gradient after part of that write (the result would depend on the backend); "
+                        f"{outcome}. Give the gradient its own memory (p.grad = p.grad.clone())"
                     )
+                raise ValueError(
+                    f"{name(first)} and {name(second)} share memory, so a step would write it twice, each "
+                    f"update over the other's, and leave the Stiefel manifold; {outcome}. Give each its own "
+                    "memory: nn.Parameter(t.clone()) for a parameter, "
+                    "opt.state[param]['momentum_buffer'] = buf.clone() for a buffer"
+                )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

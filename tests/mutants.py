@@ -419,6 +419,12 @@ MUTANTS = {
         "the Triton middle kernel scaling by a subnormal trust scale rather than resetting: θ stored 0.85 off",
         [f"{GUARD}::test_a_trust_scale_float32_cannot_carry_resets_the_layer[subnormal-scale-triton]"],
     ),
+    "gradients_not_checked_for_aliases": (
+        "a gradient over a parameter or buffer the step writes accepted (read after that write: backends differ)",
+        [
+            f"{SHARED}::test_a_gradient_over_memory_the_step_writes_is_refused_before_any_write[FGD-torch-plain-parameter]"
+        ],
+    ),
     "triton_version_unchecked": (
         "a Triton older than the tested 3.6 loaded as if it were one (failing later in its own way)",
         ["tests/test_bad_input.py::test_a_triton_older_than_the_tested_one_is_refused_with_the_reason[3.5.0]"],
@@ -494,6 +500,12 @@ SOURCE_EDITS = {
         "trust_scale",
         "finite_of(r) & (s >= MIN_TRUST_SCALE)",
         "finite_of(r)",
+    ),
+    "gradients_not_checked_for_aliases": (
+        "fgd_fast._stiefel_optimizer",
+        "_Memory.add",
+        "if isinstance(p.grad, torch.Tensor) and not is_dtensor(p.grad):",
+        "if False:",
     ),
     "triton_version_unchecked": (
         "fgd_fast.backends",
