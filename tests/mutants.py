@@ -419,6 +419,18 @@ MUTANTS = {
         "the Triton middle kernel scaling by a subnormal trust scale rather than resetting: θ stored 0.85 off",
         [f"{GUARD}::test_a_trust_scale_float32_cannot_carry_resets_the_layer[subnormal-scale-triton]"],
     ),
+    "write_rounding_ignored": (
+        "the unguarded check without the write's rounding: a cancelling step stored θ 110 off",
+        [
+            f"{GUARD}::test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_refused[1x1-float32-torch]"
+        ],
+    ),
+    "fused_write_rounding_ignored": (
+        "the Triton fused middle's unguarded check without the write's rounding: θ stored 1.0 off",
+        [
+            f"{GUARD}::test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_refused[1x1-float32-triton]"
+        ],
+    ),
     "gradients_not_checked_for_aliases": (
         "a gradient over a parameter or buffer the step writes accepted (read after that write: backends differ)",
         [
@@ -498,8 +510,20 @@ SOURCE_EDITS = {
     "trust_scale_without_floor": (
         "fgd_fast.backends.guard_rule",
         "trust_scale",
-        "finite_of(r) & (s >= MIN_TRUST_SCALE)",
-        "finite_of(r)",
+        "torch.where(s >= MIN_TRUST_SCALE, s, 0.0)",
+        "torch.where(finite_of(r), s, 0.0)",
+    ),
+    "write_rounding_ignored": (
+        "fgd_fast.backends.guard_rule",
+        "with_write_rounding",
+        "return torch.where(bound > limit, bound, dist_next)",
+        "return dist_next",
+    ),
+    "fused_write_rounding_ignored": (
+        "fgd_fast.backends.fused_middle",
+        "run",
+        "if radius is None:  # the unguarded prediction",
+        "if False:  # the unguarded prediction",
     ),
     "gradients_not_checked_for_aliases": (
         "fgd_fast._stiefel_optimizer",

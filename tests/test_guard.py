@@ -213,6 +213,61 @@ def test_the_trust_scale_resets_below_the_smallest_scale_float32_carries():
     assert s.tolist() == [MIN_TRUST_SCALE, 0.0, 0.5]
 
 
+# (shape, dtype, gradient norm): the step's terms cancel (a gradient normal to the manifold)
+CANCELLING = {
+    "1x1-float32": ((1, 1), torch.float32, 1e12),
+    "1x1-float64": ((1, 1), torch.float64, 1e20),
+    "1x1-float32-1e9": ((1, 1), torch.float32, 1e9),
+    "normal-16x4-float32": ((16, 4), torch.float32, 1e9),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CANCELLING))
+def test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_refused(backend, case):
+    """A fuzz find: without the guard, the check predicts the exact distance after the step, but
+    a gradient normal to the manifold (g = θS; every gradient of a 1 × 1 layer) makes a step whose
+    huge terms cancel: exact distance ~0, while the write's rounding stored θ 110 from the manifold
+    (torch, float32, ‖ηg‖ = 7e8; float64 at 7e19: 7.9e5; Triton's tf32x3 step at 7e11: θ = 0). Where the write's rounding bound reaches past
+    ``max_distance`` the step is refused now, changing nothing."""
+    shape, dtype, big = CANCELLING[case]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype))
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True)],
+        lr=0.74,
+        momentum=0.5,
+        feedback=0.0,
+        backend=backend,
+        guard=False,
+    )
+    for _ in range(3):
+        w.grad = 0.01 * torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        opt.step()
+    sym = torch.randn(shape[1], shape[1], generator=gen, dtype=torch.float64)
+    g = w.detach().double() @ (sym + sym.t())  # θS: normal to the manifold
+    w.grad = (g / g.norm() * big).to(dtype)
+    before, buf = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    try:
+        opt.step()
+    except ValueError as exc:  # refused (the fused backends: their prediction is algebraic)
+        assert "would move orthogonal parameter" in str(exc)
+        assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], buf)
+    else:  # (the reference measures the θ₊ it writes, rounding included)
+        assert backend == "reference" and fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
+
+
+def test_the_write_rounding_bound_changes_only_a_distance_it_takes_past_the_limit():
+    from fgd_fast.backends.guard_rule import with_write_rounding
+
+    dist = torch.tensor([1e-6, 1e-6, 0.4], dtype=torch.float64)
+    m_norm = torch.tensor([1e-2, 1e9, 1e-2], dtype=torch.float64)
+    got = with_write_rounding(dist, m_norm, m_norm, 64, 2.0**-24, 0.5)
+    assert got[0] == dist[0] and got[2] == dist[2]  # (within: the exact distance, as reported)
+    assert got[1] > 0.5  # (the rounding of a 1e9 cancellation could leave: refused)
+    assert torch.equal(with_write_rounding(dist, m_norm, m_norm, 64, 2.0**-24, None), dist)
+
+
 @pytest.mark.parametrize("shape", [(24, 6), (6, 24)])
 def test_carried_grams_after_a_normal_gradient_do_not_reset(shape):
     """A guard fuzz: with ``gram_refresh=2`` a gradient normal to the manifold (g = θ: Φ₊ ≈ 0)

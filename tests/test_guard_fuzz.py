@@ -31,7 +31,7 @@ def runs(draw):
         beta=draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
         alpha=draw(st.floats(0.0, 0.99)),
         spikes=draw(st.lists(st.sampled_from(SPIKES), min_size=4, max_size=4)),
-        lr_spikes=draw(st.lists(st.sampled_from([1.0, 10.0, 100.0]), min_size=4, max_size=4)),
+        lr_spikes=draw(st.lists(st.sampled_from([1.0, 10.0, 100.0, 1e10, 1e30]), min_size=4, max_size=4)),
         guard=draw(st.booleans()),
         check_finite=draw(st.booleans()),
         check_manifold=draw(st.booleans()),

@@ -43,6 +43,7 @@ from .guard_rule import (
     trust_scale,
     velocity_bound,
     velocity_gram,
+    with_write_rounding,
 )
 from .layout import Layout
 
@@ -252,7 +253,8 @@ def middle(
             bound = lay.norm(d_full).to(torch.float64) + velocity
         if full_steps_fit(bound, finite, target):  # the exact distances fit too: the same decisions
             fits = storable(bound, p, stored)
-            if radius is None:
+            if radius is None:  # (‖U‖ ≤ β‖Φ‖ + η‖g‖: the velocity bound's root)
+                bound = _write_rounding(bound, m_theta, velocity.sqrt(), p, lay, limit)
                 return Middle(m_theta, m_phi, feedback, dist, finite, None, bound, fits & all_finite(m_phi, lay))
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, bound, fits, guard_codes(scale))
         formed = uu_later()  # the Gram pass's velocity block after all: UᵀU, or G = gᵀg without Φ
@@ -269,6 +271,8 @@ def middle(
         dist_next = lay.norm(d_full).to(torch.float64)
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi, lay)
         ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
+        u_norm = lay.trace(w).to(torch.float64).clamp_min(0.0).sqrt()  # ‖U‖_F = √tr(UᵀU)
+        dist_next = _write_rounding(dist_next, m_theta, u_norm, p, lay, limit)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
     if host:
@@ -315,6 +319,12 @@ def middle(
     return Middle(
         m_theta, m_phi, feedback, dist, finite, scale, dist_next, storable(dist_next, p, stored), guard_codes(scale)
     )
+
+
+def _write_rounding(dist_next, m_theta, u_norm, p, lay: Layout, limit) -> torch.Tensor:
+    """:func:`.guard_rule.with_write_rounding` of the blocks' dtype (the unguarded prediction)."""
+    unit = torch.finfo(m_theta.dtype).eps / 2
+    return with_write_rounding(dist_next, lay.norm(m_theta).to(torch.float64), u_norm, p, unit, limit)
 
 
 def _blend(lay: Layout, a_minus_i, delta, t, w, alpha, alpha_, m_phi, m_theta, feedback, pull_back, finite, target):

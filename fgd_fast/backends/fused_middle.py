@@ -237,4 +237,14 @@ def run(
         guard=radius is not None,
         write_feedback=feedback,
     )
+    if radius is None:  # the unguarded prediction: where the write's rounding could pass the limit, that bound
+        from .guard_rule import with_write_rounding
+
+        p = lay.groups[0][1] if lay.single else lay.p_per_layer()
+        shaped = (lambda x: x.view(lay.groups[0][0], p, p)) if lay.single else (lambda x: x)  # (flat slots)
+        u_norm = lay.trace(shaped(slot(meta.SLOT_G))).to(torch.float64).clamp_min(0.0).sqrt()  # ‖U‖_F = √tr W
+        m_norm = lay.norm(shaped(m_theta)).to(torch.float64)
+        dist = result[:, meta.GB_R_DIST]
+        unit = torch.finfo(torch.float32).eps / 2
+        result[:, meta.GB_R_DIST] = with_write_rounding(dist, m_norm, u_norm, p, unit, limit)
     return FusedMiddle(m_theta, m_phi, bufs.hyper, result, bufs.finite, guarded=radius is not None)

@@ -65,6 +65,7 @@ __all__ = [
     "store_unit",
     "storable",
     "guard_target",
+    "with_write_rounding",
     "Blend",
     "choose_weight",
     "pull_back_distances",
@@ -119,7 +120,8 @@ def trust_scale(
     is below :data:`MIN_TRUST_SCALE` (an input too large for float32 to scale it: reset too)."""
     r = phi_norm + per_layer(lr) * g_norm  # r = ‖Φ‖_F + η‖g‖_F
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
-    return torch.where(finite_of(r) & (s >= MIN_TRUST_SCALE), s, 0.0), r
+    # (s ≥ 2⁻¹²⁶ is false for r = ∞, where s = 0, and for a NaN r: the finite check in one op)
+    return torch.where(s >= MIN_TRUST_SCALE, s, 0.0), r
 
 
 #: Devices on which a host read costs nothing (a CPU): there the guard first computes every full
@@ -156,6 +158,22 @@ def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torc
         return finite_of(dist_next)
     top = torch.finfo(dtype).max
     return finite_of(dist_next) & (dist_next * p**0.5 + p < top * top)
+
+
+def with_write_rounding(dist_next, m_norm, u_norm, p, unit: float, limit: float | None) -> torch.Tensor:
+    """``dist_next`` (the exact distance of the unguarded full step ``θ₊ = θ + θM_θ + U``), or
+    where it matters, that plus what rounding the write can add. The exact distance can be tiny
+    while the terms are huge and cancel (a gradient normal to the manifold, g = θS: a 1 × 1 layer
+    with ‖ηg‖ = 7e8 in float32 was stored 110 off). The write's error in a dtype of unit
+    roundoff ``unit`` is ``‖E‖_F ≤ u(3(√p + ‖M_θ‖_F + ‖U‖_F) + p‖M_θ‖_F)`` (sums of three terms,
+    a product of length p; IEEE or tf32x3 products), which moves the distance by at most
+    ``2‖θ₊‖₂‖E‖ + ‖E‖²`` with ``‖θ₊‖₂² ≤ 1 + dist``. The value changes only where that reaches
+    past ``limit`` (so the check refuses the step; elsewhere it is what the step reports)."""
+    if limit is None:
+        return dist_next
+    err = unit * (3.0 * (p**0.5 + m_norm + u_norm) + p * m_norm)  # ‖fl(θ₊) − θ₊‖_F
+    bound = dist_next + 2.0 * (1.0 + dist_next).sqrt() * err + err * err
+    return torch.where(bound > limit, bound, dist_next)
 
 
 def guard_target(limit: float | None, p: int, unit: float) -> float:
