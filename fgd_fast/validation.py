@@ -268,6 +268,8 @@ def check_no_shared_memory(
         else:
             first[at] = i
     for idx in shared.values():
+        if read_only is not None and all(read_only[i] for i in idx):  # (gradients alone: a DDP bucket's views)
+            continue
         spans = sorted((_span(tensors[i]), i) for i in idx if tensors[i].numel())
         for a, ((_, end), i) in enumerate(spans):
             for (start, _), j in spans[a + 1 :]:
