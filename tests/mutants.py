@@ -431,6 +431,14 @@ MUTANTS = {
             f"{GUARD}::test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_refused[1x1-float32-triton]"
         ],
     ),
+    "fused_rounding_without_m_theta": (
+        "the Triton fused middle's rounding bound without ‖M_θ‖ (read after the blend wrote F there)",
+        [f"{GUARD}::test_a_step_the_torch_backend_refuses_for_its_rounding_triton_refuses_too[1000000.0]"],
+    ),
+    "trust_scale_floor_of_float32_everywhere": (
+        "float64 blocks reset below float32's smallest normal scale, which they carry",
+        [f"{GUARD}::test_a_float64_layer_is_scaled_where_float32_blocks_could_not_carry_its_scale"],
+    ),
     "gradients_not_checked_for_aliases": (
         "a gradient over a parameter or buffer the step writes accepted (read after that write: backends differ)",
         [
@@ -510,7 +518,7 @@ SOURCE_EDITS = {
     "trust_scale_without_floor": (
         "fgd_fast.backends.guard_rule",
         "trust_scale",
-        "torch.where(s >= MIN_TRUST_SCALE, s, 0.0)",
+        "torch.where(s >= floor, s, 0.0)",
         "torch.where(finite_of(r), s, 0.0)",
     ),
     "write_rounding_ignored": (
@@ -524,6 +532,18 @@ SOURCE_EDITS = {
         "run",
         "if radius is None:  # the unguarded prediction",
         "if False:  # the unguarded prediction",
+    ),
+    "fused_rounding_without_m_theta": (
+        "fgd_fast.backends.fused_middle",
+        "run",
+        "m_norm = lay.norm(shaped(m_theta)).to(torch.float64)",
+        "m_norm = 0.0 * lay.norm(shaped(m_theta)).to(torch.float64)",
+    ),
+    "trust_scale_floor_of_float32_everywhere": (
+        "fgd_fast.backends.algebra",
+        "middle",
+        "trust_scale(phi_norm, g_norm, lr, radius, torch.finfo(a.dtype).tiny)",
+        "trust_scale(phi_norm, g_norm, lr, radius)",
     ),
     "gradients_not_checked_for_aliases": (
         "fgd_fast._stiefel_optimizer",

@@ -228,7 +228,8 @@ def test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_ref
     """A fuzz find: without the guard, the check predicts the exact distance after the step, but
     a gradient normal to the manifold (g = θS; every gradient of a 1 × 1 layer) makes a step whose
     huge terms cancel: exact distance ~0, while the write's rounding stored θ 110 from the manifold
-    (torch, float32, ‖ηg‖ = 7e8; float64 at 7e19: 7.9e5; Triton's tf32x3 step at 7e11: θ = 0). Where the write's rounding bound reaches past
+    (torch, float32, ‖ηg‖ = 7e8; float64 at 7e19: 7.9e5; Triton's tf32x3 step at 7e11: θ = 0).
+    Where the write's rounding bound reaches past
     ``max_distance`` the step is refused now, changing nothing."""
     shape, dtype, big = CANCELLING[case]
     gen = torch.Generator().manual_seed(0)
@@ -257,6 +258,53 @@ def test_without_the_guard_a_step_whose_rounding_could_leave_the_manifold_is_ref
         assert backend == "reference" and fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
 
 
+@pytest.mark.parametrize("big", [1e6, 1.35e6])
+def test_a_step_the_torch_backend_refuses_for_its_rounding_triton_refuses_too(big):
+    """A review: with momentum the Triton fused middle read ‖M_θ‖ from a slot its blend had
+    already overwritten with F = M_θ − M_Φ, so its rounding bound lacked the product's terms: at
+    ‖g‖ = 1e6 the torch backend refused a 1 × 1 step that Triton took. (Triton may refuse more:
+    its float32 prediction of such a step carries rounding of its own.)"""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    decisions = {}
+    for name in ("torch", "triton"):
+        if name == "triton" and backend_params(("triton",))[0].marks:
+            pytest.skip("the Triton backend cannot run here (a GPU or TRITON_INTERPRET=1)")
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.ones(1, 1))
+        opt = fgd_fast.FGD(
+            [dict(params=[w], orthogonal=True)], lr=0.74, momentum=0.5, feedback=0.0, backend=name, guard=False
+        )
+        w.grad = 0.01 * torch.randn(1, 1, generator=gen)
+        opt.step()
+        w.grad = torch.full((1, 1), big)
+        try:
+            opt.step()
+            decisions[name] = "stepped"
+        except ValueError as exc:
+            decisions[name] = f"refused at {float(str(exc).split('= ')[1].split(' ')[0]):.3g}"
+    assert decisions["torch"] != "stepped" and decisions["triton"] != "stepped", decisions
+
+
+def test_a_float64_layer_is_scaled_where_float32_blocks_could_not_carry_its_scale():
+    """A review: the trust scale's floor (float32's smallest normal number) also reset float64
+    layers, whose blocks carry a scale of 1e-40; the floor is the blocks' dtype's own."""
+    stats = {}
+    for name in ("reference", "torch"):
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(8, 4, generator=gen, dtype=torch.float64)))
+        opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=1.0, momentum=0.9, backend=name)
+        w.grad = 0.01 * torch.randn(8, 4, generator=gen, dtype=torch.float64)
+        opt.step()
+        g = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+        w.grad = g / g.norm() * 1e40  # s = ρ/‖g‖ ≈ 4e-40: below float32's normal range, not float64's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        stats[name] = opt.guard_stats()[0]
+        assert fgd_fast.stiefel_distance(w) <= MAX_DISTANCE
+    assert stats["reference"] == stats["torch"] == {"scaled": 1, "reset": 0}, stats
+
+
 def test_the_write_rounding_bound_changes_only_a_distance_it_takes_past_the_limit():
     from fgd_fast.backends.guard_rule import with_write_rounding
 
@@ -266,6 +314,11 @@ def test_the_write_rounding_bound_changes_only_a_distance_it_takes_past_the_limi
     assert got[0] == dist[0] and got[2] == dist[2]  # (within: the exact distance, as reported)
     assert got[1] > 0.5  # (the rounding of a 1e9 cancellation could leave: refused)
     assert torch.equal(with_write_rounding(dist, m_norm, m_norm, 64, 2.0**-24, None), dist)
+    # TF32 operands: a product's rounding ~2·2⁻¹¹·√p‖M‖ (p = 4096, ‖M‖ = 10: 0.63, refused);
+    # ordinary training's ‖M‖ ~ 0.1 stays within
+    m = torch.tensor([10.0, 0.1], dtype=torch.float64)
+    tf32 = with_write_rounding(torch.tensor([0.01, 0.01], dtype=torch.float64), m, m, 4096, 2.0**-24, 0.5, 2.0**-11)
+    assert tf32[0] > 0.5 and tf32[1] == 0.01
 
 
 @pytest.mark.parametrize("shape", [(24, 6), (6, 24)])

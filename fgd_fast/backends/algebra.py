@@ -146,6 +146,7 @@ def middle(
     blend_kernels=None,
     uu_later=None,
     phi_sq_later=None,
+    operand_unit: float = 0.0,
 ) -> Middle:
     """The update's ``p × p`` matrices and checks; see the module docstring.
 
@@ -153,7 +154,10 @@ def middle(
     or ``uu = UᵀU`` itself: needed for the guard or a prediction. ``radius``: the safety radius ρ, ``None`` for no guard
     (then s = t = 1). ``limit``: ``max_distance``; with ``radius`` it sets the guard's target
     (less the rounding margin of ``unit``, :func:`.guard_rule.store_unit`), without it only ``dist_next``
-    is reported; ``stored``: the parameters' dtype, whose range θ₊ must fit. Neither given: the
+    is reported (with the guard off, where the write's rounding could take θ₊ past it, that
+    bound: :func:`.guard_rule.with_write_rounding`, ``operand_unit`` the unit roundoff of the update
+    product's operands, :data:`.guard_rule.TF32_UNIT` for TF32 ones); ``stored``: the parameters'
+    dtype, whose range θ₊ must fit. Neither given: the
     plain update, no prediction. ``variant``: ``"official"`` or ``"paper"``. The blocks are
     scratch of this step: some are scaled in place. ``carry``: 1 or 3 to get the next step's
     ``(A₊,)`` or ``(A₊, B₊, C₊)`` in ``carried`` (:func:`next_grams`) where the full step is
@@ -202,7 +206,7 @@ def middle(
             finite = inputs_finite(g_norm, phi_sq, e, lay)
         phi_norm = phi_sq.sqrt()  # ‖Φ‖_F
         if radius is not None:
-            scale, _ = trust_scale(phi_norm, g_norm, lr, radius)
+            scale, _ = trust_scale(phi_norm, g_norm, lr, radius, torch.finfo(a.dtype).tiny)
         if scale is not None and not (host and float(scale.min()) == 1.0):  # s = 1 everywhere: nothing to scale
             # (in place: the callers' blocks are scratch of this step)
             s = lay.col(scale.to(a.dtype))  # exactly 1.0 where the radius does not bind
@@ -254,7 +258,7 @@ def middle(
         if full_steps_fit(bound, finite, target):  # the exact distances fit too: the same decisions
             fits = storable(bound, p, stored)
             if radius is None:  # (‖U‖ ≤ β‖Φ‖ + η‖g‖: the velocity bound's root)
-                bound = _write_rounding(bound, m_theta, velocity.sqrt(), p, lay, limit)
+                bound = _write_rounding(bound, m_theta, velocity.sqrt(), p, lay, limit, operand_unit)
                 return Middle(m_theta, m_phi, feedback, dist, finite, None, bound, fits & all_finite(m_phi, lay))
             return Middle(m_theta, m_phi, feedback, dist, finite, scale, bound, fits, guard_codes(scale))
         formed = uu_later()  # the Gram pass's velocity block after all: UᵀU, or G = gᵀg without Φ
@@ -272,7 +276,7 @@ def middle(
         finite_next = storable(dist_next, p, stored) & all_finite(m_phi, lay)
         ahead = _ahead(carry, d_full, a_minus_i, m_theta, m_phi, t, w, eye, lay)
         u_norm = lay.trace(w).to(torch.float64).clamp_min(0.0).sqrt()  # ‖U‖_F = √tr(UᵀU)
-        dist_next = _write_rounding(dist_next, m_theta, u_norm, p, lay, limit)
+        dist_next = _write_rounding(dist_next, m_theta, u_norm, p, lay, limit, operand_unit)
         return Middle(m_theta, m_phi, feedback, dist, finite, None, dist_next, finite_next, None, ahead)
 
     if host:
@@ -321,10 +325,11 @@ def middle(
     )
 
 
-def _write_rounding(dist_next, m_theta, u_norm, p, lay: Layout, limit) -> torch.Tensor:
+def _write_rounding(dist_next, m_theta, u_norm, p, lay: Layout, limit, operand_unit: float) -> torch.Tensor:
     """:func:`.guard_rule.with_write_rounding` of the blocks' dtype (the unguarded prediction)."""
     unit = torch.finfo(m_theta.dtype).eps / 2
-    return with_write_rounding(dist_next, lay.norm(m_theta).to(torch.float64), u_norm, p, unit, limit)
+    m_norm = lay.norm(m_theta).to(torch.float64)
+    return with_write_rounding(dist_next, m_norm, u_norm, p, unit, limit, operand_unit)
 
 
 def _blend(lay: Layout, a_minus_i, delta, t, w, alpha, alpha_, m_phi, m_theta, feedback, pull_back, finite, target):

@@ -68,6 +68,7 @@ from typing import Protocol
 import torch
 
 from .algebra import Checks, join_checks, middle, velocity_blocks
+from .guard_rule import TF32_UNIT
 from .layout import Layout, _capturing
 
 __all__ = [
@@ -538,6 +539,8 @@ def middle_of_runs(
                 variant=variant,
                 layout=lay,
                 blend_kernels=blend_kernels,
+                # (the update's θM_θ: TF32 operands at "tf32" on a GPU; "tf32x3" splits them, "ieee" keeps them)
+                operand_unit=TF32_UNIT if precision == "tf32" and gram.device.type == "cuda" else 0.0,
             )
             m_theta = mid.feedback if (feedback_with_phi and chain[0].reads_phi) else mid.m_theta
             if kept is not None:  # the update reads the middle's own buffers (layout order)

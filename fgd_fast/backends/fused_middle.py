@@ -213,6 +213,11 @@ def run(
         )
     slot = lambda k: blocks[k * numel : (k + 1) * numel]  # noqa: E731
     m_phi, m_theta = slot(meta.MP_B), slot(meta.MP_T)
+    if radius is None:  # (‖M_θ‖ and ‖U‖ = √tr W for the write's rounding, before the blend writes F over M_θ)
+        p = lay.groups[0][1] if lay.single else lay.p_per_layer()
+        shaped = (lambda x: x.view(lay.groups[0][0], p, p)) if lay.single else (lambda x: x)  # (flat slots)
+        m_norm = lay.norm(shaped(m_theta)).to(torch.float64)
+        u_norm = lay.trace(shaped(slot(meta.SLOT_G))).to(torch.float64).clamp_min(0.0).sqrt()
     result = guard_blend.launches(
         lay,
         bufs.coef,
@@ -238,13 +243,9 @@ def run(
         write_feedback=feedback,
     )
     if radius is None:  # the unguarded prediction: where the write's rounding could pass the limit, that bound
-        from .guard_rule import with_write_rounding
+        from .guard_rule import TF32_UNIT, with_write_rounding
 
-        p = lay.groups[0][1] if lay.single else lay.p_per_layer()
-        shaped = (lambda x: x.view(lay.groups[0][0], p, p)) if lay.single else (lambda x: x)  # (flat slots)
-        u_norm = lay.trace(shaped(slot(meta.SLOT_G))).to(torch.float64).clamp_min(0.0).sqrt()  # ‖U‖_F = √tr W
-        m_norm = lay.norm(shaped(m_theta)).to(torch.float64)
         dist = result[:, meta.GB_R_DIST]
-        unit = torch.finfo(torch.float32).eps / 2
-        result[:, meta.GB_R_DIST] = with_write_rounding(dist, m_norm, u_norm, p, unit, limit)
+        unit, operand_unit = torch.finfo(torch.float32).eps / 2, TF32_UNIT if precision == "tf32" else 0.0
+        result[:, meta.GB_R_DIST] = with_write_rounding(dist, m_norm, u_norm, p, unit, limit, operand_unit)
     return FusedMiddle(m_theta, m_phi, bufs.hyper, result, bufs.finite, guarded=radius is not None)

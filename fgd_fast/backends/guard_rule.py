@@ -66,6 +66,7 @@ __all__ = [
     "storable",
     "guard_target",
     "with_write_rounding",
+    "TF32_UNIT",
     "Blend",
     "choose_weight",
     "pull_back_distances",
@@ -114,14 +115,16 @@ def trust_scale(
     g_norm: torch.Tensor,
     lr: Scalar,
     radius: float,
+    floor: float = MIN_TRUST_SCALE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, r)``: ``r = ‖Φ‖ + η‖g‖`` and ``s = min(1, ρ/r)`` per layer (float64), with ``s = 0``
     where ``r`` is not finite (an overflowing or non-finite input: the step is reset) or where s
-    is below :data:`MIN_TRUST_SCALE` (an input too large for float32 to scale it: reset too)."""
+    is below ``floor``, the smallest normal number of the blocks' dtype (:data:`MIN_TRUST_SCALE`
+    for float32 blocks: an input too large for them to scale it is reset too)."""
     r = phi_norm + per_layer(lr) * g_norm  # r = ‖Φ‖_F + η‖g‖_F
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
     # (s ≥ 2⁻¹²⁶ is false for r = ∞, where s = 0, and for a NaN r: the finite check in one op)
-    return torch.where(s >= MIN_TRUST_SCALE, s, 0.0), r
+    return torch.where(s >= floor, s, 0.0), r
 
 
 #: Devices on which a host read costs nothing (a CPU): there the guard first computes every full
@@ -160,18 +163,27 @@ def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torc
     return finite_of(dist_next) & (dist_next * p**0.5 + p < top * top)
 
 
-def with_write_rounding(dist_next, m_norm, u_norm, p, unit: float, limit: float | None) -> torch.Tensor:
+#: The unit roundoff of a TF32 operand (10 explicit mantissa bits): an update pass whose θM_θ
+#: product takes TF32 operands (cuBLAS at a TF32 precision, Triton's single-pass "tf32")
+TF32_UNIT = 2.0**-11
+
+
+def with_write_rounding(
+    dist_next, m_norm, u_norm, p, unit: float, limit: float | None, operand_unit: float = 0.0
+) -> torch.Tensor:
     """``dist_next`` (the exact distance of the unguarded full step ``θ₊ = θ + θM_θ + U``), or
     where it matters, that plus what rounding the write can add. The exact distance can be tiny
     while the terms are huge and cancel (a gradient normal to the manifold, g = θS: a 1 × 1 layer
     with ‖ηg‖ = 7e8 in float32 was stored 110 off). The write's error in a dtype of unit
-    roundoff ``unit`` is ``‖E‖_F ≤ u(3(√p + ‖M_θ‖_F + ‖U‖_F) + p‖M_θ‖_F)`` (sums of three terms,
-    a product of length p; IEEE or tf32x3 products), which moves the distance by at most
+    roundoff ``u`` is ``‖E‖_F ≤ u(3(√p + ‖M_θ‖_F + ‖U‖_F) + p^1.5‖M_θ‖_F) + 2u_o√p‖M_θ‖_F``:
+    sums of three terms, the product θM_θ's accumulation over p terms (``γ_p‖θ‖_F‖M_θ‖_F``), and
+    its operands' rounding to ``operand_unit`` u_o (0 for exact fp32 operands, :data:`TF32_UNIT`
+    for TF32 ones: ``2u_o‖|θ||M_θ|‖_F``). That moves the distance by at most
     ``2‖θ₊‖₂‖E‖ + ‖E‖²`` with ``‖θ₊‖₂² ≤ 1 + dist``. The value changes only where that reaches
     past ``limit`` (so the check refuses the step; elsewhere it is what the step reports)."""
     if limit is None:
         return dist_next
-    err = unit * (3.0 * (p**0.5 + m_norm + u_norm) + p * m_norm)  # ‖fl(θ₊) − θ₊‖_F
+    err = unit * (3.0 * (p**0.5 + m_norm + u_norm) + p**1.5 * m_norm) + 2.0 * operand_unit * p**0.5 * m_norm
     bound = dist_next + 2.0 * (1.0 + dist_next).sqrt() * err + err * err
     return torch.where(bound > limit, bound, dist_next)
 

@@ -82,7 +82,7 @@ def prepare_reference(
                 finite.append(ok if phi is None else ok & torch.isfinite(phi).all())
             scale = None
             if trust_radius is not None:  # the guard's safety radius: run the sequence on sΦ, sg
-                scale, _ = trust_scale(_norm64(phi, g), _norm64(g, g), lr[i], trust_radius)
+                scale, _ = trust_scale(_norm64(phi, g), _norm64(g, g), lr[i], trust_radius, torch.finfo(cdt).tiny)
                 s = scale.to(cdt)
                 g = g * s
                 phi = phi * s if phi is not None else None

@@ -19,7 +19,7 @@ import torch
 
 from .algebra import Middle, join_checks
 from .base import compute_dtype, full_precision
-from .guard_rule import store_unit
+from .guard_rule import TF32_UNIT, store_unit
 
 # symmetric Grams from this p on as block halves (¾ of the flops, one more call and a mirror copy);
 # one CPU thread (Intel Xeon, MKL; benchmarks/studies/cpu_host_ops.py): 1.1–2× slower up to
@@ -61,6 +61,7 @@ class Bucket:
         self.cdt = compute_dtype(dtype)
         self.unit, self.dtype = store_unit(dtype), dtype  # the guard's rounding allowance for the stored θ₊
         self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
+        self.tf32 = precision != "ieee" and self.cdt == torch.float32  # (products in TF32 where a GPU has it)
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
@@ -164,7 +165,9 @@ class Bucket:
         self.plan = self.chunks(middle_numel)
         self.device = self.params[0].device
         self.m_phi = self.m_second = None  # M_Φ and F (with Φ) or M_θ (without): (count, p, p), made by take
-        self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant)
+        # (the update's θM_θ runs in cuBLAS at the step's precision: TF32 operands on a GPU but at "ieee")
+        operand_unit = TF32_UNIT if self.tf32 and self.device.type == "cuda" else 0.0
+        self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant, operand_unit=operand_unit)
         self.predict = trust_radius is not None or max_distance is not None
         self.mids, self.coefs, self.no_reset = [], [], True
 
