@@ -432,7 +432,7 @@ MUTANTS = {
         ],
     ),
     "fused_rounding_without_m_theta": (
-        "the Triton fused middle's rounding bound without ‖M_θ‖ (read after the blend wrote F there)",
+        "the Triton fused middle's rounding bound without ‖M_θ‖ (it had read the slot the blend writes F to)",
         [f"{GUARD}::test_a_step_the_torch_backend_refuses_for_its_rounding_triton_refuses_too[1000000.0]"],
     ),
     "trust_scale_floor_of_float32_everywhere": (
@@ -536,8 +536,8 @@ SOURCE_EDITS = {
     "fused_rounding_without_m_theta": (
         "fgd_fast.backends.fused_middle",
         "run",
-        "m_norm = lay.norm(shaped(m_theta)).to(torch.float64)",
-        "m_norm = 0.0 * lay.norm(shaped(m_theta)).to(torch.float64)",
+        "m_norm = lay.norm(shaped(m_phi)).to(torch.float64) + alpha * result[:, meta.GB_R_DIST0]",
+        "m_norm = 0.0 * alpha",
     ),
     "trust_scale_floor_of_float32_everywhere": (
         "fgd_fast.backends.algebra",

@@ -213,11 +213,6 @@ def run(
         )
     slot = lambda k: blocks[k * numel : (k + 1) * numel]  # noqa: E731
     m_phi, m_theta = slot(meta.MP_B), slot(meta.MP_T)
-    if radius is None:  # (‖M_θ‖ and ‖U‖ = √tr W for the write's rounding, before the blend writes F over M_θ)
-        p = lay.groups[0][1] if lay.single else lay.p_per_layer()
-        shaped = (lambda x: x.view(lay.groups[0][0], p, p)) if lay.single else (lambda x: x)  # (flat slots)
-        m_norm = lay.norm(shaped(m_theta)).to(torch.float64)
-        u_norm = lay.trace(shaped(slot(meta.SLOT_G))).to(torch.float64).clamp_min(0.0).sqrt()
     result = guard_blend.launches(
         lay,
         bufs.coef,
@@ -245,6 +240,13 @@ def run(
     if radius is None:  # the unguarded prediction: where the write's rounding could pass the limit, that bound
         from .guard_rule import TF32_UNIT, with_write_rounding
 
+        # ‖M_θ‖ ≤ ‖M_Φ‖ + |α|‖D‖ (the blend forms M_θ = M_Φ − αD, or F in its place, so its slot is no
+        # measure of M_θ) and ‖U‖ = √tr W, from the blocks the blend leaves as they were (guard off)
+        p = lay.groups[0][1] if lay.single else lay.p_per_layer()
+        shaped = (lambda x: x.view(lay.groups[0][0], p, p)) if lay.single else (lambda x: x)  # (flat slots)
+        alpha = hyper[:, 2].to(torch.float64).abs()
+        m_norm = lay.norm(shaped(m_phi)).to(torch.float64) + alpha * result[:, meta.GB_R_DIST0]
+        u_norm = lay.trace(shaped(slot(meta.SLOT_G))).to(torch.float64).clamp_min(0.0).sqrt()
         dist = result[:, meta.GB_R_DIST]
         unit, operand_unit = torch.finfo(torch.float32).eps / 2, TF32_UNIT if precision == "tf32" else 0.0
         result[:, meta.GB_R_DIST] = with_write_rounding(dist, m_norm, u_norm, p, unit, limit, operand_unit)
