@@ -10,7 +10,8 @@ target ``limit − margin``.
 
 * Inputs. With ``r = ‖Φ‖_F + η‖g‖_F`` (``‖Φ‖² = tr C``, ``‖g‖²`` from the backend in
   float64), Φ and g are scaled by ``s = min(1, ρ/r)`` (``s = 0``, a reset, where r overflows or
-  s < :data:`MIN_TRUST_SCALE`, which float32 blocks cannot carry). ρ is a
+  s is below the blocks' dtype's smallest normal number, :data:`MIN_TRUST_SCALE` for float32,
+  which those blocks cannot carry). ρ is a
   numerical safety net (default 4: the middle's terms stay ≤ ρ⁴ and fp32 keeps ~1e-5 of the
   distance), far above what training produces; the distance decides the rest.
 * Exact distance. ``θ₊ = θK + sU`` with ``K = I + M_θ``, so ``θ₊ᵀθ₊ − I =
@@ -123,7 +124,7 @@ def trust_scale(
     for float32 blocks: an input too large for them to scale it is reset too)."""
     r = phi_norm + per_layer(lr) * g_norm  # r = ‖Φ‖_F + η‖g‖_F
     s = torch.clamp(radius / r, max=1.0)  # r = 0 gives inf → 1
-    # (s ≥ 2⁻¹²⁶ is false for r = ∞, where s = 0, and for a NaN r: the finite check in one op)
+    # (s ≥ floor is false for r = ∞, where s = 0, and for a NaN r: the finite check in one op)
     return torch.where(s >= floor, s, 0.0), r
 
 
