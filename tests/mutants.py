@@ -439,6 +439,10 @@ MUTANTS = {
         "float64 blocks reset below float32's smallest normal scale, which they carry",
         [f"{GUARD}::test_a_float64_layer_is_scaled_where_float32_blocks_could_not_carry_its_scale"],
     ),
+    "cayley_moves_weights_at_lr_0": (
+        "the Cayley baselines renormalising / QR-ing the weights at lr 0 (a checkpoint's state made there moved them)",
+        ["tests/test_baselines.py::test_a_step_at_lr_0_leaves_the_weights_as_they_are[CayleySGD-qr-float]"],
+    ),
     "gradients_not_checked_for_aliases": (
         "a gradient over a parameter or buffer the step writes accepted (read after that write: backends differ)",
         [
@@ -544,6 +548,12 @@ SOURCE_EDITS = {
         "middle",
         "trust_scale(phi_norm, g_norm, lr, radius, torch.finfo(a.dtype).tiny)",
         "trust_scale(phi_norm, g_norm, lr, radius)",
+    ),
+    "cayley_moves_weights_at_lr_0": (
+        "fgd_fast.baselines._base",
+        "CayleyBase._prepare",
+        "resting = resting or (not isinstance(lr, torch.Tensor) and lr == 0)",
+        "resting = False",
     ),
     "gradients_not_checked_for_aliases": (
         "fgd_fast._stiefel_optimizer",

@@ -941,3 +941,28 @@ def test_the_adapters_pass_dampening_on(make):
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
     opt = make(net, lr=0.1, momentum=0.9, dampening=0.5)
     assert all(g["dampening"] == 0.5 for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("lr", [0.0, torch.tensor(0.0)], ids=["float", "tensor"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: CayleySGD(g, lr=0.1, public_code_compat=True),
+        lambda g: CayleySGD(g, lr=0.1, qr_period=1),
+        lambda g: CayleyADAM(g, lr=0.1, public_code_compat=True),
+        lambda g: LandingSGD(g, lr=0.1),
+    ],
+    ids=["CayleySGD-compat", "CayleySGD-qr", "CayleyADAM-compat", "LandingSGD"],
+)
+def test_a_step_at_lr_0_leaves_the_weights_as_they_are(make, lr):
+    """A review: torch's distributed checkpoint makes a fresh optimizer's state by a step at lr 0
+    with zero gradients, counting on it to move nothing; the Cayley baselines renormalised or
+    QR'd the weights there (6e-8…1.2e-7), so saving a checkpoint before the first step changed
+    the run. At lr 0 they are left as they are (the state is made, as torch's optimizers make it)."""
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(16, 8, generator=torch.Generator().manual_seed(0))))
+    opt = make([dict(params=[w], orthogonal=True)])
+    opt.param_groups[0]["lr"] = lr
+    before = w.detach().clone()
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert torch.equal(w.detach(), before) and opt.state[w]

@@ -260,9 +260,13 @@ class CayleyBase(StiefelOptimizer):
         asked, and (low-rank form) the coefficients Q from the Gram ``BᵀB``, whose finiteness
         (a finite M whose Gram overflows gives t = 0 and 0·∞) joins the step's one check."""
         g, x = b.group, b.x
-        if g["renormalize"]:
+        # (at lr 0 the step leaves X as it is: torch's distributed checkpoint makes an optimizer's state
+        # by a step at lr 0 and counts on it; a GPU tensor lr is not read here)
+        resting = isinstance(lr := g["lr"], torch.Tensor) and lr.device.type == "cpu" and float(lr) == 0.0
+        resting = resting or (not isinstance(lr, torch.Tensor) and lr == 0)
+        if g["renormalize"] and not resting:
             x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True).add_(g["eps"]))  # x_j ← x_j / (‖x_j‖ + ε)
-        if b.qr_due:
+        if b.qr_due and not resting:
             x.copy_(sign_fixed_q(x))  # X ← Q·sign(diag R)
         flags = []
         if self.form == "lowrank":
