@@ -443,6 +443,10 @@ MUTANTS = {
         "the Cayley baselines renormalising / QR-ing the weights at lr 0 (a checkpoint's state made there moved them)",
         ["tests/test_baselines.py::test_a_step_at_lr_0_leaves_the_weights_as_they_are[CayleySGD-qr-float]"],
     ),
+    "guard_margin_without_tf32": (
+        "the guard's margin at single-pass TF32 without TF32's rounding: θ stored 2.5e-4 past max_distance",
+        [f"{GUARD}::test_the_guard_at_single_pass_tf32_keeps_room_for_its_measurement[5-triton]"],
+    ),
     "gradients_not_checked_for_aliases": (
         "a gradient over a parameter or buffer the step writes accepted (read after that write: backends differ)",
         [
@@ -554,6 +558,12 @@ SOURCE_EDITS = {
         "CayleyBase._prepare",
         "resting = resting or (not isinstance(lr, torch.Tensor) and lr == 0)",
         "resting = False",
+    ),
+    "guard_margin_without_tf32": (
+        "fgd_fast.backends.guard_rule",
+        "store_unit",
+        "tf32 = TF32_UNIT if tf32_grams and dtype != torch.float64 else 0.0",
+        "tf32 = 0.0",
     ),
     "gradients_not_checked_for_aliases": (
         "fgd_fast._stiefel_optimizer",

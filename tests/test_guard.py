@@ -305,6 +305,26 @@ def test_a_float64_layer_is_scaled_where_float32_blocks_could_not_carry_its_scal
     assert stats["reference"] == stats["torch"] == {"scaled": 1, "reset": 0}, stats
 
 
+@pytest.mark.parametrize("backend", backend_params(("triton",), "cpu"))
+@pytest.mark.parametrize("seed", [0, 5])
+def test_the_guard_at_single_pass_tf32_keeps_room_for_its_measurement(backend, seed):
+    """A Triton fuzz: at ``precision="tf32"`` θᵀθ and the guard's blocks come from single TF32
+    passes, which read the distance only to ~2⁻¹¹; with no feedback the guard kept landing θ at the
+    boundary and stored it 2.5e-4 past ``max_distance`` (seed 5), or the next step's check read a θ
+    within it as beyond and raised (seed 0). The guard's margin now takes TF32's rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(6, 3, generator=gen, dtype=torch.float64)).float())
+    opt = fgd_fast.FGD(
+        [dict(params=[w], orthogonal=True)], lr=10.0, momentum=0.9, feedback=0.0, backend=backend, precision="tf32"
+    )
+    for _ in range(8):
+        w.grad = torch.randn(6, 3, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        assert fgd_fast.stiefel_distance(w.detach().double()) <= MAX_DISTANCE
+
+
 def test_the_write_rounding_bound_changes_only_a_distance_it_takes_past_the_limit():
     from fgd_fast.backends.guard_rule import with_write_rounding
 

@@ -147,12 +147,22 @@ def host_reads_free(device: torch.device) -> bool:
 WEIGHTS = tuple(2.0 ** (-k / 2) for k in range(15)) + (0.0,)
 
 
-def store_unit(dtype: torch.dtype) -> float:
+#: The unit roundoff of a TF32 operand (10 explicit mantissa bits): an update pass whose θM_θ
+#: product takes TF32 operands (cuBLAS at a TF32 precision, Triton's single-pass "tf32")
+TF32_UNIT = 2.0**-11
+
+
+def store_unit(dtype: torch.dtype, tf32_grams: bool = False) -> float:
     """The rounding allowance of a parameter stored in ``dtype``: its unit roundoff plus a few
-    of the compute dtype's (θ₊ is computed in float32/float64 and then rounded to ``dtype``)."""
+    of the compute dtype's (θ₊ is computed in float32/float64 and then rounded to ``dtype``).
+    ``tf32_grams``: the step reads θᵀθ and the guard's blocks from single TF32 passes (a GPU's
+    ``precision="tf32"``), which measure the distance only to ~:data:`TF32_UNIT`: that much more
+    room, else the guard stored θ past ``max_distance`` by 2.5e-4 and the next step's check read a θ
+    within it as beyond."""
     compute = 2.0**-53 if dtype == torch.float64 else 2.0**-24
     stored = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}.get(dtype, 0.0)
-    return stored + 8.0 * compute
+    tf32 = TF32_UNIT if tf32_grams and dtype != torch.float64 else 0.0
+    return stored + 8.0 * compute + tf32
 
 
 def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -162,11 +172,6 @@ def storable(dist_next: torch.Tensor, p: int, dtype: torch.dtype | None) -> torc
         return finite_of(dist_next)
     top = torch.finfo(dtype).max
     return finite_of(dist_next) & (dist_next * p**0.5 + p < top * top)
-
-
-#: The unit roundoff of a TF32 operand (10 explicit mantissa bits): an update pass whose θM_θ
-#: product takes TF32 operands (cuBLAS at a TF32 precision, Triton's single-pass "tf32")
-TF32_UNIT = 2.0**-11
 
 
 def with_write_rounding(

@@ -59,8 +59,9 @@ class Bucket:
         self.lr, self.beta, self.alpha = lr, beta, alpha
         self.reads_phi, self.writes_phi = reads_phi, writes_phi
         self.cdt = compute_dtype(dtype)
-        self.unit, self.dtype = store_unit(dtype), dtype  # the guard's rounding allowance for the stored θ₊
         self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
+        tf32_grams = precision == "tf32" and device.type == "cuda"  # (θᵀθ in one TF32 pass: a GPU's at "tf32")
+        self.unit, self.dtype = store_unit(dtype, tf32_grams), dtype  # the guard's rounding allowance for θ₊
         self.tf32 = precision != "ieee" and self.cdt == torch.float32  # (products in TF32 where a GPU has it)
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]

@@ -153,14 +153,14 @@ def _order(layers, params):
     return layers, [stiefel_shape(params[i].shape)[:2] for i in layers]
 
 
-def _guard(ops, trust_radius, max_distance, variant, fused: bool = False) -> dict:
+def _guard(ops, trust_radius, max_distance, variant, fused: bool = False, precision: str = "ieee") -> dict:
     """The step guard's arguments of :func:`.base.middle_of_runs`: ‖g‖² of every layer by one
     multi-tensor torch op on the inputs (the Gram kernels do not take it; ``fused``: not here,
     the fused middle takes ‖g‖ itself); G and H come from the Gram pass (gathered with the other
     blocks); the blend, where the guard binds, runs as kernels (:mod:`.guard_blend`)."""
     predict = trust_radius is not None or max_distance is not None
     g_sq = grad_sq(ops.grad) if predict and not fused else None
-    unit = store_unit(ops.theta[0].dtype) if ops.theta else 0.0
+    unit = store_unit(ops.theta[0].dtype, tf32_grams=precision == "tf32") if ops.theta else 0.0
     return dict(
         g_sq=g_sq,
         unit=unit,
@@ -319,7 +319,7 @@ class _Class(_Checked):
         # float32 blocks: the fused middle or the middle's product kernels; float64 blocks keep
         # torch's products (Triton 3.6 cannot compile a float64 dot)
         fused = fused_middle.applies(dtype=self.acc, variant=variant, max_distance=max_distance)
-        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
+        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused, precision=precision)
         with phase("middle"):
             if fused:  # the middle and the guard in nine launches (fused_middle.py); F where Φ is read
                 self.fused(gather, runs, guard, precision, ("middle", device, owners, has_phi), feedback=has_phi)
@@ -495,7 +495,7 @@ class _TensorCoreClass(_Checked):
 
         runs = runs_of([(p, has_phi) for _, p in np_list], [meta.TC_GRAM_SLOTS] * len(np_list))
         fused = fused_middle.applies(dtype=torch.float32, variant=variant, max_distance=max_distance)
-        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused)
+        guard = _guard(ops, trust_radius, max_distance, variant, fused=fused, precision=precision)
         with phase("middle"):
             if fused:
                 # the middle and the guard in nine launches (fused_middle.py)
