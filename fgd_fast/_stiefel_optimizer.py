@@ -54,6 +54,12 @@ def remember_names(params: list[torch.Tensor], names: list[str]) -> None:
         _names[p] = name
 
 
+def lr_on_device(lr: Any) -> bool:
+    """Whether the step must not read ``lr`` on the host: a GPU tensor (a read synchronises), or
+    any tensor in a compiled step."""
+    return isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
+
+
 def label(key: str | int) -> str:
     """How messages name a parameter: ``'layer.weight'`` or ``#3``."""
     if isinstance(key, str):

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._stiefel_optimizer import (
     StiefelOptimizer,
     label,
+    lr_on_device,
     option,
     state_outside_inference_mode,
     step_outside_autocast,
@@ -344,8 +345,7 @@ class FGD(StiefelOptimizer):
             beta, alpha = float(group["momentum"]), float(group["feedback"])
             self._warn_feedback_once(alpha)
             lr = group["lr"]
-            # never read on the host: a GPU tensor (a read synchronises), any tensor in a compiled step
-            on_device = isinstance(lr, torch.Tensor) and (lr.device.type != "cpu" or torch.compiler.is_compiling())
+            on_device = lr_on_device(lr)  # never read on the host
             # lr = 0: θ and Φ stay as they are; only the state is made (a DTensor's in fgd(), after
             # the ranks' agreement: a rank that skipped it would leave the others waiting there)
             if not on_device and float(lr) == 0.0 and not is_dtensor(p):

@@ -556,7 +556,7 @@ SOURCE_EDITS = {
     "cayley_moves_weights_at_lr_0": (
         "fgd_fast.baselines._base",
         "CayleyBase._prepare",
-        "resting = resting or (not isinstance(lr, torch.Tensor) and lr == 0)",
+        'resting = not lr_on_device(g["lr"]) and float(g["lr"]) == 0.0',
         "resting = False",
     ),
     "guard_margin_without_tf32": (

@@ -62,7 +62,9 @@ class Bucket:
         self.ieee_a = precision == "tf32x3" and self.cdt == torch.float32  # A in IEEE fp32, the rest in TF32
         tf32_grams = precision == "tf32" and device.type == "cuda"  # (θᵀθ in one TF32 pass: a GPU's at "tf32")
         self.unit, self.dtype = store_unit(dtype, tf32_grams), dtype  # the guard's rounding allowance for θ₊
-        self.tf32 = precision != "ieee" and self.cdt == torch.float32  # (products in TF32 where a GPU has it)
+        # (the update's θM_θ runs in cuBLAS at the step's precision: TF32 operands on a GPU but at "ieee")
+        tf32_products = precision != "ieee" and self.cdt == torch.float32 and device.type == "cuda"
+        self.operand_unit = TF32_UNIT if tf32_products else 0.0
         self.params = [params[i] for i in idx]
         self.grads = [grads[i] for i in idx]
         self.bufs = [bufs[i] for i in idx] if writes_phi else []
@@ -166,9 +168,7 @@ class Bucket:
         self.plan = self.chunks(middle_numel)
         self.device = self.params[0].device
         self.m_phi = self.m_second = None  # M_Φ and F (with Φ) or M_θ (without): (count, p, p), made by take
-        # (the update's θM_θ runs in cuBLAS at the step's precision: TF32 operands on a GPU but at "ieee")
-        operand_unit = TF32_UNIT if self.tf32 and self.device.type == "cuda" else 0.0
-        self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant, operand_unit=operand_unit)
+        self.guard = dict(radius=trust_radius, limit=max_distance, variant=variant, operand_unit=self.operand_unit)
         self.predict = trust_radius is not None or max_distance is not None
         self.mids, self.coefs, self.no_reset = [], [], True
 

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from .._matrix import as_w2, stiefel_shape
-from .._stiefel_optimizer import StiefelOptimizer, option, state_outside_inference_mode, step_outside_autocast
+from .._stiefel_optimizer import (
+    StiefelOptimizer,
+    lr_on_device,
+    option,
+    state_outside_inference_mode,
+    step_outside_autocast,
+)
 from ..backends import compute_dtype
 from ..guards import raise_if_invalid
 from ..manifold import sign_fixed_q
@@ -261,9 +267,8 @@ class CayleyBase(StiefelOptimizer):
         (a finite M whose Gram overflows gives t = 0 and 0·∞) joins the step's one check."""
         g, x = b.group, b.x
         # (at lr 0 the step leaves X as it is: torch's distributed checkpoint makes an optimizer's state
-        # by a step at lr 0 and counts on it; a GPU tensor lr is not read here)
-        resting = isinstance(lr := g["lr"], torch.Tensor) and lr.device.type == "cpu" and float(lr) == 0.0
-        resting = resting or (not isinstance(lr, torch.Tensor) and lr == 0)
+        # by a step at lr 0 and counts on it; an lr on the device is not read here)
+        resting = not lr_on_device(g["lr"]) and float(g["lr"]) == 0.0
         if g["renormalize"] and not resting:
             x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True).add_(g["eps"]))  # x_j ← x_j / (‖x_j‖ + ε)
         if b.qr_due and not resting:
