@@ -367,12 +367,12 @@ def _fgd(
     )
     count = _checked_lists(params, grads, momentum_buffers, labels)
     lrs = _per_layer("lr", lr, count, tensors=True)  # a tensor lr reaches the backends that read it on the device
-    read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
+    host_read: list[list[float]] = []  # (not functools.cache: torch.compile traces this function)
 
     def host_lrs() -> list[float]:  # read from tensors only where needed (a GPU tensor's read synchronises)
-        if not read:
-            read.append([float(v) for v in lrs])
-        return read[0]
+        if not host_read:
+            host_read.append([float(v) for v in lrs])
+        return host_read[0]
 
     betas = _per_layer("momentum", momentum, count)
     alphas = _per_layer("feedback", feedback, count)
@@ -408,44 +408,30 @@ def _fgd(
     bufs: list[torch.Tensor | None] = []
     fresh: list[bool] = []
     try:
-        if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them; Dynamo cannot trace it)
-            check_writable(params, labels, inside_inference_mode=True)  # (else an error after earlier layers' writes)
-        bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
-        if not _validated and not torch.compiler.is_compiling():  # (FGD.step checked them with their state)
-            seen = [(t, text, False) for t, text in zip(params, labels)]  # (tensor, label, read only)
-            seen += [(b, f"{text}'s momentum_buffer", False) for b, text in zip(bufs, labels) if b is not None]
-            seen += [(g, f"{text}'s gradient", True) for g, text in zip(grads, labels) if isinstance(g, torch.Tensor)]
-            seen = [entry for entry in seen if not is_dtensor(entry[0])]
-            tensors, texts, read_only = (list(column) for column in zip(*seen)) if seen else ([], [], [])
-            check_no_shared_memory(tensors, texts, [True] * len(tensors), read_only=read_only)
-        if guard:
-            check_guard_room(params, labels, max_distance)
+        bufs, fresh = _checked_inputs(
+            params, grads, momentum_buffers, betas, labels, guard=guard, max_distance=max_distance, validated=_validated
+        )
         for device, idx in by_device.items():
             _, prepare = _cached_backend(backend, device.type, precision)
-            pick = lambda seq, idx=idx: [seq[i] for i in idx]  # noqa: E731
-            carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
             if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
-                carrying["exact_next"] = False
                 bounded.append(len(plans))
             layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
-            if device.type != "cpu" and layer_lrs is lrs and not torch.compiler.is_compiling():
-                # (a CPU tensor's value, read where that is free: as a tensor it would be copied to the
-                # GPU every step, a blocking copy that a CUDA-graph capture refuses)
-                layer_lrs = [float(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for v in lrs]
             with on_device(device):
                 plans.append(
-                    prepare(
-                        pick(params),
-                        pick(grads),
-                        pick(bufs),
-                        pick(fresh),
-                        lr=pick(layer_lrs),
-                        momentum=pick(betas),
-                        feedback=pick(alphas),
+                    _prepare_on(
+                        prepare,
+                        device,
+                        [params[i] for i in idx],
+                        [grads[i] for i in idx],
+                        [bufs[i] for i in idx],
+                        [fresh[i] for i in idx],
+                        lrs=[layer_lrs[i] for i in idx],
+                        betas=[betas[i] for i in idx],
+                        alphas=[alphas[i] for i in idx],
                         check_finite=check_finite,
                         precision=precision,
-                        **steering,
-                        **carrying,
+                        gram_refresh=gram_refresh,
+                        steering=steering,
                     )
                 )
             index.append(idx)
@@ -553,6 +539,74 @@ def _fgd(
     for i in range(count):
         if bufs[i] is not None:
             momentum_buffers[i] = bufs[i]
+    return _guard_report(plans, index, bounded, count, read)
+
+
+def _checked_inputs(
+    params, grads, momentum_buffers, betas, labels, *, guard: bool, max_distance: float, validated: bool
+) -> tuple[list, list[bool]]:
+    """The checks of :func:`fgd`'s tensors that come before any plan (writable parameters, the
+    gradients and momentum buffers, no memory shared with what the step writes, room for the
+    guard), and each layer's Φ with whether it is a first step's zero (see :func:`_momentum_buffers`)."""
+    if not validated and not torch.compiler.is_compiling():  # (FGD.step checked them; Dynamo cannot trace it)
+        check_writable(params, labels, inside_inference_mode=True)  # (else an error after earlier layers' writes)
+    bufs, fresh = _momentum_buffers(params, grads, momentum_buffers, betas, labels)
+    if not validated and not torch.compiler.is_compiling():  # (FGD.step checked them with their state)
+        seen = [(t, text, False) for t, text in zip(params, labels)]  # (tensor, label, read only)
+        seen += [(b, f"{text}'s momentum_buffer", False) for b, text in zip(bufs, labels) if b is not None]
+        seen += [(g, f"{text}'s gradient", True) for g, text in zip(grads, labels) if isinstance(g, torch.Tensor)]
+        seen = [entry for entry in seen if not is_dtensor(entry[0])]
+        tensors, texts, read_only = (list(column) for column in zip(*seen)) if seen else ([], [], [])
+        check_no_shared_memory(tensors, texts, [True] * len(tensors), read_only=read_only)
+    if guard:
+        check_guard_room(params, labels, max_distance)
+    return bufs, fresh
+
+
+def _prepare_on(
+    prepare,
+    device: torch.device,
+    params,
+    grads,
+    bufs,
+    fresh,
+    *,
+    lrs,
+    betas,
+    alphas,
+    check_finite: bool,
+    precision: str,
+    gram_refresh: int,
+    steering: dict,
+):
+    """One device's plain (not DTensor) layers' plan from its backend's ``prepare``: the options
+    that backend takes (a carried Gram's refresh, a bound for the next distance), and lr as the
+    backend reads it."""
+    carrying = dict(gram_refresh=gram_refresh) if getattr(prepare, "carries_grams", False) else {}
+    if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
+        carrying["exact_next"] = False
+    if device.type != "cpu" and not torch.compiler.is_compiling():
+        # (a CPU tensor's value, read where that is free: as a tensor it would be copied to the
+        # GPU every step, a blocking copy that a CUDA-graph capture refuses)
+        lrs = [float(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for v in lrs]
+    return prepare(
+        params,
+        grads,
+        bufs,
+        fresh,
+        lr=lrs,
+        momentum=betas,
+        feedback=alphas,
+        check_finite=check_finite,
+        precision=precision,
+        **steering,
+        **carrying,
+    )
+
+
+def _guard_report(plans, index, bounded, count: int, read) -> GuardReport:
+    """What the plans' guard did and the distances they wrote, per parameter (``bounded``: the
+    plans whose next distance is only a bound, not reported)."""
     per_param: list[torch.Tensor | None] = [None] * count
     distance: list[torch.Tensor | None] = [None] * count
     for k, (pl, idx) in enumerate(zip(plans, index)):
