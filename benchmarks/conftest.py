@@ -28,7 +28,7 @@ from benchmarks.machine import bench_device, device_rates, environment
 from benchmarks.measure import LR, POOL, gradient_pool
 from benchmarks.plan import BUDGETS, planned_skip, stability_skip
 from benchmarks.workloads import SCALES, Workload, default_scale, layer_shapes, weight_shapes, workloads
-from fgd_fast.backends import DEFAULT_PRECISION
+from fgd_fast.backends import DEFAULT_PRECISION, checked_precision
 from fgd_fast.functional import backend_for
 
 
@@ -136,7 +136,7 @@ class BenchSession:
             "sum_np": float(sum(n * p for n, p in shapes)),
         }
         if c.backend:
-            info["precision"] = c.precision or DEFAULT_PRECISION
+            info["precision"] = checked_precision(c.precision, c.backend)  # (what FGD runs at: "ieee" for some)
             info["backend"] = backend_for(c.backend, self.device, info["precision"])
         info["constrained_bytes"] = 4.0 * info["sum_np"]  # the workloads' weights are float32
         cost = step_cost(c.family, shapes)

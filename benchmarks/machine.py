@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.sources import source_digest
+from benchmarks.sources import SOURCE_DIRS, TOP_FILES, source_digest
 
 __all__ = ["environment", "describe", "bench_device", "device_rates", "git_commit"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: where the code that a benchmark runs lives (an untracked file there makes the checkout dirty)
-SOURCES = ("fgd_fast", "kernels", "csrc", "benchmarks", "setup.py", "pyproject.toml")
+SOURCES = (*SOURCE_DIRS, *TOP_FILES, "pyproject.toml")  # (the source digest's, so both see a new test file)
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:

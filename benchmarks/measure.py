@@ -13,10 +13,11 @@ protocol of :mod:`plan` on a :class:`contenders.Case`:
    ``‖θᵀθ − I‖_F`` (float64) of every constrained weight is recorded: max and mean, and
    the mean over layers of ‖ΔW‖_F in the last step (how far a step moves: the contenders
    should be comparable, so the distances are too).
-3. **Timing.** The gradient is fixed to set 0 and ``benchmark.pedantic`` times one step per
-   round (synchronising inside the timed function on a GPU).
+3. **Timing.** The gradient is fixed to set 0; ``settle`` untimed steps on it (every case alike,
+   whether its stability run ran or not), then ``benchmark.pedantic`` times one step per round
+   (synchronising inside the timed function on a GPU).
 4. **Host budget** (FGD only). One step's non-view aten ops and Triton launches
-   (:mod:`opcount`) and the median host time of the step call (:func:`launch_budget`).
+   (:mod:`opcount`) and the median host time of ``HOST_REPEATS`` step calls (:func:`launch_budget`).
 5. **Memory.** One more step measures the peak extra memory (:mod:`memtrack`).
 """
 
@@ -39,6 +40,7 @@ __all__ = ["LR", "POOL", "GRAD_SEED", "gradient_pool", "measure_case", "synchron
 LR = 5e-4
 POOL = 8
 GRAD_SEED = 1234
+HOST_REPEATS = 11
 
 
 def gradient_pool(shapes: list[torch.Size], device: torch.device, sets: int = POOL) -> list[list[torch.Tensor]]:
@@ -58,7 +60,7 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def launch_budget(step: Callable[[], None], sync: Callable[[], None], repeats: int = 5) -> dict:
+def launch_budget(step: Callable[[], None], sync: Callable[[], None], repeats: int = HOST_REPEATS) -> dict:
     """What one step asks of the host: its non-view aten ops (plus Triton kernel launches) and
     the median host time of the call itself (not waiting for the device afterwards; a step
     whose checks read device values waits there)."""
@@ -129,6 +131,9 @@ def measure_case(
         }
 
     case.set_grads(pool[0])
+    for _ in range(budget.settle):
+        case.step()
+    sync()
 
     def timed() -> None:
         case.step()
@@ -137,6 +142,7 @@ def measure_case(
     rounds = rounds_for(budget, probe)
     benchmark.pedantic(timed, rounds=rounds, warmup_rounds=0, iterations=1)
     info["rounds"] = rounds
+    info["settle"] = budget.settle
 
     if isinstance(case.optimizer, fgd_fast.FGD):
         info.update(launch_budget(case.step, sync))

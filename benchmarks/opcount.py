@@ -1,6 +1,9 @@
 """How many device operations a step issues: the non-view aten ops of one call, counted with a
-``TorchDispatchMode`` (each is at least one kernel launch on a GPU, a few microseconds of host
-time). Used by the benchmark report and by ``tests/test_op_count.py``."""
+``TorchDispatchMode``. Most are kernels (at least one launch each on a GPU, a few microseconds
+of host time); the count also holds the allocations (``empty``) and host reads of device values
+(``_local_scalar_dense``), which cost host time without a kernel, so it bounds the launches from
+above. Ops of other namespaces (the profiler's ``record_function`` marks) are not counted. Used
+by the benchmark report and by ``tests/test_op_count.py``."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "counted", "count_ops", "VIEWS", "is_view", "PRODUCTS", "product"]
+__all__ = ["OpCounter", "counted", "count_ops", "count_wrn_style_step", "VIEWS", "is_view", "PRODUCTS", "product"]
 
 #: aten ops that only make views (no kernel): not counted (matched by the whole name: ``index_select``
 #: or ``slice_scatter`` are kernels)
@@ -41,7 +45,8 @@ def product(name: str, args) -> tuple | None:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the non-view aten ops run inside it, per op name (``ops``)."""
+    """Counts the non-view aten ops run inside it, per op name (``ops``; other namespaces, such as
+    the profiler's marks, are not device operations and not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -49,7 +54,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if not is_view(name):
+        if name.startswith("aten.") and not is_view(name):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -80,3 +85,48 @@ def count_ops(fn: Callable[[], object]) -> int:
     with counted() as counter:
         fn()
     return counter.total
+
+
+def count_wrn_style_step(backend: str) -> tuple[collections.Counter, int]:
+    """(non-view aten ops by name, Triton launches) of one steady-state step (the third: the first
+    two make Φ and the tables) of ``FGD(backend=backend)`` with default options on a 21-layer
+    WRN-style set in three p-classes (7 each of 16-, 32- and 64-channel 3 × 3 convolutions for the
+    torch backend; 8, 12 and 16 for Triton, whose count does not depend on the sizes and whose CPU
+    interpreter is slow). Triton is counted as a GPU runs it: the guard blends every layer, no
+    device value is read on the host; its launches are counted, not the interpreter's own tensor
+    work. The set of ``tests/test_op_count.py`` and ``benchmarks/studies/op_counts.py``."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import fgd_fast
+    from fgd_fast.backends import guard_rule
+
+    launches = [0]
+    with contextlib.ExitStack() as patches:
+        if backend == "triton":
+            from fgd_fast.backends import triton_launch
+
+            real = triton_launch.launch
+
+            def launch(*args, **kwargs):
+                launches[0] += 1
+                with _disable_current_modes():
+                    return real(*args, **kwargs)
+
+            patches.enter_context(mock.patch.object(guard_rule, "HOST_READ_DEVICES", ()))
+            patches.enter_context(mock.patch.object(triton_launch, "launch", launch))
+        gen = torch.Generator().manual_seed(0)
+        c = (16, 32, 64) if backend == "torch" else (8, 12, 16)
+        shapes = [(c[0], c[0], 3, 3)] * 7 + [(c[1], c[1], 3, 3)] * 7 + [(c[2], c[2], 3, 3)] * 7
+        params = [torch.nn.Parameter(fgd_fast.orthogonalize_(torch.randn(s, generator=gen))) for s in shapes]
+        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.01, backend=backend)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * 0.01
+            if step == 2:
+                launches[0] = 0
+                with counted() as count:  # (the CPU step outside its inference mode: see counted)
+                    opt.step()
+            else:
+                opt.step()
+    return count.ops, launches[0]

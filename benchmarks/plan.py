@@ -7,11 +7,14 @@
 * then the stability run continues the same gradient stream to ``stability_steps`` steps,
   unless :func:`stability_skip` names a reason, or ``stability_steps × probe`` exceeds
   ``stability_s`` (a safety valve for an overloaded machine; the case then records why);
+* then ``settle`` untimed steps on the fixed gradient of the timing, for every case alike (so
+  each timing follows at least ``warmup + settle`` steps, with or without a stability run);
 * then pytest-benchmark times ``rounds = clamp(case_s / probe, min_rounds, max_rounds)``
-  steps on a fixed gradient, or a single round when the probe is slower than ``slow_step_s``.
+  steps on that gradient, or ``slow_rounds`` when the probe is slower than ``slow_step_s``.
 
 :func:`planned_skip` gives the reason a case is not run at all. Both lists of exclusions
-are fixed per scale, so what a report contains does not depend on the machine's load.
+are fixed per scale; only the safety valve above depends on the machine's load (a case it
+trips says so in the report).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.contenders import Contender, unavailable
-from fgd_fast.backends import DEFAULT_PRECISION
+from fgd_fast.backends import DEFAULT_PRECISION, checked_precision
 from fgd_fast.functional import backend_for
 
 __all__ = ["Budget", "BUDGETS", "planned_skip", "rounds_for", "stability_skip"]
@@ -36,14 +39,16 @@ class Budget:
     slow_step_s: float
     stability_steps: int
     stability_s: float
+    settle: int = 3
+    slow_rounds: int = 3
 
 
 BUDGETS = {
     "full": Budget(
-        warmup=2, case_s=0.5, min_rounds=5, max_rounds=50, slow_step_s=2.0, stability_steps=200, stability_s=10.0
+        warmup=2, case_s=0.5, min_rounds=7, max_rounds=50, slow_step_s=2.0, stability_steps=200, stability_s=10.0
     ),
     "cpu": Budget(
-        warmup=2, case_s=0.5, min_rounds=3, max_rounds=30, slow_step_s=1.5, stability_steps=200, stability_s=60.0
+        warmup=2, case_s=0.5, min_rounds=7, max_rounds=30, slow_step_s=1.5, stability_steps=200, stability_s=60.0
     ),
     "tiny": Budget(
         warmup=1,
@@ -53,6 +58,8 @@ BUDGETS = {
         slow_step_s=float("inf"),
         stability_steps=3,
         stability_s=float("inf"),
+        settle=0,
+        slow_rounds=1,
     ),
 }
 
@@ -113,9 +120,9 @@ def stability_skip(scale: str, c: Contender, device: torch.device) -> dict | Non
     same_backend = (
         c.family == "fgd"
         and c.backend != "auto"
-        and backend_for(c.backend, device, c.precision or DEFAULT_PRECISION) == auto
+        and backend_for(c.backend, device, checked_precision(c.precision, c.backend)) == auto
     )
-    if same_backend and c.precision in (None, DEFAULT_PRECISION):  # fgd-auto runs at the default precision
+    if same_backend and checked_precision(c.precision, c.backend) == DEFAULT_PRECISION:  # (fgd-auto's precision)
         return {
             "skipped": f"fgd-auto runs this backend ({c.backend}) here: the same code, the same distances",
             "same_as": "fgd-auto",
@@ -127,8 +134,9 @@ def stability_skip(scale: str, c: Contender, device: torch.device) -> dict | Non
 
 
 def rounds_for(budget: Budget, probe_s: float) -> int:
-    """Timed rounds for a step that took ``probe_s`` seconds."""
+    """Timed rounds for a step that took ``probe_s`` seconds (never fewer than ``slow_rounds``:
+    a median of one round hides the spread)."""
     if probe_s > budget.slow_step_s:
-        return 1
+        return budget.slow_rounds
     want = int(budget.case_s / max(probe_s, 1e-9))
     return max(budget.min_rounds, min(budget.max_rounds, want))

@@ -230,7 +230,9 @@ def summary_table(run: dict) -> list[str]:
     return lines
 
 
-#: the ratios the issue's "done when" reads: (label, numerator, denominator, what it measures)
+#: the ratios of the step-time table's medians and the memory multiples: (label, numerator,
+#: denominator, what it measures); the cases ran one after another, so these ratios are indicative
+#: (the interleaved section that ``benchmarks/run.sh`` appends gives the ratios to quote)
 TARGETS = (
     ("`fgd-auto` ÷ `fgd-torch`", "fgd-auto", "fgd-torch", "time"),
     ("`fgd-auto` ÷ `cayley-sgd-lowrank`", "fgd-auto", "cayley-sgd-lowrank", "time"),
@@ -361,13 +363,16 @@ def method(run: dict) -> list[str]:
         "",
         "- **Step time**: one optimizer step over the constrained layers only (the other parameters "
         "have no gradient), gradients fixed random tensors of unit Frobenius norm per layer, set once. "
-        f"{b.get('warmup', '?')} warm-up steps, then pytest-benchmark's median over "
+        f"{b.get('warmup', '?')} warm-up steps (then the stability run, where it runs), {b.get('settle', 0)} "
+        "untimed steps on the timed gradient for every case, then pytest-benchmark's median over "
         f"{b.get('min_rounds', '?')}–{b.get('max_rounds', '?')} rounds (about {b.get('case_s', '?')} s per case; "
-        f"one round when a step takes more than {b.get('slow_step_s', '?')} s). On a GPU every round "
+        f"{b.get('slow_rounds', 1)} when a step takes more than {b.get('slow_step_s', '?')} s). On a GPU every round "
         "ends with `torch.cuda.synchronize()`. `torch-orthogonal` rounds include materialising the weights "
         "from the parametrization and back-propagating the gradient through it "
         "(`torch.autograd.backward(W, G)`) before `SGD.step()`.",
-        "- **Ratios** (× fgd-auto): medians from the same run.",
+        "- **Ratios** (× fgd-auto): medians from the same run, its cases timed one after another (a "
+        "drift of the machine's speed between cases enters them; the interleaved section, where the run "
+        "has one, measures every contender in each round: the ratios to quote).",
         f"- **Stability**: max / mean over layers of ‖θᵀθ − I‖_F (float64) after {b.get('stability_steps', '?')} "
         f"steps from the same orthonormal start, on the same stream (step k uses gradient set k mod "
         f"{st.get('grad_sets', '?')}); lr {st.get('lr', '?')}, momentum 0.9 for every contender, so a layer "
@@ -431,7 +436,14 @@ def render(run: dict) -> str:
         )
     for note in notes:
         lines += ["", note]
-    lines += ["", "## Ratios and memory", ""] + targets_table(run)
+    lines += ["", "## Ratios and memory", ""]
+    lines += [
+        "Ratios of the medians above (cases timed one after another, so a drift of the machine's speed "
+        "between them enters the ratio: indicative; an interleaved section, where the run has one, gives "
+        "the ratios to quote).",
+        "",
+    ]
+    lines += targets_table(run)
     steps = run["session"].get("budget", {}).get("stability_steps", "?")
     lines += ["", f"## Stability: max / mean ‖θᵀθ − I‖_F after {steps} steps", ""] + stability_table(run)
     if any("skipped" in c.get("stability", {}) and "same_as" not in c["stability"] for c in run["cases"]):

@@ -67,6 +67,8 @@ def tiny_run(tmp_path_factory):
 
 
 def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
+    from benchmarks.contenders import _default_precision, contender
+
     _, _, cases = bench_modules
     data = json.loads((tiny_run / "run.json").read_text())
     ran = {(b["extra_info"]["workload"], b["extra_info"]["contender"]): b for b in data["benchmarks"]}
@@ -95,6 +97,9 @@ def test_every_case_runs_once_or_says_why_not(tiny_run, bench_modules):
         assert ("ops_per_step" in info) == (info["family"] == "fgd"), (w, c)
         if info["family"] == "fgd":
             assert info["ops_per_step"] + info["launches_per_step"] > 0 and info["host_s"] > 0, (w, c)
+            # the precision FGD runs at (a review found fgd-reference recorded at the default "tf32x3")
+            made = contender(c).precision or _default_precision(contender(c).backend)
+            assert info["precision"] == made, (w, c, info["precision"], made)
         if c != "sgd" and "max" in stab:
             assert stab["max"] < 1e-4, (w, c, stab)  # every constrained contender stays on the manifold
     session = data["fgd_bench"]
@@ -285,3 +290,31 @@ def test_every_contender_has_its_row_and_times_change_unit_after_rounding():
 
     assert [c.name for c in CONTENDERS if c.name not in ORDER] == []
     assert (_time(0.9996), _time(0.0009996), _time(0.0123), _time(4.2e-6)) == ("1.00 s", "1 ms", "12.3 ms", "4.2 µs")
+
+
+def test_op_counts_prints_the_counted_step(capsys):
+    """benchmarks/studies/op_counts.py (the README's op counts): one row per backend with the
+    counter's total for the op-count test's set."""
+    from benchmarks.opcount import count_wrn_style_step
+    from benchmarks.studies.op_counts import main
+
+    main(["--backends", "torch"])
+    total = sum(count_wrn_style_step("torch")[0].values())
+    assert re.search(rf"^\| torch \| {total} \| 0 \| {total} \| bmm \d+", capsys.readouterr().out, re.M)
+
+
+def test_step_ratio_puts_every_contender_in_every_place():
+    """The interleaved rounds' order (a review found the middle contenders of an order that was
+    only reversed never first or last): over 2k rounds each of k contenders runs in each place
+    equally often, and before each other one equally often."""
+    from benchmarks.studies.step_ratio import round_order
+
+    names = ["a", "b", "c", "d"]
+    orders = [round_order(names, r) for r in range(2 * len(names))]
+    assert all(sorted(o) == names for o in orders)
+    for n in names:
+        assert sorted(o.index(n) for o in orders) == sorted(list(range(len(names))) * 2), n
+    for x in names:
+        for y in names:
+            if x != y:
+                assert sum(o.index(x) < o.index(y) for o in orders) == len(names), (x, y)

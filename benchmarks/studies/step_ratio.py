@@ -2,7 +2,7 @@
 at ≤ 0.75× the low-rank Cayley SGD on every CPU workload).
 
 Every round steps each contender once, in turn, on the main job's gradient stream (so load
-drifts hit all alike; the order alternates from round to round); per workload it prints each
+drifts hit all alike; the order rotates from round to round: :func:`round_order`); per workload it prints each
 contender's median step time with two ratios to ``--base`` (default: the low-rank Cayley SGD):
 the ratio of the medians, and the median of the rounds' ratios. On a CPU it uses one torch
 thread by default, like the main job. ``--faults`` adds each contender's median count of minor
@@ -46,12 +46,11 @@ from benchmarks.workloads import SCALES, default_scale, weight_shapes, workloads
 
 def interleaved(case_of: dict, pool: list, rounds: int, sync, minor) -> tuple[dict, dict]:
     """Per contender, the step times and page faults of ``rounds`` interleaved rounds (after 3
-    warm-up rounds: momentum exists, tables built); the order alternates from round to round."""
+    warm-up rounds: momentum exists, tables built); see :func:`round_order`."""
     times: dict[str, list[float]] = {n: [] for n in case_of}
     faults: dict[str, list[int]] = {n: [] for n in case_of}
     for r in range(rounds + 3):
-        order = list(case_of.items())
-        for n, case in order if r % 2 else order[::-1]:  # (no contender always first)
+        for n, case in round_order(list(case_of.items()), r):
             case.set_grads(pool[r % len(pool)])
             sync()
             f0, t0 = minor(), time.perf_counter()
@@ -61,6 +60,15 @@ def interleaved(case_of: dict, pool: list, rounds: int, sync, minor) -> tuple[di
                 times[n].append(time.perf_counter() - t0)
                 faults[n].append(minor() - f0)
     return times, faults
+
+
+def round_order(items: list, r: int) -> list:
+    """The order of round ``r``: rotated by ``r`` places, and reversed in every other cycle of
+    rotations, so that over rounds every contender runs in every place and after every other one
+    alike (a reversal alone kept the middle ones in the middle)."""
+    k = max(len(items), 1)
+    turned = items[r % k :] + items[: r % k]
+    return turned if (r // k) % 2 == 0 else turned[::-1]
 
 
 def _ms(seconds: float) -> str:
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"`python -m benchmarks.studies.step_ratio {' '.join(argv if argv is not None else sys.argv[1:])}` "
             f"({head}; every round steps each contender "
-            "once, in turn, the order alternating, so a change in the machine's speed hits all alike: the ratios "
+            "once, in turn, the order rotating, so a change in the machine's speed hits all alike: the ratios "
             f"to quote). {describe(env)}.\n"
         )
         print("| contender | " + " | ".join(w.description for w in chosen) + " |")
