@@ -248,12 +248,41 @@ class StiefelOptimizer(Optimizer):
                         ]
                     check_orthogonal_params(tensors, labels)
                 self._check_memory_of_new(tensors, bool(merged["orthogonal"]))
+                self._check_names_of_new(param_group, len(tensors))
             # numpy scalars as the Python numbers they hold: one arithmetic whatever the type given (a
             # float32 β₁ computed Adam's bias correction in float32), and a state_dict weights_only loads
             param_group.update((k, _plain(v)) for k, v in param_group.items() if k not in _NOT_NUMBERS)
             if hasattr(self, "defaults"):
                 self.defaults.update((k, _plain(v)) for k, v in self.defaults.items())
         super().add_param_group(param_group)
+
+    def _check_names_of_new(self, param_group: dict[str, Any], count: int) -> None:
+        """A new group's parameter names (``names`` / ``param_names``, where the list lines up with
+        its parameters) must differ from each other and from every name already in the optimizer:
+        :meth:`orthogonality`, ``guard_stats`` and the messages key parameters by name, so a
+        repeated name would hide one of them (two sub-models' ``stiefel_param_groups`` both name
+        a weight ``"0.weight"``)."""
+        names = param_group.get("param_names") or param_group.get("names")
+        if not names or isinstance(names, str) or len(names) != count:
+            return
+        seen: dict[str, str] = {}
+        for i, group in enumerate(getattr(self, "param_groups", [])):
+            old = group.get("param_names") or group.get("names")
+            if old and len(old) == len(group["params"]):
+                seen.update((n, f"group {i}") for n in old if isinstance(n, str))
+        here = f"group {len(getattr(self, 'param_groups', []))}"
+        for name in names:
+            if not isinstance(name, str):
+                continue
+            if name in seen:
+                where = "twice in that group" if seen[name] == here else f"in {seen[name]} and {here}"
+                raise ValueError(
+                    f"two parameters are named {name!r} ({where}): orthogonality(), guard_stats() and the "
+                    "messages key parameters by name, so one would hide the other; give the groups distinct "
+                    "names, e.g. stiefel_param_groups(model.encoder, prefix='encoder.') for groups built "
+                    "from sub-modules, or build them from the whole model; nothing was added"
+                )
+            seen[name] = here
 
     def _check_memory_of_new(self, tensors: list[torch.Tensor], orthogonal: bool) -> None:
         """A new group's parameters share no memory with an orthogonal parameter, theirs or the

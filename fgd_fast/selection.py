@@ -28,21 +28,35 @@ def _conv2d_weights(model: nn.Module) -> set[int]:
     return {id(w) for w in weights if w is not None}
 
 
-def _parametrized_convs(model: nn.Module) -> list[str]:
-    """Names of the ``nn.Conv2d`` modules whose weight is a parametrization's output."""
-    convs = ((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
-    return [n for n, m in convs if parametrize.is_parametrized(m, "weight")]
+def _normed_convs(model: nn.Module, test: Callable[[tuple[int, ...]], bool], exclude: tuple[str, ...]) -> list[str]:
+    """Names of the ``nn.Conv2d`` modules whose weight is computed from other trainable tensors
+    (a parametrization, e.g. ``torch.nn.utils.parametrizations.spectral_norm``, or the older
+    hook-based ``torch.nn.utils.spectral_norm`` / ``weight_norm``: ``weight_orig``, ``weight_g``
+    and ``weight_v``) and that the rule's shape ``test`` would otherwise take, leaving out those
+    ``exclude`` names."""
+    found = []
+    for n, m in model.named_modules():
+        if not isinstance(m, nn.Conv2d):
+            continue
+        hooked = "weight" not in m._parameters and any(f"weight{x}" in m._parameters for x in ("_orig", "_g", "_v"))
+        if not (parametrize.is_parametrized(m, "weight") or hooked):
+            continue
+        shape = (m.out_channels, m.in_channels // m.groups, *m.kernel_size)  # (without computing the weight)
+        names = (n, f"{n}.weight" if n else "weight")
+        if test(shape) and not any(x == e or x.startswith(e + ".") for x in names for e in exclude if x):
+            found.append(n or "the model itself")
+    return found
 
 
-def _paper(p: torch.Tensor) -> bool:
+def _paper(shape: tuple[int, ...]) -> bool:
     # 4-D conv weight (c_o, c_i, k1, k2) with c_i·k1·k2 >= c_o and min(k1, k2) > 1
-    c_o, c_i, k1, k2 = p.shape
+    c_o, c_i, k1, k2 = shape
     return c_i * k1 * k2 >= c_o and min(k1, k2) > 1
 
 
-def _official(p: torch.Tensor) -> bool:
+def _official(shape: tuple[int, ...]) -> bool:
     # the authors' code: c_o <= c_i and k1 > 1
-    c_o, c_i, k1, _ = p.shape
+    c_o, c_i, k1, _ = shape
     return c_o <= c_i and k1 > 1
 
 
@@ -61,8 +75,14 @@ def select_stiefel(
       too, or pass a callable;
     * a callable ``rule(name, param) -> bool`` (a numpy bool is a bool).
 
-    ``"paper"`` and ``"official"`` skip a parametrized ``nn.Conv2d`` (weight or spectral norm:
-    its trainable tensors are not the weight), with a warning.
+    A grouped or depthwise convolution's weight (``c_o × c_i/groups × k1 × k2``) is constrained as
+    one matrix over all its filters, which is stricter than orthonormal filters within each group;
+    leave it out with ``exclude`` (or a callable) where that is not meant.
+
+    ``"paper"`` and ``"official"`` skip an ``nn.Conv2d`` whose weight is computed from other
+    tensors (weight or spectral norm, as a parametrization or by the older hooks: its trainable
+    tensors are not the weight), with a warning where the rule would take it and ``exclude``
+    does not name it.
 
     ``exclude``: parameter or module names left unconstrained (``"fc"`` leaves out ``fc.weight``;
     a name matches itself and everything below it; a tied weight is left out by any of its
@@ -78,7 +98,7 @@ def select_stiefel(
         raise TypeError(f"exclude= takes parameter or module names, got {exclude!r}; pass () to leave none out")
     exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
     _check_excluded(model, exclude)
-    chosen = _select(model, rule)
+    chosen = _select(model, rule, exclude)
     if not exclude:
         return chosen
     aliases: dict[int, list[str]] = {}  # every name of a tensor (a tied head's too: named_parameters drops it)
@@ -109,7 +129,7 @@ def _check_excluded(model: nn.Module, exclude: tuple[str, ...]) -> None:
             raise ValueError(f"exclude={e!r} matches no parameter or module of the model{hint}")
 
 
-def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
+def _select(model: nn.Module, rule: Rule, exclude: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
     if callable(rule):
         chosen = []
         for name, p in model.named_parameters():
@@ -130,30 +150,40 @@ def _select(model: nn.Module, rule: Rule) -> list[tuple[str, torch.Tensor]]:
     if rule == "all":
         return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
     convs = _conv2d_weights(model)
-    skipped = _parametrized_convs(model)
+    test = _paper if rule == "paper" else _official
+    skipped = _normed_convs(model, test, exclude)
     if skipped:
         warnings.warn(
-            f"select_stiefel: rule={rule!r} leaves out the parametrized nn.Conv2d weight(s) of "
-            f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} (weight or spectral norm: the trainable "
-            "tensors are not the weight, so no constraint on them makes it orthonormal); remove the "
-            "parametrization to constrain them",
+            f"select_stiefel: rule={rule!r} leaves out the weight- or spectral-normed nn.Conv2d weight(s) of "
+            f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} (the trainable tensors are not the "
+            "weight, so no constraint on them makes it orthonormal); remove the norm (parametrization or "
+            "hook) to constrain them, or name them in exclude= to silence this",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
-    test = _paper if rule == "paper" else _official
-    return [(n, p) for n, p in model.named_parameters() if id(p) in convs and p.dim() == 4 and test(p)]
+    return [(n, p) for n, p in model.named_parameters() if id(p) in convs and p.dim() == 4 and test(tuple(p.shape))]
 
 
 def stiefel_param_groups(
-    model: nn.Module, rule: Rule = "paper", *, orthogonalize: bool = True, exclude: Iterable[str] = ()
+    model: nn.Module,
+    rule: Rule = "paper",
+    *,
+    orthogonalize: bool = True,
+    exclude: Iterable[str] = (),
+    prefix: str = "",
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`fgd_fast.FGD`: ``[{"params": [...], "orthogonal": True},
     {"params": [...]}]`` over ``model``'s parameters, the first holding the weights chosen by
     ``rule`` (see :func:`select_stiefel`, ``exclude`` as there), the second every other trainable
-    parameter. Each group also has
+    parameter. Frozen parameters (``requires_grad=False``) are in neither, so an optimizer built
+    from these groups never steps them, even once unfrozen (unlike ``torch.optim.SGD(model.parameters())``);
+    a warning names those the rule takes. Each group also has
     a ``"names"`` list (the ``named_parameters`` names), which FGD uses in messages and in
     :meth:`FGD.orthogonality`; it is not torch's ``param_names`` key, so groups without
-    names can still be added next to these.
+    names can still be added next to these. ``prefix`` is put before every name (``exclude``
+    still takes the names within ``model``): groups built from sub-modules, e.g. to give each its
+    own lr, need it to keep their names apart (``prefix="encoder."``), and an optimizer refuses a
+    name it already holds.
 
     With ``orthogonalize=True`` the chosen weights are projected onto the manifold in place
     (:func:`fgd_fast.orthogonalize_`), as FGD requires ``θᵀθ ≈ I`` at the start.
@@ -164,7 +194,21 @@ def stiefel_param_groups(
     still names each parameter correctly (it remembers the tensors' names).
     """
     orthogonalize = check_bool("orthogonalize", orthogonalize)
-    chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix= takes a str put before every parameter name, got {type(prefix).__name__}")
+    selected = select_stiefel(model, rule, exclude=exclude)
+    chosen = [(n, p) for n, p in selected if p.requires_grad]
+    frozen = [n for n, p in selected if not p.requires_grad]
+    if frozen:  # (torch.optim.SGD(model.parameters()) would hold them and step them once unfrozen)
+        warnings.warn(
+            f"stiefel_param_groups: {len(frozen)} weight(s) rule={rule!r} takes are frozen (requires_grad=False) "
+            f"and left out of the groups, neither projected nor stepped: {', '.join(frozen[:3])}"
+            f"{' …' if len(frozen) > 3 else ''}; an optimizer built from these groups never steps them, even once "
+            "unfrozen: build the groups after unfreezing (or add them then with opt.add_param_group), or name "
+            "them in exclude= if they stay frozen",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     if not chosen:  # (FGD then is plain SGD: say so, a rule meant for convolutions on an MLP does this)
         what = "nn.Conv2d weights with k > 1" if rule in ("paper", "official") else "weights"
         warnings.warn(
@@ -196,6 +240,8 @@ def stiefel_param_groups(
         for _, p in chosen:
             orthogonalize_(p.data)
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
+    chosen = [(prefix + n, p) for n, p in chosen]
+    rest = [(prefix + n, p) for n, p in rest]
     remember_names([p for _, p in chosen + rest], [n for n, _ in chosen + rest])  # labels survive ZeRO's sharding
     return [
         {"params": [p for _, p in chosen], "names": [n for n, _ in chosen], "orthogonal": True},

@@ -748,6 +748,21 @@ def test_torch_orthogonal_adapter_trains_on_the_manifold():
     _check_contender(net, opt, ref)
 
 
+def test_adapters_take_exclude_as_select_stiefel_does():
+    """A review: the adapters took a rule but no ``exclude=``; ``"all"`` without the head needed a
+    callable. Now as :func:`fgd_fast.select_stiefel` (a name matching nothing is refused)."""
+    from torch.nn.utils import parametrize
+
+    net = _adapter_net()
+    names = [n for n, p in net.named_parameters() if p.dim() >= 2]
+    opt = torch_orthogonal_sgd(net, "all", lr=0.1, exclude=[names[-1]])
+    assert len(opt.param_groups[0]["params"]) == len(names) - 1
+    owner = net.get_submodule(names[-1].rpartition(".")[0])
+    assert not parametrize.is_parametrized(owner, "weight")
+    with pytest.raises(ValueError, match="matches no parameter or module"):
+        torch_orthogonal_sgd(_adapter_net(), "all", lr=0.1, exclude=["no_such_layer"])
+
+
 def test_adapters_refuse_a_parametrized_model():
     net = _adapter_net()
     torch_orthogonal_sgd(net, "all", lr=0.1)

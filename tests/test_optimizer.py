@@ -351,7 +351,7 @@ def test_paper_rules_warn_of_a_parametrized_convolution_without_running_its_para
         weight_norm(torch.nn.Conv2d(4, 8, 3)), spectral_norm(torch.nn.Conv2d(8, 8, 3)), torch.nn.Conv2d(8, 8, 3)
     )
     u = net[1].parametrizations.weight[0]._u.clone()
-    with pytest.warns(UserWarning, match=r"leaves out the parametrized nn.Conv2d weight\(s\) of 0, 1"):
+    with pytest.warns(UserWarning, match=r"leaves out the weight- or spectral-normed nn.Conv2d weight\(s\) of 0, 1"):
         assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["2.weight"]
     assert torch.equal(net[1].parametrizations.weight[0]._u, u)
 
@@ -481,10 +481,73 @@ def test_frozen_parameters_are_in_no_group():
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
     net[0].bias.requires_grad_(False)
     net[1].weight.requires_grad_(False)
-    groups = fgd_fast.stiefel_param_groups(net, "paper")
+    before = net[1].weight.detach().clone()
+    # (a review: frozen-then-unfrozen weights were never stepped, without a word; torch's SGD would)
+    with pytest.warns(UserWarning, match=r"1 weight\(s\) rule='paper' takes are frozen .*: 1\.weight; .*unfrozen"):
+        groups = fgd_fast.stiefel_param_groups(net, "paper")
     grouped = [id(p) for g in groups for p in g["params"]]
     assert id(net[0].bias) not in grouped and id(net[1].weight) not in grouped
     assert sorted(grouped) == sorted(id(p) for p in net.parameters() if p.requires_grad)
+    assert torch.equal(net[1].weight, before)  # (not projected)
+    with warnings.catch_warnings():  # named in exclude=: no warning
+        warnings.simplefilter("error")
+        fgd_fast.stiefel_param_groups(net, "paper", exclude=["1"])
+
+
+def test_the_norm_warning_names_what_the_rule_would_take_and_exclude_silences_it():
+    """A review: the hook-based ``torch.nn.utils.spectral_norm`` / ``weight_norm`` were left out
+    without a word (only parametrizations warned), the warning named the root module as "", and
+    it fired for a conv that ``exclude`` named or that the rule would not take anyway (1 × 1)."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    for wrap in (spectral_norm, parametrizations.spectral_norm):
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), wrap(torch.nn.Conv2d(8, 8, 3)))
+        with pytest.warns(UserWarning, match=r"spectral-normed nn.Conv2d weight\(s\) of 1 \("):
+            assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["0.weight"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert [n for n, _ in fgd_fast.select_stiefel(net, "paper", exclude=["1"])] == ["0.weight"]
+    with pytest.warns(UserWarning, match=r"weight\(s\) of the model itself"):
+        fgd_fast.select_stiefel(parametrizations.spectral_norm(torch.nn.Conv2d(8, 8, 3)), "official")
+    one_by_one = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), parametrizations.spectral_norm(torch.nn.Conv2d(8, 8, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fgd_fast.select_stiefel(one_by_one, "paper")
+
+
+@pytest.mark.parametrize("make", ["FGD", "CayleySGD", "LandingSGD"])
+def test_groups_from_sub_modules_need_distinct_names(make):
+    """A review: groups built per sub-module (an lr each) both named a weight "0.weight", and
+    ``orthogonality()`` / ``guard_stats()`` held one entry for the two. A repeated name is refused
+    when the group is added, with the fix (``prefix=``); nothing is added."""
+    from fgd_fast.baselines import CayleySGD, LandingSGD
+
+    cls = {"FGD": fgd_fast.FGD, "CayleySGD": CayleySGD, "LandingSGD": LandingSGD}[make]
+    model = torch.nn.ModuleDict(
+        dict(
+            encoder=torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3)),
+            decoder=torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3), torch.nn.Conv2d(8, 8, 3)),
+        )
+    )
+    enc = fgd_fast.stiefel_param_groups(model["encoder"])
+    dec = fgd_fast.stiefel_param_groups(model["decoder"])
+    with pytest.raises(ValueError, match=r"two parameters are named '0.weight' \(in group 0 and group 2\).*prefix="):
+        cls(enc + dec, lr=0.1)
+    opt = cls(enc, lr=0.1)
+    with pytest.raises(ValueError, match=r"named '0.weight' \(in group 0 and group 2\).*nothing was added"):
+        opt.add_param_group(dec[0])
+    assert len(opt.param_groups) == 2
+    twice = dict(params=list(dec[0]["params"]), names=["a", "a"], orthogonal=True)
+    with pytest.raises(ValueError, match=r"named 'a' \(twice in that group\)"):
+        opt.add_param_group(twice)
+    enc = fgd_fast.stiefel_param_groups(model["encoder"], prefix="encoder.", orthogonalize=False)
+    dec = fgd_fast.stiefel_param_groups(model["decoder"], prefix="decoder.", orthogonalize=False)
+    opt = cls(enc + dec, lr=0.1)
+    assert sorted(opt.orthogonality()) == sorted(
+        f"{n}.weight" for n in ("encoder.0", "encoder.1", "decoder.0", "decoder.1")
+    )
+    with pytest.raises(TypeError, match="prefix= takes a str"):
+        fgd_fast.stiefel_param_groups(model["encoder"], prefix=1)
 
 
 def test_messages_name_an_unnamed_parameter_of_a_named_optimizer_by_its_index():

@@ -21,7 +21,7 @@ applies to the unconstrained parameters only, as in FGD. geoopt is imported when
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -79,9 +79,10 @@ def _reparametrize(
     rule: Rule,
     orthogonalize: bool,
     attach: Callable[[nn.Module, str, torch.Tensor, torch.Size], None],
+    exclude: Iterable[str] = (),
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """Constrain the weights ``rule`` selects; returns (constrained θ, other parameters)."""
-    chosen = [(n, p) for n, p in select_stiefel(model, rule) if p.requires_grad]
+    """Constrain the weights ``rule`` selects (less ``exclude``); returns (constrained θ, other parameters)."""
+    chosen = [(n, p) for n, p in select_stiefel(model, rule, exclude=exclude) if p.requires_grad]
     chosen_ids = {id(p) for _, p in chosen}
     rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in chosen_ids]
     owners: dict[int, list[str]] = {}
@@ -142,6 +143,7 @@ def geoopt_stiefel_sgd(
     canonical: bool = False,
     stabilize: int | None = None,
     orthogonalize: bool = True,
+    exclude: Iterable[str] = (),
 ) -> torch.optim.Optimizer:
     """``geoopt.optim.RiemannianSGD`` with the weights ``rule`` selects on a Stiefel manifold.
 
@@ -149,7 +151,7 @@ def geoopt_stiefel_sgd(
     ``canonical=True``: ``geoopt.CanonicalStiefel`` (canonical metric, Cayley retraction).
     ``stabilize`` is geoopt's (project every ``stabilize`` steps; ``None``: never). Modifies
     ``model`` in place (see the module docstring) and raises ``ImportError`` without geoopt.
-    ``rule``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes it;
+    ``rule`` and ``exclude``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes them;
     ``orthogonalize``: project them onto the manifold first (``False`` when resuming); ``lr``,
     ``momentum``, ``dampening``, ``nesterov``: ``torch.optim.SGD``'s, for every parameter;
     ``weight_decay``: for the unconstrained parameters only (the constrained group gets 0).
@@ -164,7 +166,7 @@ def geoopt_stiefel_sgd(
         module.register_parameter(attr, geoopt.ManifoldParameter(theta, manifold=manifold))
         parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)
 
-    orth, rest = _reparametrize(model, rule, orthogonalize, attach)
+    orth, rest = _reparametrize(model, rule, orthogonalize, attach, exclude)
     return geoopt.optim.RiemannianSGD(_groups(orth, rest, weight_decay), **sgd, stabilize=stabilize)
 
 
@@ -179,11 +181,12 @@ def torch_orthogonal_sgd(
     nesterov: bool = False,
     orthogonal_map: str | None = None,
     orthogonalize: bool = True,
+    exclude: Iterable[str] = (),
 ) -> torch.optim.SGD:
     """``torch.optim.SGD`` with ``torch.nn.utils.parametrizations.orthogonal`` on ``θ`` of the
     weights ``rule`` selects (``orthogonal_map`` is torch's: ``None`` picks ``"matrix_exp"``
     for square ``θ``, else ``"householder"``). Modifies ``model`` in place.
-    ``rule``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes it;
+    ``rule`` and ``exclude``: which weights are constrained, as :func:`fgd_fast.select_stiefel` takes them;
     ``orthogonalize``: project them onto the manifold first (``False`` when resuming); ``lr``,
     ``momentum``, ``dampening``, ``nesterov``: ``torch.optim.SGD``'s, for every parameter;
     ``weight_decay``: for the unconstrained parameters only (the constrained group gets 0).
@@ -198,5 +201,5 @@ def torch_orthogonal_sgd(
         torch.nn.utils.parametrizations.orthogonal(module, attr, orthogonal_map=orthogonal_map)  # θ = Q(original)
         parametrize.register_parametrization(module, attr, StiefelView(shape), unsafe=True)  # W = view(θ)
 
-    orth, rest = _reparametrize(model, rule, orthogonalize, attach)
+    orth, rest = _reparametrize(model, rule, orthogonalize, attach, exclude)
     return torch.optim.SGD(_groups(orth, rest, weight_decay), **sgd)
