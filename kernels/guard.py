@@ -215,14 +215,15 @@ def guard_blend_kernel(
             alpha = tl.load(coef_ptr + layer * meta.GB_COEF_FIELDS + meta.GB_C_ALPHA).to(ACC)
             base = d * -tl.where(tl.load(res + meta.GB_R_NEWTON) != 0.0, 0.5, alpha)  # F₀' = −α'D
             at = off + ri[:, None] * p + cj[None, :]
-            delta = tl.load(delta_ptr + at, mask=m, other=0.0)  # Δ (may be M_Φ itself: read first)
+            # Δ = M_θ − F₀ = M_Φ here (the official update): the value loaded, not a second read of
+            # the slot this program writes (delta_ptr is not read in this branch)
             m_phi = tl.load(m_phi_ptr + at, mask=m, other=0.0)
             moving = t > 0.0
             tl.store(m_phi_ptr + at, tl.where(moving, m_phi * t, 0.0), mask=m)  # tM_Φ (a reset: Φ₊ = 0)
             if FEEDBACK:  # F = M_θ − M_Φ = F₀' + tΔ − tM_Φ = F₀' (Δ = M_Φ): the CUDA-core θ pass's
                 tl.store(m_theta_ptr + at, base, mask=m)
             else:
-                tl.store(m_theta_ptr + at, tl.where(moving, base + delta * t, base), mask=m)  # F₀' + tΔ
+                tl.store(m_theta_ptr + at, tl.where(moving, base + m_phi * t, base), mask=m)  # F₀' + tΔ
         elif weight != 1.0:  # t = 1: the full step, left as it is
             d = _tile(d_ptr + off, ri, cj, p, m)
             t = weight.to(ACC)

@@ -295,3 +295,31 @@ def test_the_triton_step_keeps_its_fused_buffers_from_step_to_step(monkeypatch):
     # 8 bytes per block element, kept with the layout) are never built for the fused middle
     indices = [i for key, i in layout._indices.items() if key[1] == str(torch.device(dev))]
     assert indices and all(i._perm is None and i._layer is None for i in indices)
+
+
+@pytest.mark.parametrize("has_phi", [False, True], ids=["no-phi", "phi"])
+def test_no_product_launch_reads_a_slot_it_writes(has_phi):
+    """A race review: each of the fused middle's five product launches reads other programs' tiles
+    of its inputs, so a launch that wrote a slot it reads (or its second output into its added
+    input) would race on a GPU, unseen by the sequential interpreter. ``_jobs`` asserts it; this
+    checks the table independently."""
+    pytest.importorskip("triton", reason="the kernels' slot constants live beside the Triton kernels")
+    from fgd_fast.backends import fused_middle
+    from fgd_fast.kernels import meta
+
+    launches = fused_middle._jobs(meta, has_phi)
+    assert len(launches) == 5
+    for jobs in launches:
+        written = [slot for job in jobs for slot in (job[4], job[5]) if slot >= 0]
+        read = {slot for job in jobs for slot in (*job[:4], job[6]) if slot >= 0}
+        assert len(written) == len(set(written)) and not set(written) & read, jobs
+
+
+def test_the_tensor_core_tables_refuse_tiles_that_are_not_square():
+    """The work table counts j in units of BM and the gather mirrors by BM, while the kernel steps j
+    by BN: a BM ≠ BN configuration would leave Gram tiles unwritten (a race review's trap)."""
+    from fgd_fast.backends import triton_tables
+
+    cfg = dict(BM=64, BN=128, BK=32)
+    with pytest.raises(ValueError, match="square tiles, got BM=64, BN=128"):
+        triton_tables.tc_shapes([(96, 64)], torch.device("cpu"), None, False, True, cfg, {}, {}, False)

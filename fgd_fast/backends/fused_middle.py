@@ -114,6 +114,10 @@ def _jobs(meta, has_phi: bool) -> list[list[tuple]]:
         [(d, y, y, -1, z, -1, -1, 0, minus_alpha, one), (m_phi, y_t, -1, -1, v, -1, -1, 1, one, one)],  # Z, V
     ]
     assert w not in {job[4] for jobs in launches for job in jobs}
+    for jobs in launches:  # no launch reads a slot it writes (its programs read other programs' tiles)
+        written = {slot for job in jobs for slot in (job[4], job[5]) if slot >= 0}
+        read = {slot for job in jobs for slot in (*job[:4], job[6]) if slot >= 0}
+        assert not written & read, (jobs, written & read)
     return launches
 
 
@@ -225,8 +229,7 @@ def run(
             v=slot(meta.MP_S),
             w=slot(meta.SLOT_G),
             m_phi=m_phi,
-            m_theta=m_theta,
-            delta=m_phi,  # Δ = M_θ − F₀ = M_Φ (the official update)
+            m_theta=m_theta,  # (Δ = M_θ − F₀ = M_Φ, the official update: the blend reads it from M_Φ)
         ),
         movable=bufs.finite,
         scale=bufs.scale,

@@ -116,7 +116,8 @@ def launches(
     """The three launches of the guard (sums, rule, blend) over the blocks of ``lay`` in
     ``blocks`` (``d, d2, d3, z, v, w, c, h, m_phi, m_theta, delta``: contiguous; ``c``, ``h``
     ``None`` unless ``w_mode`` needs them); ``coef``: ``(L, 4)`` float64 ``[α, target, η, β]``.
-    Without ``feedback`` the blend writes M_Φ and M_θ of every layer (the fused middle's);
+    Without ``feedback`` the blend writes M_Φ and M_θ of every layer (the fused middle's; Δ is
+    then M_Φ, the official update's, and ``delta`` may be left out: the kernel does not read it);
     ``hyper``/``hyper_out``: the rule also writes the update's table ``[tsη, tsβ, α]``.
     ``part``/``result``: the partial sums' and the result's buffers (persistent), else new.
     ``guard=False``: t = 1 for every layer (the full step's distance predicted, nothing blended).
@@ -185,7 +186,7 @@ def launches(
         d,
         blocks["m_phi"],
         blocks["m_theta"],
-        blocks["delta"],
+        blocks["delta"] if feedback is not None else blocks["m_phi"],  # (not read without feedback: Δ = M_Φ)
         feedback if feedback is not None else blocks["m_theta"],
         items,
         ACC=acc,

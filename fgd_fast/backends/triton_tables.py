@@ -100,6 +100,10 @@ def tc_shapes(
     """The tensor-core class's work tables (split, Gram tiles longest first, update tiles largest
     p first) and offsets; ``forced_splits`` as in :func:`shapes`."""
     bm, bk = cfg["BM"], cfg["BK"]
+    # the tiles below are square (i and j both in units of BM; the kernel steps j by BN and the
+    # blocks' gather mirrors the upper tiles by BM): a BM ≠ BN configuration would leave tiles unwritten
+    if cfg["BN"] != bm:
+        raise ValueError(f"the tensor-core Gram kernel needs square tiles, got BM={bm}, BN={cfg['BN']}")
     ld = [cdiv(n, TC.LD_ALIGN) * TC.LD_ALIGN for n, _ in np_list]
     split_off, gram_off, m_off, tiles = [], [], [], []
     s_total = g_total = m_total = 0
