@@ -469,6 +469,18 @@ MUTANTS = {
         "frozen weights the rule takes left out of the groups without a word (never stepped once unfrozen)",
         ["tests/test_optimizer.py::test_frozen_parameters_are_in_no_group"],
     ),
+    "matmul_switch_unlocked": (
+        "two threads' steps switching the process-wide matmul precision at once (TF32 left on after them)",
+        ["tests/test_threads.py::test_a_second_thread_waits_for_the_first_threads_precision_region"],
+    ),
+    "caches_unlocked": (
+        "the backends' caches iterated by one thread while another inserts (RuntimeError, KeyError)",
+        ["tests/test_threads.py::test_the_caches_take_lookups_and_insertions_from_many_threads"],
+    ),
+    "layout_memo_unbounded": (
+        "a layout's memo growing by one entry per guard limit a search tries",
+        ["tests/test_threads.py::test_a_layouts_memo_keeps_its_newest_entries_and_those_a_capture_used"],
+    ),
 }
 
 
@@ -602,6 +614,24 @@ SOURCE_EDITS = {
         "hooked = False and",
     ),
     "frozen_weights_unwarned": ("fgd_fast.selection", "stiefel_param_groups", "if frozen:  #", "if False:  #"),
+    "matmul_switch_unlocked": (
+        "fgd_fast.backends.shared_state",
+        "matmul_switch",
+        "while _SWITCH.owner not in (None, me):",
+        "while False:",
+    ),
+    "caches_unlocked": (
+        "fgd_fast.backends.shared_state",
+        "cache_lock",
+        "if torch.compiler.is_compiling() else _CACHES",
+        "if True else _CACHES",
+    ),
+    "layout_memo_unbounded": (
+        "fgd_fast.backends.layout",
+        "Layout.cached",
+        "for k in unpinned[: max(0, len(unpinned) - _MEMO_CAPACITY)]:",
+        "for k in []:",
+    ),
 }
 
 

@@ -70,6 +70,7 @@ import torch
 from .algebra import Checks, join_checks, middle, velocity_blocks
 from .guard_rule import TF32_UNIT
 from .layout import Layout, _capturing
+from .shared_state import cache_lock, matmul_switch
 
 __all__ = [
     "PRECISIONS",
@@ -169,18 +170,19 @@ class TableCache(OrderedDict):
         self.pinned: set = set()
 
     def get_or(self, key, make):
-        if key in self:
-            self.move_to_end(key)
-            value = self[key]
-        else:
-            with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
-                value = self[key] = make()
-        if _capturing():
-            self.pinned.add(key)
-        unpinned = [k for k in self if k not in self.pinned]  # oldest first
-        for k in unpinned[: max(0, len(unpinned) - self.capacity)]:
-            del self[k]
-        return value
+        with cache_lock():  # (another thread's step may look up or insert at once)
+            if key in self:
+                self.move_to_end(key)
+                value = self[key]
+            else:
+                with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
+                    value = self[key] = make()
+            if _capturing():
+                self.pinned.add(key)
+            unpinned = [k for k in self if k not in self.pinned]  # oldest first
+            for k in unpinned[: max(0, len(unpinned) - self.capacity)]:
+                del self[k]
+            return value
 
 
 # The pinned host tables whose copies a CUDA graph captured: every replay copies from them again,
@@ -279,6 +281,15 @@ def fp32_matmuls(precision: str = "ieee"):
     if torch.compiler.is_compiling():
         yield
         return
+    with matmul_switch():  # (one thread at a time: the setting is the process's)
+        with _switched(precision):
+            yield
+
+
+@contextmanager
+def _switched(precision: str):
+    """The switch of :func:`fp32_matmuls` (its caller holds ``matmul_switch``): a setting that is
+    already the step's is left untouched, so other threads' matmuls see no change then."""
     # torch >= 2.9 has per-backend switches beside the legacy one; which API the caller used decides
     # which one is set here (mixing them makes torch raise at a matmul), and both are restored as found:
     # the legacy setter also writes the per-backend ones ("none": inherit), and a later legacy call
@@ -289,18 +300,26 @@ def fp32_matmuls(precision: str = "ieee"):
         legacy = torch.get_float32_matmul_precision()
     except RuntimeError:  # (the caller set the per-backend switches unlike the legacy one)
         legacy = None
+    wanted = "highest" if precision == "ieee" else "high"
     if legacy is not None:
-        torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
+        changed = legacy != wanted
+        if changed:
+            torch.set_float32_matmul_precision(wanted)
     else:  # (cuBLAS at the step's precision, oneDNN on a CPU in IEEE fp32 at every precision)
-        torch.backends.cuda.matmul.fp32_precision = "ieee" if precision == "ieee" else "tf32"
-        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        targets = {torch.backends.cuda.matmul: "ieee" if precision == "ieee" else "tf32"}
+        targets[torch.backends.mkldnn.matmul] = "ieee"
+        changed = any(value != targets.get(switch, value) for switch, value in found)
+        if changed:
+            for switch, value in targets.items():
+                switch.fp32_precision = value
     try:
         yield
     finally:
-        if legacy is not None:
-            torch.set_float32_matmul_precision(legacy)
-        for switch, value in found:
-            switch.fp32_precision = value
+        if changed:
+            if legacy is not None:
+                torch.set_float32_matmul_precision(legacy)
+            for switch, value in found:
+                switch.fp32_precision = value
 
 
 def full_precision():

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .shared_state import cache_lock
+
 __all__ = ["GRAM_REFRESH", "Carried", "take", "keep", "forget"]
 
 #: The default of ``FGD(gram_refresh=)``: Gram blocks read from the parameters every step (exact and
@@ -65,7 +67,8 @@ def take(key: tuple, tensors: Sequence[torch.Tensor], refresh: int) -> Carried |
     """The entry of ``key`` if its blocks were made from ``tensors`` as they are now and are
     younger than ``refresh`` steps, else None. The entry is removed either way (its blocks
     become the step's scratch; :func:`keep` stores the next one)."""
-    entry = _store.pop(key, None)
+    with cache_lock():  # (dict.pop is atomic; the lock orders it with another thread's keep)
+        entry = _store.pop(key, None)
     if entry is None or entry.age + 1 >= refresh:
         return None
     if len(entry.refs) != len(tensors) or any(r() is not t for r, t in zip(entry.refs, tensors)):
@@ -79,14 +82,16 @@ def keep(key: tuple, blocks: tuple[torch.Tensor, ...], tensors: Sequence[torch.T
     """Store the next step's blocks of ``key``, stamped with ``tensors`` as they are now (call
     after the step's writes)."""
     refs, versions = _stamp(tensors)
-    for old in [k for k, e in _store.items() if any(r() is None for r in e.refs)]:
-        del _store[old]  # entries of tensors since freed (a model dropped) hold memory for nothing
-    _store[key] = Carried(blocks, refs, versions, age)
-    while len(_store) > _CAPACITY:
-        del _store[next(iter(_store))]
+    with cache_lock():  # (another thread's step may iterate or insert at once)
+        for old in [k for k, e in _store.items() if any(r() is None for r in e.refs)]:
+            del _store[old]  # entries of tensors since freed (a model dropped) hold memory for nothing
+        _store[key] = Carried(blocks, refs, versions, age)
+        while len(_store) > _CAPACITY:
+            del _store[next(iter(_store))]
 
 
 def forget() -> None:
     """Drop every carried block: the next step of every layer reads its parameters (after a
     write the version counters cannot see, e.g. through ``p.data``)."""
-    _store.clear()
+    with cache_lock():
+        _store.clear()

@@ -13,7 +13,11 @@ CPU one call's host time.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
+
+from .shared_state import cache_lock
 
 __all__ = ["Layout", "PER_GROUP_DEVICES", "rows"]
 
@@ -38,7 +42,8 @@ class _Index:
         self.diag_lengths = torch.tensor(sizes, dtype=torch.long, device=device)
         self.eyes: dict[torch.dtype, torch.Tensor] = {}
         self.p: torch.Tensor | None = None
-        self.memo: dict = {}
+        self.memo: OrderedDict = OrderedDict()  # (Layout.cached: at most _MEMO_CAPACITY unpinned entries)
+        self.memo_pinned: set = set()
         self._perm: torch.Tensor | None = None
         self._layer: torch.Tensor | None = None
 
@@ -82,6 +87,9 @@ PER_GROUP_DEVICES = ("cpu",)
 _PIECES_KEPT = 16  # blocks whose per-group views a layout keeps (pieces)
 _indices: dict[tuple, _Index] = {}
 _INDEX_CAPACITY = 32  # unpinned entries kept, the oldest evicted first
+#: a layout's memo entries kept (least recently used evicted first): some are keyed on values such
+#: as the guard's limit, which a search over them changes from run to run
+_MEMO_CAPACITY = 64
 _pinned: set = set()  # entries used while a CUDA graph was captured: its replays read them, never evicted
 
 
@@ -156,11 +164,20 @@ class Layout:
     def cached(self, key: tuple, build):
         """``build()``, made once per layout, device and key (e.g. a kernel's work table): kept
         with the layout's indices (and, like them, pinned while a CUDA graph is captured)."""
-        index = self._index()
-        if key not in index.memo:
-            with torch.inference_mode(False):
-                index.memo[key] = build()
-        return index.memo[key]
+        with cache_lock():  # (another thread's step may look up or insert at once)
+            index = self._index()
+            memo = index.memo
+            if key in memo:
+                memo.move_to_end(key)
+            else:
+                with torch.inference_mode(False):
+                    memo[key] = build()
+                unpinned = [k for k in memo if k not in index.memo_pinned]  # oldest first
+                for k in unpinned[: max(0, len(unpinned) - _MEMO_CAPACITY)]:
+                    del memo[k]
+            if _capturing():  # (a captured graph reads the entry's memory at every replay)
+                index.memo_pinned.add(key)
+            return memo[key]
 
     def tiles(self, tile: int, key: tuple, row) -> tuple[torch.Tensor, torch.Tensor]:
         """The work table of a kernel over every layer's ``p × p`` block in ``tile × tile`` items:
@@ -194,24 +211,26 @@ class Layout:
 
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
-        index = self._index()
-        if index.p is None:
-            with torch.inference_mode(False):
-                p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
-                index.p = p.to(self.device)
-        return index.p
+        with cache_lock():
+            index = self._index()
+            if index.p is None:
+                with torch.inference_mode(False):
+                    p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
+                    index.p = p.to(self.device)
+            return index.p
 
     def _index(self) -> _Index:
         key = (self.groups, str(self.device))  # (a string: torch.compile guards on the dict by its keys)
-        if key not in _indices:
-            unpinned = [k for k in _indices if k not in _pinned]
-            if len(unpinned) >= _INDEX_CAPACITY:
-                del _indices[unpinned[0]]
-            with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
-                _indices[key] = _Index(self.groups, self.device)
-        if _capturing():
-            _pinned.add(key)
-        return _indices[key]
+        with cache_lock():  # (another thread's step may look up or insert at once)
+            if key not in _indices:
+                unpinned = [k for k in _indices if k not in _pinned]
+                if len(unpinned) >= _INDEX_CAPACITY:
+                    del _indices[unpinned[0]]
+                with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
+                    _indices[key] = _Index(self.groups, self.device)
+            if _capturing():
+                _pinned.add(key)
+            return _indices[key]
 
     # -- structure ------------------------------------------------------------------------
     def t(self, x: torch.Tensor) -> torch.Tensor:

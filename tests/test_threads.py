@@ -1,0 +1,169 @@
+"""Two optimizers stepping at once in two threads (a review of the process-wide state): the fp32
+matmul precision a step switches is switched by one thread at a time and restored as the user
+set it, the backends' caches take concurrent lookups and insertions, and a layout's memo stays
+bounded when a search changes the values it is keyed on."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+import fgd_fast
+from fgd_fast.backends import base, layout
+from fgd_fast.backends.layout import Layout
+
+
+@pytest.fixture
+def user_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_a_second_thread_waits_for_the_first_threads_precision_region(user_precision):
+    """A review: two steps in two threads each saved the process-wide precision, set their own
+    and restored what they had saved, so the second restored the first's temporary "high" and
+    TF32 stayed on for the rest of the process (10 of 15 rounds). Now a thread waits while
+    another one's region is open, and each finds the user's setting on entry."""
+    torch.set_float32_matmul_precision("highest")
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with base.fp32_matmuls("tf32x3"):
+            seen.append(("first", torch.get_float32_matmul_precision()))
+            inside.set()
+            release.wait(10)
+            with base.full_precision():  # (nested in the same thread: no wait)
+                seen.append(("first-nested", torch.get_float32_matmul_precision()))
+
+    def second():
+        inside.wait(10)
+        with base.fp32_matmuls("tf32x3"):
+            seen.append(("second", torch.get_float32_matmul_precision()))
+
+    threads = [threading.Thread(target=first, daemon=True), threading.Thread(target=second, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        inside.wait(10)
+        threads[1].join(0.3)  # the second is waiting for the first's region
+        waited = threads[1].is_alive() and [s[0] for s in seen] == ["first"]
+    finally:  # (the threads end before the test does, whatever it found)
+        release.set()
+        for t in threads:
+            t.join(10)
+    assert waited, seen
+    assert seen == [("first", "high"), ("first-nested", "highest"), ("second", "high")]
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_a_setting_that_is_already_the_steps_is_not_written(user_precision, monkeypatch):
+    """Other threads' matmuls see no change where the user's setting is the step's already."""
+    torch.set_float32_matmul_precision("highest")
+    calls = []
+    real = torch.set_float32_matmul_precision
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda v: (calls.append(v), real(v)))
+    with base.fp32_matmuls("ieee"):
+        pass
+    assert calls == []
+    with base.fp32_matmuls("tf32x3"):
+        pass
+    assert calls == ["high", "highest"]
+
+
+def test_two_optimizers_in_two_threads_step_as_they_do_one_after_another(user_precision):
+    """End to end, the review's case: two models' torch-backend steps interleaved in two threads
+    give the sequential run's weights, and the user's precision is as set afterwards."""
+    torch.set_float32_matmul_precision("high")
+    gen = torch.Generator().manual_seed(0)
+    shapes = {0: [(96, 24), (40, 8)], 1: [(64, 16), (33, 5), (33, 5)]}
+    starts = {k: [fgd_fast.orthogonalize_(torch.randn(s, generator=gen)) for s in v] for k, v in shapes.items()}
+    grads = {k: [[torch.randn(s, generator=gen) * 0.05 for s in v] for _ in range(8)] for k, v in shapes.items()}
+
+    def run(k, out, barrier=None):
+        params = [torch.nn.Parameter(w.clone()) for w in starts[k]]
+        opt = fgd_fast.FGD([dict(params=params, orthogonal=True)], lr=0.1, backend="torch", precision="ieee")
+        if barrier is not None:
+            barrier.wait(10)
+        for step in grads[k]:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        out[k] = [p.detach().clone() for p in params]
+
+    alone: dict = {}
+    run(0, alone)
+    run(1, alone)
+    for _ in range(3):
+        together: dict = {}
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=run, args=(k, together, barrier), daemon=True) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(together) == [0, 1]
+        for k in (0, 1):
+            assert all(torch.equal(a, b) for a, b in zip(together[k], alone[k])), k
+        assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_the_caches_take_lookups_and_insertions_from_many_threads(monkeypatch):
+    """A review: ``TableCache.get_or`` and the layout index iterated their dicts while another
+    thread inserted ("OrderedDict mutated during iteration", a KeyError; 23 errors in 5 trials of
+    8 threads at a 1 µs switch interval). Now behind one lock."""
+    monkeypatch.setattr(layout, "_indices", {})
+    monkeypatch.setattr(layout, "_pinned", set())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    errors: list[str] = []
+
+    def tables(cache, tid):
+        try:
+            for i in range(2000):
+                cache.get_or((tid, i), lambda i=i: i)
+        except Exception as error:  # noqa: BLE001 (collected: a thread's exception is otherwise lost)
+            errors.append(repr(error))
+
+    def layouts(tid):
+        try:
+            for i in range(300):
+                Layout([(1, 2 + (i % 40)), (1, 3 + tid)]).eye(torch.float32)
+        except Exception as error:  # noqa: BLE001
+            errors.append(repr(error))
+
+    try:
+        for _ in range(3):
+            cache = base.TableCache(capacity=64)
+            threads = [threading.Thread(target=tables, args=(cache, t), daemon=True) for t in range(4)]
+            threads += [threading.Thread(target=layouts, args=(t,), daemon=True) for t in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(cache) <= 64
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+
+
+def test_a_layouts_memo_keeps_its_newest_entries_and_those_a_capture_used(monkeypatch):
+    """A review: the memo (e.g. the guard's target per layer, keyed on ``max_distance``) grew by
+    one entry per value a search tried (20,000 trials: 20,000 entries). Now the least recently
+    used go beyond ``_MEMO_CAPACITY``; an entry used while a CUDA graph was captured stays."""
+    monkeypatch.setattr(layout, "_indices", {})
+    monkeypatch.setattr(layout, "_pinned", set())
+    monkeypatch.setattr(layout, "_MEMO_CAPACITY", 3)
+    lay = Layout([(1, 2), (1, 3)])
+    monkeypatch.setattr(layout, "_capturing", lambda: True)
+    captured = lay.cached(("graph",), lambda: torch.zeros(2))
+    monkeypatch.setattr(layout, "_capturing", lambda: False)
+    for k in range(10):
+        lay.cached(("value", k), lambda k=k: torch.full((2,), float(k)))
+    lay.cached(("value", 8), lambda: pytest.fail("a hit is not rebuilt"))
+    memo = lay._index().memo
+    assert list(memo) == [("graph",), ("value", 7), ("value", 9), ("value", 8)]
+    assert memo[("graph",)] is captured
