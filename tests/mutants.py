@@ -469,9 +469,17 @@ MUTANTS = {
         "frozen weights the rule takes left out of the groups without a word (never stepped once unfrozen)",
         ["tests/test_optimizer.py::test_frozen_parameters_are_in_no_group"],
     ),
-    "matmul_switch_unlocked": (
-        "two threads' steps switching the process-wide matmul precision at once (TF32 left on after them)",
-        ["tests/test_threads.py::test_a_second_thread_waits_for_the_first_threads_precision_region"],
+    "matmul_precision_of_the_last_region": (
+        "overlapping steps' precision regions: a TF32 region entered beside an IEEE one gives it TF32 products",
+        [
+            "tests/test_threads.py::test_overlapping_regions_get_at_least_their_precision_and_the_last_restores_the_users"
+        ],
+    ),
+    "matmul_precision_restored_per_region": (
+        "each region restoring the setting it found: two threads' steps leave TF32 on for the process",
+        [
+            "tests/test_threads.py::test_overlapping_regions_get_at_least_their_precision_and_the_last_restores_the_users"
+        ],
     ),
     "caches_unlocked": (
         "the backends' caches iterated by one thread while another inserts (RuntimeError, KeyError)",
@@ -614,11 +622,17 @@ SOURCE_EDITS = {
         "hooked = False and",
     ),
     "frozen_weights_unwarned": ("fgd_fast.selection", "stiefel_param_groups", "if frozen:  #", "if False:  #"),
-    "matmul_switch_unlocked": (
+    "matmul_precision_of_the_last_region": (
         "fgd_fast.backends.shared_state",
-        "matmul_switch",
-        "while _SWITCH.owner not in (None, me):",
-        "while False:",
+        "matmul_precision",
+        '_REGIONS.changed |= _apply(_REGIONS.found, _REGIONS.open["ieee"] > 0)\n    try:',
+        '_REGIONS.changed |= _apply(_REGIONS.found, want == "ieee")\n    try:',
+    ),
+    "matmul_precision_restored_per_region": (
+        "fgd_fast.backends.shared_state",
+        "matmul_precision",
+        "if not any(_REGIONS.open.values()):",
+        "if True:",
     ),
     "caches_unlocked": (
         "fgd_fast.backends.shared_state",

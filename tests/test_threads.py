@@ -23,45 +23,72 @@ def user_precision():
     torch.set_float32_matmul_precision(before)
 
 
-def test_a_second_thread_waits_for_the_first_threads_precision_region(user_precision):
+def test_overlapping_regions_get_at_least_their_precision_and_the_last_restores_the_users(user_precision):
     """A review: two steps in two threads each saved the process-wide precision, set their own
     and restored what they had saved, so the second restored the first's temporary "high" and
-    TF32 stayed on for the rest of the process (10 of 15 rounds). Now a thread waits while
-    another one's region is open, and each finds the user's setting on entry."""
-    torch.set_float32_matmul_precision("highest")
-    inside, release, seen = threading.Event(), threading.Event(), []
+    TF32 stayed on for the rest of the process (10 of 15 rounds). Now every thread's open regions
+    are counted: the setting is the most precise one wanted (a TF32 region overlapping an IEEE
+    one runs IEEE, never the reverse), and the last region to close restores the user's. No
+    region waits for another (ranks as threads meet in collectives inside theirs)."""
+    torch.set_float32_matmul_precision("medium")
+    step = threading.Barrier(2, timeout=10)
+    seen: dict = {}
 
-    def first():
+    def fast():  # TF32 allowed
         with base.fp32_matmuls("tf32x3"):
-            seen.append(("first", torch.get_float32_matmul_precision()))
-            inside.set()
-            release.wait(10)
-            with base.full_precision():  # (nested in the same thread: no wait)
-                seen.append(("first-nested", torch.get_float32_matmul_precision()))
+            seen["fast alone"] = torch.get_float32_matmul_precision()
+            step.wait()  # 1: the other opens its IEEE region
+            step.wait()  # 2: it is open
+            seen["fast beside ieee"] = torch.get_float32_matmul_precision()
+            step.wait()  # 3: it closes
+            step.wait()  # 4: it is closed
+            seen["fast after ieee"] = torch.get_float32_matmul_precision()
 
-    def second():
-        inside.wait(10)
+    def exact():  # IEEE
+        step.wait()  # 1
+        with base.fp32_matmuls("ieee"):
+            seen["ieee beside fast"] = torch.get_float32_matmul_precision()
+            step.wait()  # 2
+            step.wait()  # 3
+        step.wait()  # 4
+
+    def exact_first():  # an IEEE region open when a TF32 one enters beside it
+        with base.fp32_matmuls("ieee"):
+            step.wait()  # 1: the other enters its TF32 region
+            step.wait()  # 2: it is open
+            seen["ieee when fast entered"] = torch.get_float32_matmul_precision()
+            step.wait()  # 3: it closes
+            step.wait()  # 4: it is closed
+            seen["ieee after fast"] = torch.get_float32_matmul_precision()
+
+    def fast_second():
+        step.wait()  # 1
         with base.fp32_matmuls("tf32x3"):
-            seen.append(("second", torch.get_float32_matmul_precision()))
+            step.wait()  # 2
+            step.wait()  # 3
+        step.wait()  # 4
 
-    threads = [threading.Thread(target=first, daemon=True), threading.Thread(target=second, daemon=True)]
-    for t in threads:
-        t.start()
-    try:
-        inside.wait(10)
-        threads[1].join(0.3)  # the second is waiting for the first's region
-        waited = threads[1].is_alive() and [s[0] for s in seen] == ["first"]
-    finally:  # (the threads end before the test does, whatever it found)
-        release.set()
+    for pair in ((fast, exact), (exact_first, fast_second)):
+        threads = [threading.Thread(target=f, daemon=True) for f in pair]
         for t in threads:
-            t.join(10)
-    assert waited, seen
-    assert seen == [("first", "high"), ("first-nested", "highest"), ("second", "high")]
-    assert torch.get_float32_matmul_precision() == "highest"
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert torch.get_float32_matmul_precision() == "medium"
+    assert seen == {
+        "fast alone": "high",
+        "ieee beside fast": "highest",
+        "fast beside ieee": "highest",
+        "fast after ieee": "high",
+        "ieee when fast entered": "highest",
+        "ieee after fast": "highest",
+    }
 
 
 def test_a_setting_that_is_already_the_steps_is_not_written(user_precision, monkeypatch):
-    """Other threads' matmuls see no change where the user's setting is the step's already."""
+    """Other threads' matmuls see no change where the user's setting is the step's already, and
+    a region nested in another (the IEEE Gram inside a TF32 step) sets and restores it."""
     torch.set_float32_matmul_precision("highest")
     calls = []
     real = torch.set_float32_matmul_precision
@@ -70,8 +97,10 @@ def test_a_setting_that_is_already_the_steps_is_not_written(user_precision, monk
         pass
     assert calls == []
     with base.fp32_matmuls("tf32x3"):
-        pass
-    assert calls == ["high", "highest"]
+        with base.full_precision():
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.get_float32_matmul_precision() == "high"
+    assert calls == ["high", "highest", "high", "highest"]
 
 
 def test_two_optimizers_in_two_threads_step_as_they_do_one_after_another(user_precision):

@@ -70,7 +70,7 @@ import torch
 from .algebra import Checks, join_checks, middle, velocity_blocks
 from .guard_rule import TF32_UNIT
 from .layout import Layout, _capturing
-from .shared_state import cache_lock, matmul_switch
+from .shared_state import cache_lock, matmul_precision
 
 __all__ = [
     "PRECISIONS",
@@ -281,45 +281,8 @@ def fp32_matmuls(precision: str = "ieee"):
     if torch.compiler.is_compiling():
         yield
         return
-    with matmul_switch():  # (one thread at a time: the setting is the process's)
-        with _switched(precision):
-            yield
-
-
-@contextmanager
-def _switched(precision: str):
-    """The switch of :func:`fp32_matmuls` (its caller holds ``matmul_switch``): a setting that is
-    already the step's is left untouched, so other threads' matmuls see no change then."""
-    # torch >= 2.9 has per-backend switches beside the legacy one; which API the caller used decides
-    # which one is set here (mixing them makes torch raise at a matmul), and both are restored as found:
-    # the legacy setter also writes the per-backend ones ("none": inherit), and a later legacy call
-    # found them mixed
-    switches = [s for s in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if hasattr(s, "fp32_precision")]
-    found = [(s, s.fp32_precision) for s in switches]
-    try:
-        legacy = torch.get_float32_matmul_precision()
-    except RuntimeError:  # (the caller set the per-backend switches unlike the legacy one)
-        legacy = None
-    wanted = "highest" if precision == "ieee" else "high"
-    if legacy is not None:
-        changed = legacy != wanted
-        if changed:
-            torch.set_float32_matmul_precision(wanted)
-    else:  # (cuBLAS at the step's precision, oneDNN on a CPU in IEEE fp32 at every precision)
-        targets = {torch.backends.cuda.matmul: "ieee" if precision == "ieee" else "tf32"}
-        targets[torch.backends.mkldnn.matmul] = "ieee"
-        changed = any(value != targets.get(switch, value) for switch, value in found)
-        if changed:
-            for switch, value in targets.items():
-                switch.fp32_precision = value
-    try:
+    with matmul_precision(precision):  # (the process's setting: regions of every thread counted)
         yield
-    finally:
-        if changed:
-            if legacy is not None:
-                torch.set_float32_matmul_precision(legacy)
-            for switch, value in found:
-                switch.fp32_precision = value
 
 
 def full_precision():

@@ -6,11 +6,16 @@ their steps share is guarded here:
 * the caches of device tables and layouts (``base.TableCache``, ``layout`` indices and memos,
   ``carry``'s store): one re-entrant lock around every lookup and insertion (a dict changed
   while another thread iterated it raised, or a key vanished between a check and a read);
-* torch's process-wide fp32 matmul precision, which a step switches for its products
-  (:func:`matmul_switch`): one thread at a time switches it, re-entrantly (a step nests an IEEE
-  region inside a TF32 one), so two steps no longer restore each other's temporary setting
-  (which left TF32 on for the rest of the process); a thread that wants it waits for the other
-  thread's region to end.
+* torch's process-wide fp32 matmul precision, which a step sets for its products
+  (:func:`matmul_precision`): the regions open in every thread are counted, the setting is the
+  most precise any of them wants (IEEE while one wants it, else TF32), and the last region to
+  close restores the user's setting as the first one found it. (Each step used to save the
+  setting, set its own and restore what it had saved, so two threads' steps restored each
+  other's temporary values and TF32 stayed on for the rest of the process.) No region waits
+  for another: ranks run as threads of one process meet in collectives inside their regions.
+  A region never gets less precision than it asks for; one that overlaps an IEEE region may get
+  more. fp32 matmuls of other threads that run meanwhile see the setting too (it is the
+  process's).
 
 Under ``torch.compile`` nothing is locked (Dynamo traces no lock; a compiled step neither fills
 caches at run time nor switches the precision).
@@ -24,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["cache_lock", "matmul_switch"]
+__all__ = ["cache_lock", "matmul_precision"]
 
 _CACHES = threading.RLock()
 
@@ -34,33 +39,74 @@ def cache_lock() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if torch.compiler.is_compiling() else _CACHES
 
 
-class _Switch:
-    """Which thread may change the matmul precision now, and how deep its regions nest."""
+class _Regions:
+    """The open precision regions of every thread and the setting the first one found."""
 
     def __init__(self):
-        self.ready = threading.Condition()
-        self.owner: int | None = None
-        self.depth = 0
+        self.lock = threading.Lock()
+        self.open = {"ieee": 0, "tf32": 0}
+        self.found: tuple | None = None  # (legacy setting or None, [(per-backend switch, value)])
+        self.changed = False
 
 
-_SWITCH = _Switch()
+_REGIONS = _Regions()
+
+
+def _read() -> tuple:
+    """The settings as they are: the legacy one (None where the caller set the per-backend switches
+    unlike it: torch raises reading it) and torch >= 2.9's per-backend switches."""
+    switches = [s for s in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if hasattr(s, "fp32_precision")]
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = None
+    return legacy, [(s, s.fp32_precision) for s in switches]
+
+
+def _apply(found: tuple, ieee: bool) -> bool:
+    """Set IEEE (``ieee``) or TF32-allowed fp32 products through the API the caller used (mixing
+    them makes torch raise at a matmul), writing only what differs; whether anything was written."""
+    legacy, switches = found
+    if legacy is not None:
+        wanted = "highest" if ieee else "high"
+        if torch.get_float32_matmul_precision() == wanted:
+            return False
+        torch.set_float32_matmul_precision(wanted)
+        return True
+    # (cuBLAS at the step's precision, oneDNN on a CPU in IEEE fp32 at every precision)
+    targets = {torch.backends.cuda.matmul: "ieee" if ieee else "tf32", torch.backends.mkldnn.matmul: "ieee"}
+    stale = [(s, v) for s, v in targets.items() if s.fp32_precision != v]
+    for switch, value in stale:
+        switch.fp32_precision = value
+    return bool(stale)
+
+
+def _restore(found: tuple) -> None:
+    """The settings as :func:`_read` found them (the legacy setter also writes the per-backend
+    switches, to "none": those are put back after it)."""
+    legacy, switches = found
+    if legacy is not None:
+        torch.set_float32_matmul_precision(legacy)
+    for switch, value in switches:
+        switch.fp32_precision = value
 
 
 @contextlib.contextmanager
-def matmul_switch() -> Iterator[None]:
-    """Hold the right to change (and restore) torch's fp32 matmul precision inside: re-entrant in
-    one thread; another thread's region waits until this one's outermost region ends."""
-    me = threading.get_ident()
-    with _SWITCH.ready:
-        while _SWITCH.owner not in (None, me):
-            _SWITCH.ready.wait()
-        _SWITCH.owner = me
-        _SWITCH.depth += 1
+def matmul_precision(precision: str) -> Iterator[None]:
+    """fp32 products at ``precision`` inside (``"ieee"``, or TF32 allowed for ``"tf32"`` and
+    ``"tf32x3"``), counted with every thread's open regions as the module docstring says."""
+    want = "ieee" if precision == "ieee" else "tf32"
+    with _REGIONS.lock:
+        if not any(_REGIONS.open.values()):
+            _REGIONS.found, _REGIONS.changed = _read(), False
+        _REGIONS.open[want] += 1
+        _REGIONS.changed |= _apply(_REGIONS.found, _REGIONS.open["ieee"] > 0)
     try:
         yield
     finally:
-        with _SWITCH.ready:
-            _SWITCH.depth -= 1
-            if _SWITCH.depth == 0:
-                _SWITCH.owner = None
-                _SWITCH.ready.notify_all()
+        with _REGIONS.lock:
+            _REGIONS.open[want] -= 1
+            if any(_REGIONS.open.values()):
+                _REGIONS.changed |= _apply(_REGIONS.found, _REGIONS.open["ieee"] > 0)
+            elif _REGIONS.changed:  # (the last region: the user's setting back, as found)
+                _restore(_REGIONS.found)
