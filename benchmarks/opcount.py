@@ -1,9 +1,11 @@
 """How many device operations a step issues: the non-view aten ops of one call, counted with a
 ``TorchDispatchMode``. Most are kernels (at least one launch each on a GPU, a few microseconds
 of host time); the count also holds the allocations (``empty``) and host reads of device values
-(``_local_scalar_dense``), which cost host time without a kernel, so it bounds the launches from
-above. Ops of other namespaces (the profiler's ``record_function`` marks) are not counted. Used
-by the benchmark report and by ``tests/test_op_count.py``."""
+(``_local_scalar_dense``), which cost host time without a kernel, so for the torch backend's
+step it bounds the launches from above (Triton's launches are counted apart; the CUDA
+extension's kernels are no aten ops). Ops of other namespaces (the profiler's
+``record_function`` marks, ``_c10d_functional`` collectives) are not counted. Used by the
+benchmark report and by ``tests/test_op_count.py``."""
 
 from __future__ import annotations
 

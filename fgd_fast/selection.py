@@ -42,8 +42,9 @@ def _normed_convs(model: nn.Module, test: Callable[[tuple[int, ...]], bool], exc
         if not (parametrize.is_parametrized(m, "weight") or hooked):
             continue
         shape = (m.out_channels, m.in_channels // m.groups, *m.kernel_size)  # (without computing the weight)
-        names = (n, f"{n}.weight" if n else "weight")
-        if test(shape) and not any(x == e or x.startswith(e + ".") for x in names for e in exclude if x):
+        # left out by its module's name or one of its trainable tensors' (weight_orig, …original0)
+        names = [x for x in (n, *(name for name, _ in m.named_parameters(prefix=n))) if x]
+        if test(shape) and not any(x == e or x.startswith(e + ".") for x in names for e in exclude):
             found.append(n or "the model itself")
     return found
 
@@ -80,9 +81,9 @@ def select_stiefel(
     leave it out with ``exclude`` (or a callable) where that is not meant.
 
     ``"paper"`` and ``"official"`` skip an ``nn.Conv2d`` whose weight is computed from other
-    tensors (weight or spectral norm, as a parametrization or by the older hooks: its trainable
-    tensors are not the weight), with a warning where the rule would take it and ``exclude``
-    does not name it.
+    tensors (a parametrization, e.g. weight or spectral norm, or the older norm hooks: its
+    trainable tensors are not the weight), with a warning where the rule would take it and
+    ``exclude`` names neither the module nor its tensors.
 
     ``exclude``: parameter or module names left unconstrained (``"fc"`` leaves out ``fc.weight``;
     a name matches itself and everything below it; a tied weight is left out by any of its
@@ -154,10 +155,11 @@ def _select(model: nn.Module, rule: Rule, exclude: tuple[str, ...]) -> list[tupl
     skipped = _normed_convs(model, test, exclude)
     if skipped:
         warnings.warn(
-            f"select_stiefel: rule={rule!r} leaves out the weight- or spectral-normed nn.Conv2d weight(s) of "
-            f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} (the trainable tensors are not the "
-            "weight, so no constraint on them makes it orthonormal); remove the norm (parametrization or "
-            "hook) to constrain them, or name them in exclude= to silence this",
+            f"select_stiefel: rule={rule!r} leaves out the nn.Conv2d weight(s) computed from other tensors of "
+            f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} (a parametrization, e.g. weight or "
+            "spectral norm, or a norm hook: the trainable tensors are not the weight, so no constraint on "
+            "them makes it orthonormal); remove it to constrain them, or name the modules (or their "
+            "tensors, e.g. 'conv.weight_orig') in exclude= to silence this",
             UserWarning,
             stacklevel=user_stacklevel(),
         )

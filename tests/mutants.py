@@ -485,6 +485,10 @@ MUTANTS = {
         "the backends' caches iterated by one thread while another inserts (RuntimeError, KeyError)",
         ["tests/test_threads.py::test_the_caches_take_lookups_and_insertions_from_many_threads"],
     ),
+    "table_built_under_the_lock": (
+        "a cached table built while holding the caches' lock (ranks as threads: a collective inside hangs)",
+        ["tests/test_threads.py::test_a_table_is_built_outside_the_caches_lock"],
+    ),
     "layout_memo_unbounded": (
         "a layout's memo growing by one entry per guard limit a search tries",
         ["tests/test_threads.py::test_a_layouts_memo_keeps_its_newest_entries_and_those_a_capture_used"],
@@ -625,8 +629,8 @@ SOURCE_EDITS = {
     "matmul_precision_of_the_last_region": (
         "fgd_fast.backends.shared_state",
         "matmul_precision",
-        '_REGIONS.changed |= _apply(_REGIONS.found, _REGIONS.open["ieee"] > 0)\n    try:',
-        '_REGIONS.changed |= _apply(_REGIONS.found, want == "ieee")\n    try:',
+        'want == "ieee" or _REGIONS.open["ieee"] > 0)',
+        'want == "ieee")',
     ),
     "matmul_precision_restored_per_region": (
         "fgd_fast.backends.shared_state",
@@ -640,10 +644,16 @@ SOURCE_EDITS = {
         "if torch.compiler.is_compiling() else _CACHES",
         "if True else _CACHES",
     ),
+    "table_built_under_the_lock": (
+        "fgd_fast.backends.base",
+        "TableCache.get_or",
+        "if not found:\n        with torch.inference_mode(False):",
+        "if not found:\n        with cache_lock(), torch.inference_mode(False):",
+    ),
     "layout_memo_unbounded": (
         "fgd_fast.backends.layout",
         "Layout.cached",
-        "for k in unpinned[: max(0, len(unpinned) - _MEMO_CAPACITY)]:",
+        "for k in unpinned[: max(0, len(unpinned) + 1 - _MEMO_CAPACITY)]:",
         "for k in []:",
     ),
 }

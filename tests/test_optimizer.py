@@ -351,7 +351,7 @@ def test_paper_rules_warn_of_a_parametrized_convolution_without_running_its_para
         weight_norm(torch.nn.Conv2d(4, 8, 3)), spectral_norm(torch.nn.Conv2d(8, 8, 3)), torch.nn.Conv2d(8, 8, 3)
     )
     u = net[1].parametrizations.weight[0]._u.clone()
-    with pytest.warns(UserWarning, match=r"leaves out the weight- or spectral-normed nn.Conv2d weight\(s\) of 0, 1"):
+    with pytest.warns(UserWarning, match=r"leaves out the nn.Conv2d weight\(s\) computed from other tensors of 0, 1"):
         assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["2.weight"]
     assert torch.equal(net[1].parametrizations.weight[0]._u, u)
 
@@ -502,13 +502,19 @@ def test_the_norm_warning_names_what_the_rule_would_take_and_exclude_silences_it
 
     for wrap in (spectral_norm, parametrizations.spectral_norm):
         net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), wrap(torch.nn.Conv2d(8, 8, 3)))
-        with pytest.warns(UserWarning, match=r"spectral-normed nn.Conv2d weight\(s\) of 1 \("):
+        with pytest.warns(UserWarning, match=r"computed from other tensors of 1 \(.*spectral norm"):
             assert [n for n, _ in fgd_fast.select_stiefel(net, "paper")] == ["0.weight"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert [n for n, _ in fgd_fast.select_stiefel(net, "paper", exclude=["1"])] == ["0.weight"]
-    with pytest.warns(UserWarning, match=r"weight\(s\) of the model itself"):
-        fgd_fast.select_stiefel(parametrizations.spectral_norm(torch.nn.Conv2d(8, 8, 3)), "official")
+        tensor = next(n for n, _ in net.named_parameters() if n.startswith("1.") and "weight" in n)
+        for named in ("1", tensor):  # the module, or one of its tensors (a diff review: the message's advice raised)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert [n for n, _ in fgd_fast.select_stiefel(net, "paper", exclude=[named])] == ["0.weight"]
+    alone = parametrizations.spectral_norm(torch.nn.Conv2d(8, 8, 3))
+    with pytest.warns(UserWarning, match=r"computed from other tensors of the model itself"):
+        fgd_fast.select_stiefel(alone, "official")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fgd_fast.select_stiefel(alone, "official", exclude=["parametrizations"])
     one_by_one = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), parametrizations.spectral_norm(torch.nn.Conv2d(8, 8, 1)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -540,6 +546,9 @@ def test_groups_from_sub_modules_need_distinct_names(make):
     twice = dict(params=list(dec[0]["params"]), names=["a", "a"], orthogonal=True)
     with pytest.raises(ValueError, match=r"named 'a' \(twice in that group\)"):
         opt.add_param_group(twice)
+    a, b = (p for g in (enc, dec) for p in g[0]["params"][:1])
+    with pytest.raises(ValueError, match=r"named '0.weight' \(in group 0 and group 1\)"):  # torch's named pairs
+        cls([dict(params=[("0.weight", a)], orthogonal=True), dict(params=[("0.weight", b)], orthogonal=True)], lr=0.1)
     enc = fgd_fast.stiefel_param_groups(model["encoder"], prefix="encoder.", orthogonalize=False)
     dec = fgd_fast.stiefel_param_groups(model["decoder"], prefix="decoder.", orthogonalize=False)
     opt = cls(enc + dec, lr=0.1)

@@ -1,7 +1,8 @@
 """Two optimizers stepping at once in two threads (a review of the process-wide state): the fp32
-matmul precision a step switches is switched by one thread at a time and restored as the user
-set it, the backends' caches take concurrent lookups and insertions, and a layout's memo stays
-bounded when a search changes the values it is keyed on."""
+matmul precision a step switches is the most precise any open region wants and is put back as
+the user set it when the last closes, the backends' caches take concurrent lookups and
+insertions and build their tables outside their lock (ranks as threads meet in collectives
+there), and a layout's memo stays bounded when a search changes the values it is keyed on."""
 
 from __future__ import annotations
 
@@ -196,3 +197,46 @@ def test_a_layouts_memo_keeps_its_newest_entries_and_those_a_capture_used(monkey
     memo = lay._index().memo
     assert list(memo) == [("graph",), ("value", 7), ("value", 9), ("value", 8)]
     assert memo[("graph",)] is captured
+
+
+def test_a_table_is_built_outside_the_caches_lock(monkeypatch):
+    """A diff review: ``TableCache.get_or`` held the lock while it built a table, and the owner
+    sharding's table is built by an all-gather; with ranks as threads of one process, rank 0 held
+    the lock inside the collective while rank 1 waited for the lock (a hang). Two builds that
+    wait for each other, as the ranks' collective does, now both finish; so do a layout's."""
+    monkeypatch.setattr(layout, "_indices", {})
+    monkeypatch.setattr(layout, "_pinned", set())
+    cache = base.TableCache(capacity=8)
+    meet = threading.Barrier(2, timeout=5)
+    done: list = []
+
+    def rank(r):
+        try:
+            done.append(cache.get_or(("table", r), lambda: (meet.wait(), r)[1]))
+            lay = Layout([(1, 2), (1, 5)])
+            done.append(lay.cached(("memo", r), lambda: (meet.wait(), r)[1]))
+        except threading.BrokenBarrierError as error:
+            done.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(done) == [0, 0, 1, 1], done
+
+
+def test_a_region_entered_after_the_apis_were_mixed_opens_and_closes(user_precision):
+    """A diff review: a region entered after the per-backend switches were set unlike the legacy
+    setting (torch then raises reading the legacy one) raised after it was counted, so the count
+    never came back to zero and the user's setting was never put back."""
+    from fgd_fast.backends import shared_state
+
+    torch.set_float32_matmul_precision("highest")
+    with base.fp32_matmuls("tf32x3"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # (mixed: the legacy getter raises now)
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        with base.full_precision():
+            assert torch.backends.cuda.matmul.fp32_precision in ("ieee", "none")
+    assert shared_state._REGIONS.open == {"ieee": 0, "tf32": 0}
+    assert torch.get_float32_matmul_precision() == "highest"

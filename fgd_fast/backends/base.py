@@ -170,13 +170,19 @@ class TableCache(OrderedDict):
         self.pinned: set = set()
 
     def get_or(self, key, make):
-        with cache_lock():  # (another thread's step may look up or insert at once)
-            if key in self:
+        # (another thread's step may look up or insert at once: the dict under the lock; ``make``
+        # outside it, as it may wait for other ranks, e.g. an all-gather, whose threads need the lock)
+        with cache_lock():
+            found = key in self
+            if found:
                 self.move_to_end(key)
                 value = self[key]
-            else:
-                with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
-                    value = self[key] = make()
+        if not found:
+            with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
+                made = make()
+        with cache_lock():
+            if not found:
+                value = self.setdefault(key, made)  # (another thread's, if it came first)
             if _capturing():
                 self.pinned.add(key)
             unpinned = [k for k in self if k not in self.pinned]  # oldest first

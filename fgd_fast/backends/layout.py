@@ -164,20 +164,25 @@ class Layout:
     def cached(self, key: tuple, build):
         """``build()``, made once per layout, device and key (e.g. a kernel's work table): kept
         with the layout's indices (and, like them, pinned while a CUDA graph is captured)."""
-        with cache_lock():  # (another thread's step may look up or insert at once)
-            index = self._index()
-            memo = index.memo
-            if key in memo:
+        index = self._index()
+        memo = index.memo
+        with cache_lock():  # (another thread's step may look up or insert at once; build() outside)
+            found = key in memo
+            if found:
                 memo.move_to_end(key)
-            else:
-                with torch.inference_mode(False):
-                    memo[key] = build()
-                unpinned = [k for k in memo if k not in index.memo_pinned]  # oldest first
-                for k in unpinned[: max(0, len(unpinned) - _MEMO_CAPACITY)]:
+                value = memo[key]
+        if not found:
+            with torch.inference_mode(False):
+                made = build()
+        with cache_lock():
+            if not found:
+                value = memo.setdefault(key, made)
+                unpinned = [k for k in memo if k not in index.memo_pinned and k != key]  # oldest first
+                for k in unpinned[: max(0, len(unpinned) + 1 - _MEMO_CAPACITY)]:
                     del memo[k]
             if _capturing():  # (a captured graph reads the entry's memory at every replay)
                 index.memo_pinned.add(key)
-            return memo[key]
+            return value
 
     def tiles(self, tile: int, key: tuple, row) -> tuple[torch.Tensor, torch.Tensor]:
         """The work table of a kernel over every layer's ``p × p`` block in ``tile × tile`` items:
@@ -211,26 +216,31 @@ class Layout:
 
     def p_per_layer(self) -> torch.Tensor:
         """``(L,)`` float64: each layer's p."""
-        with cache_lock():
-            index = self._index()
-            if index.p is None:
-                with torch.inference_mode(False):
-                    p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
-                    index.p = p.to(self.device)
-            return index.p
+        index = self._index()
+        if index.p is None:  # (two threads may both build it: the same values, one kept)
+            with torch.inference_mode(False):
+                p = torch.tensor([float(p) for n, p in self.groups for _ in range(n)], dtype=torch.float64)
+                index.p = p.to(self.device)
+        return index.p
 
     def _index(self) -> _Index:
         key = (self.groups, str(self.device))  # (a string: torch.compile guards on the dict by its keys)
-        with cache_lock():  # (another thread's step may look up or insert at once)
-            if key not in _indices:
-                unpinned = [k for k in _indices if k not in _pinned]
-                if len(unpinned) >= _INDEX_CAPACITY:
-                    del _indices[unpinned[0]]
-                with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
-                    _indices[key] = _Index(self.groups, self.device)
-            if _capturing():
+        with cache_lock():  # (another thread's step may look up or insert at once; the index built outside)
+            index = _indices.get(key)
+        if index is None:
+            with torch.inference_mode(False):  # (kept across steps, and shared by every backend)
+                made = _Index(self.groups, self.device)
+            with cache_lock():
+                index = _indices.get(key)
+                if index is None:
+                    unpinned = [k for k in _indices if k not in _pinned]
+                    if len(unpinned) >= _INDEX_CAPACITY:
+                        del _indices[unpinned[0]]
+                    index = _indices[key] = made
+        if _capturing():
+            with cache_lock():
                 _pinned.add(key)
-            return _indices[key]
+        return index
 
     # -- structure ------------------------------------------------------------------------
     def t(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ their steps share is guarded here:
   for another: ranks run as threads of one process meet in collectives inside their regions.
   A region never gets less precision than it asks for; one that overlaps an IEEE region may get
   more. fp32 matmuls of other threads that run meanwhile see the setting too (it is the
-  process's).
+  process's), and a change of it made while a region is open (in another thread) is undone when
+  the last one closes.
 
 Under ``torch.compile`` nothing is locked (Dynamo traces no lock; a compiled step neither fills
 caches at run time nor switches the precision).
@@ -69,7 +70,11 @@ def _apply(found: tuple, ieee: bool) -> bool:
     legacy, switches = found
     if legacy is not None:
         wanted = "highest" if ieee else "high"
-        if torch.get_float32_matmul_precision() == wanted:
+        try:
+            now = torch.get_float32_matmul_precision()
+        except RuntimeError:  # (the per-backend switches set unlike it since: the legacy setter resets them)
+            now = None
+        if now == wanted:
             return False
         torch.set_float32_matmul_precision(wanted)
         return True
@@ -99,8 +104,9 @@ def matmul_precision(precision: str) -> Iterator[None]:
     with _REGIONS.lock:
         if not any(_REGIONS.open.values()):
             _REGIONS.found, _REGIONS.changed = _read(), False
+        # (counted once set: a setting that could not be written opens no region)
+        _REGIONS.changed |= _apply(_REGIONS.found, want == "ieee" or _REGIONS.open["ieee"] > 0)
         _REGIONS.open[want] += 1
-        _REGIONS.changed |= _apply(_REGIONS.found, _REGIONS.open["ieee"] > 0)
     try:
         yield
     finally:
