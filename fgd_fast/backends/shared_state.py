@@ -5,7 +5,10 @@ their steps share is guarded here:
 
 * the caches of device tables and layouts (``base.TableCache``, ``layout`` indices and memos,
   ``carry``'s store): one re-entrant lock around every lookup and insertion (a dict changed
-  while another thread iterated it raised, or a key vanished between a check and a read);
+  while another thread iterated it raised, or a key vanished between a check and a read), never
+  around building an entry: a build may wait for other ranks (the owner sharding's all-gather),
+  and ranks run as threads would wait for the lock in turn (two threads may then both build
+  one entry; the first inserted is kept);
 * torch's process-wide fp32 matmul precision, which a step sets for its products
   (:func:`matmul_precision`): the regions open in every thread are counted, the setting is the
   most precise any of them wants (IEEE while one wants it, else TF32), and the last region to
