@@ -16,6 +16,15 @@ def test_cache_keeps_at_most_capacity_entries_least_recent_out():
     assert int(cache[2]) == 2 and list(cache) == [3, 4, 2]
 
 
+def test_every_build_is_counted_and_a_hit_is_not():
+    """``TableCache.builds`` (the training comparison's tables built per step) counts misses only."""
+    cache = base.TableCache(capacity=2)
+    before = base.TableCache.builds
+    for k in (0, 1, 0, 1, 2):
+        cache.get_or(k, lambda k=k: torch.tensor([k]))
+    assert base.TableCache.builds - before == 3
+
+
 def test_tables_used_during_graph_capture_are_never_evicted(monkeypatch):
     """A captured graph reads its tables at every replay: they must outlive any eviction."""
     cache = base.TableCache(capacity=2)

@@ -27,6 +27,7 @@ FIELDS = (
     "train_step_seconds",
     "train_step_ratio_to_sgd",
     "train_loss",
+    "table_builds_per_step",
     "settings",
     "epochs",
     "history",
@@ -73,6 +74,8 @@ def test_digits_run_writes_json_table_and_plot(tmp_path):
         # the schedule: × 0.2 after 30 %, 60 % and 80 % of the 12 steps
         assert r["final_lrs"][0] == pytest.approx(r["settings"]["lr"] * 0.2**3)
     opts = result["optimizers"]
+    # (the torch backend's tables are keyed on the parameters, not the gradients autograd makes anew)
+    assert opts["fgd"]["table_builds_per_step"] == 0.0, opts["fgd"]["table_builds_per_step"]
     assert opts["sgd"]["train_step_ratio_to_sgd"] == 1.0 and opts["fgd"]["backend"] == "torch"
     assert opts["fgd"]["max_distance"] < 0.5 and opts["cayley-sgd"]["max_distance"] < 0.1  # constrained ...
     assert opts["sgd"]["max_distance"] > opts["fgd"]["max_distance"]  # ... and sgd drifts away

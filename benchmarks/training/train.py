@@ -30,7 +30,10 @@ and channels_last (``--amp``, ``--channels-last``), recorded in the output.
 Writes ``OUT/train.json`` (``{"optimizers": {NAME: {"test_accuracy", "max_distance",
 "step_seconds", "fwd_bwd_seconds", "train_step_ratio_to_sgd", ..., "history": ...}},
 "config", "device", "versions", "commit"}``) and ``OUT/train.png`` (loss, accuracy and
-distance against step; time per step), and prints a summary table.
+distance against step; time per step), and prints a summary table. ``table_builds_per_step``:
+the device tables the backends built per optimizer step after the first few (a steady step
+builds none; the Triton backend's metadata holds the gradients' addresses, so gradients
+autograd places anew every step would rebuild it every step).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from benchmarks.models import cifar_resnet, small_cnn, wide_resnet  # noqa: E402
 from benchmarks.training.data import DATASETS, Dataset, load_dataset  # noqa: E402
 from benchmarks.training.optimizers import FAMILIES, available_fgd_backends, build_optimizer, family, settings_for  # noqa: E402
 from benchmarks.training.report import plot, summary_lines  # noqa: E402
+from fgd_fast.backends.base import TableCache  # noqa: E402
 
 DEFAULT_OPTIMIZERS = "sgd,fgd,cayley-sgd,cayley-adam,landing"
 MILESTONES = (0.3, 0.6, 0.8)  # the authors' epochs 60, 120, 160 of 200
@@ -307,6 +311,7 @@ class Run:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
         self.loss_fn = nn.CrossEntropyLoss()
         self.timer = StepTimer(self.device)
+        self.table_builds: list[int] = []  # device tables the backends built in each optimizer step
         self.losses: list[torch.Tensor] = []
         self.epoch_losses: list[float] = []
         self.epochs: list[dict] = []
@@ -328,10 +333,12 @@ class Run:
             loss = self.loss_fn(self.forward(x), y)
         self.scaler.scale(loss).backward()
         t1 = self.timer.mark()
+        builds = TableCache.builds
         self.scaler.step(self.opt)
         self.scaler.update()
         t2 = self.timer.mark()
         self.timer.add(t0, t1, t2)
+        self.table_builds.append(TableCache.builds - builds)
         self.sched.step()
         self.losses.append(loss.detach())
         if self.bar is not None:
@@ -412,6 +419,8 @@ class Run:
             "train_step_seconds": statistics.median(a + b for a, b in zip(fwd_bwd, step_s)),
             "wall_seconds": self.busy,
             "timed_steps": len(step_s),
+            # (a steady step builds none; new gradient addresses each step would show here)
+            "table_builds_per_step": statistics.fmean(self.table_builds[skip:]) if self.table_builds[skip:] else 0.0,
             "final_lrs": [g["lr"] for g in self.opt.param_groups],
         }
 

@@ -161,8 +161,12 @@ class TableCache(OrderedDict):
 
     A table used while a CUDA graph is being captured is pinned: the graph reads its memory
     at every replay, so it is never evicted (an evicted table's memory could be reused).
-    At most ``capacity`` unpinned entries are kept.
+    At most ``capacity`` unpinned entries are kept. ``TableCache.builds`` counts the tables built
+    by every cache of the process (a steady-state step should build none: the training
+    comparison records it per step).
     """
+
+    builds = 0  # (every cache's builds, process-wide)
 
     def __init__(self, capacity: int = 64):
         super().__init__()
@@ -182,6 +186,7 @@ class TableCache(OrderedDict):
                 made = make()
         with cache_lock():
             if not found:
+                TableCache.builds += 1
                 value = self.setdefault(key, made)  # (another thread's, if it came first)
             if _capturing():
                 self.pinned.add(key)
