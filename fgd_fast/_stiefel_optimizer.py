@@ -176,6 +176,15 @@ def _under_autocast(closure: Callable[[], float], devices) -> float:
         return closure()
 
 
+def _names_given(param_group: dict[str, Any], params) -> list | None:
+    """The names a group gives its parameters: its ``param_names`` / ``names`` list, else those of
+    ``(name, tensor)`` pairs in ``params`` (None for an entry without one)."""
+    names = param_group.get("param_names") or param_group.get("names")
+    if not names and not isinstance(params, torch.Tensor):  # (named: (name, tensor) pairs)
+        names = [p[0] if isinstance(p, tuple) else None for p in params]
+    return names
+
+
 class StiefelOptimizer(Optimizer):
     #: the optimizer-wide options (kept in ``defaults``, equal in every group) and their
     #: defaults (what an optimizer pickled before an option existed gets)
@@ -236,10 +245,8 @@ class StiefelOptimizer(Optimizer):
             if not isinstance(params, set):  # (torch refuses a set itself)
                 tensors = param_tensors(params)
                 check_writable(tensors)
+                names = _names_given(param_group, params)
                 if merged["orthogonal"]:
-                    names = param_group.get("param_names") or param_group.get("names")
-                    if not names and not isinstance(params, torch.Tensor):  # (named: (name, tensor) pairs)
-                        names = [p[0] if isinstance(p, tuple) else None for p in params]
                     labels = None
                     if names and len(names) == len(tensors) and any(name is not None for name in names):
                         labels = [
@@ -248,7 +255,7 @@ class StiefelOptimizer(Optimizer):
                         ]
                     check_orthogonal_params(tensors, labels)
                 self._check_memory_of_new(tensors, bool(merged["orthogonal"]))
-                self._check_names_of_new(param_group, params, len(tensors))
+                self._check_names_of_new(names, len(tensors))
             # numpy scalars as the Python numbers they hold: one arithmetic whatever the type given (a
             # float32 β₁ computed Adam's bias correction in float32), and a state_dict weights_only loads
             param_group.update((k, _plain(v)) for k, v in param_group.items() if k not in _NOT_NUMBERS)
@@ -256,15 +263,12 @@ class StiefelOptimizer(Optimizer):
                 self.defaults.update((k, _plain(v)) for k, v in self.defaults.items())
         super().add_param_group(param_group)
 
-    def _check_names_of_new(self, param_group: dict[str, Any], params, count: int) -> None:
-        """A new group's parameter names (``names`` / ``param_names``, or the names of ``(name,
-        tensor)`` pairs, where they line up with its parameters) must differ from each other and
-        from every name already in the optimizer: :meth:`orthogonality`, ``guard_stats`` and the
-        messages key parameters by name, so a repeated name would hide one of them (two
-        sub-models' ``stiefel_param_groups`` both name a weight ``"0.weight"``)."""
-        names = param_group.get("param_names") or param_group.get("names")
-        if not names and not isinstance(params, torch.Tensor):  # (named: (name, tensor) pairs)
-            names = [p[0] if isinstance(p, tuple) else None for p in params]
+    def _check_names_of_new(self, names, count: int) -> None:
+        """A new group's parameter names (:func:`_names_given`, where they line up with its
+        ``count`` parameters) must differ from each other and from every name already in the
+        optimizer: :meth:`orthogonality`, ``guard_stats`` and the messages key parameters by name,
+        so a repeated name would hide one of them (two sub-models' ``stiefel_param_groups`` both
+        name a weight ``"0.weight"``)."""
         if not names or isinstance(names, str) or len(names) != count:
             return
         seen: dict[str, str] = {}

@@ -28,6 +28,12 @@ def _conv2d_weights(model: nn.Module) -> set[int]:
     return {id(w) for w in weights if w is not None}
 
 
+def _names(exclude_name: str, name: str) -> bool:
+    """Whether an ``exclude`` entry names a parameter or module ``name``: itself, or a module
+    above it (``"fc"`` names ``fc.weight``)."""
+    return name == exclude_name or name.startswith(exclude_name + ".")
+
+
 def _normed_convs(model: nn.Module, test: Callable[[tuple[int, ...]], bool], exclude: tuple[str, ...]) -> list[str]:
     """Names of the ``nn.Conv2d`` modules whose weight is computed from other trainable tensors
     (a parametrization, e.g. ``torch.nn.utils.parametrizations.spectral_norm``, or the older
@@ -44,7 +50,7 @@ def _normed_convs(model: nn.Module, test: Callable[[tuple[int, ...]], bool], exc
         shape = (m.out_channels, m.in_channels // m.groups, *m.kernel_size)  # (without computing the weight)
         # left out by its module's name or one of its trainable tensors' (weight_orig, …original0)
         names = [x for x in (n, *(name for name, _ in m.named_parameters(prefix=n))) if x]
-        if test(shape) and not any(x == e or x.startswith(e + ".") for x in names for e in exclude):
+        if test(shape) and not any(_names(e, x) for x in names for e in exclude):
             found.append(n or "the model itself")
     return found
 
@@ -107,7 +113,7 @@ def select_stiefel(
         aliases.setdefault(id(p), []).append(n)
 
     def left_out(p: torch.Tensor) -> bool:
-        return any(n == e or n.startswith(e + ".") for n in aliases.get(id(p), ()) for e in exclude)
+        return any(_names(e, n) for n in aliases.get(id(p), ()) for e in exclude)
 
     return [(n, p) for n, p in chosen if not left_out(p)]
 
@@ -121,7 +127,7 @@ def _check_excluded(model: nn.Module, exclude: tuple[str, ...]) -> None:
     for e in exclude:
         if not isinstance(e, str):
             raise TypeError(f"exclude= takes parameter or module names (str), got {type(e).__name__}: {e!r}")
-        if not any(n == e or n.startswith(e + ".") for n in names):
+        if not any(_names(e, n) for n in names):
             wrapped = [f"{w}.{e}" for w in ("module", "_orig_mod") if any(n.startswith(f"{w}.{e}") for n in names)]
             near = wrapped or difflib.get_close_matches(e, names, n=3)
             hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else " (see model.named_parameters())"

@@ -490,7 +490,7 @@ MUTANTS = {
         ["tests/test_threads.py::test_a_table_is_built_outside_the_caches_lock"],
     ),
     "layout_memo_unbounded": (
-        "a layout's memo growing by one entry per guard limit a search tries",
+        "a layout's memo (and every table cache) growing by one entry per value a search tries",
         ["tests/test_threads.py::test_a_layouts_memo_keeps_its_newest_entries_and_those_a_capture_used"],
     ),
 }
@@ -645,15 +645,15 @@ SOURCE_EDITS = {
         "if True else _CACHES",
     ),
     "table_built_under_the_lock": (
-        "fgd_fast.backends.base",
-        "TableCache.get_or",
+        "fgd_fast.backends.shared_state",
+        "cached_entry",
         "if not found:\n        with torch.inference_mode(False):",
         "if not found:\n        with cache_lock(), torch.inference_mode(False):",
     ),
     "layout_memo_unbounded": (
-        "fgd_fast.backends.layout",
-        "Layout.cached",
-        "for k in unpinned[: max(0, len(unpinned) + 1 - _MEMO_CAPACITY)]:",
+        "fgd_fast.backends.shared_state",
+        "cached_entry",
+        "for k in unpinned[: max(0, len(unpinned) - capacity)]:",
         "for k in []:",
     ),
 }

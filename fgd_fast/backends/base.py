@@ -70,7 +70,7 @@ import torch
 from .algebra import Checks, join_checks, middle, velocity_blocks
 from .guard_rule import TF32_UNIT
 from .layout import Layout, _capturing
-from .shared_state import cache_lock, matmul_precision
+from .shared_state import cache_lock, cached_entry, matmul_precision
 
 __all__ = [
     "PRECISIONS",
@@ -174,26 +174,13 @@ class TableCache(OrderedDict):
         self.pinned: set = set()
 
     def get_or(self, key, make):
-        # (another thread's step may look up or insert at once: the dict under the lock; ``make``
-        # outside it, as it may wait for other ranks, e.g. an all-gather, whose threads need the lock)
-        with cache_lock():
-            found = key in self
-            if found:
-                self.move_to_end(key)
-                value = self[key]
-        if not found:
-            with torch.inference_mode(False):  # kept across steps: never an inference tensor (see torch_batched)
-                made = make()
-        with cache_lock():
-            if not found:
+        # (``make`` runs outside the caches' lock: it may wait for other ranks, e.g. an all-gather,
+        # whose threads need the lock)
+        value, built = cached_entry(self, self.pinned, key, make, self.capacity, _capturing())
+        if built:
+            with cache_lock():
                 TableCache.builds += 1
-                value = self.setdefault(key, made)  # (another thread's, if it came first)
-            if _capturing():
-                self.pinned.add(key)
-            unpinned = [k for k in self if k not in self.pinned]  # oldest first
-            for k in unpinned[: max(0, len(unpinned) - self.capacity)]:
-                del self[k]
-            return value
+        return value
 
 
 # The pinned host tables whose copies a CUDA graph captured: every replay copies from them again,

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from .shared_state import cache_lock
+from .shared_state import cache_lock, cached_entry
 
 __all__ = ["Layout", "PER_GROUP_DEVICES", "rows"]
 
@@ -164,25 +164,8 @@ class Layout:
     def cached(self, key: tuple, build):
         """``build()``, made once per layout, device and key (e.g. a kernel's work table): kept
         with the layout's indices (and, like them, pinned while a CUDA graph is captured)."""
-        index = self._index()
-        memo = index.memo
-        with cache_lock():  # (another thread's step may look up or insert at once; build() outside)
-            found = key in memo
-            if found:
-                memo.move_to_end(key)
-                value = memo[key]
-        if not found:
-            with torch.inference_mode(False):
-                made = build()
-        with cache_lock():
-            if not found:
-                value = memo.setdefault(key, made)
-                unpinned = [k for k in memo if k not in index.memo_pinned and k != key]  # oldest first
-                for k in unpinned[: max(0, len(unpinned) + 1 - _MEMO_CAPACITY)]:
-                    del memo[k]
-            if _capturing():  # (a captured graph reads the entry's memory at every replay)
-                index.memo_pinned.add(key)
-            return value
+        index = self._index()  # (a captured graph's replays read the entry's memory: pinned then)
+        return cached_entry(index.memo, index.memo_pinned, key, build, _MEMO_CAPACITY, _capturing())[0]
 
     def tiles(self, tile: int, key: tuple, row) -> tuple[torch.Tensor, torch.Tensor]:
         """The work table of a kernel over every layer's ``p × p`` block in ``tile × tile`` items:

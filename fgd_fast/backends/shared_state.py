@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["cache_lock", "matmul_precision"]
+__all__ = ["cache_lock", "cached_entry", "matmul_precision"]
 
 _CACHES = threading.RLock()
 
@@ -41,6 +43,31 @@ _CACHES = threading.RLock()
 def cache_lock() -> contextlib.AbstractContextManager:
     """The backends' caches' lock (a null context while Dynamo traces)."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else _CACHES
+
+
+def cached_entry(store: OrderedDict, pinned: set, key, make: Callable[[], Any], capacity: int, capturing: bool):
+    """``(store[key], whether it was built now)``: a hit becomes the most recent entry; a miss is
+    built by ``make()`` outside the lock (kept across steps: never an inference tensor) and
+    inserted (another thread's, if it came first), the least recently used unpinned entries
+    going beyond ``capacity``. ``capturing``: a CUDA graph is being captured, whose replays read
+    the entry's memory: it is pinned, never evicted."""
+    with cache_lock():
+        found = key in store
+        if found:
+            store.move_to_end(key)
+            value = store[key]
+    if not found:
+        with torch.inference_mode(False):
+            made = make()
+    with cache_lock():
+        if not found:
+            value = store.setdefault(key, made)
+            unpinned = [k for k in store if k not in pinned]  # oldest first
+            for k in unpinned[: max(0, len(unpinned) - capacity)]:
+                del store[k]
+        if capturing:
+            pinned.add(key)
+    return value, not found
 
 
 class _Regions:
