@@ -903,3 +903,35 @@ def test_torchs_precision_switches_neither_break_nor_change_the_step(setting, ba
     before = _switch_states()
     assert torch.equal(step(), expected)
     assert _switch_states() == before
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_amp_grad_scaler_skips_an_overflowed_step_and_unscales_the_others(name):
+    """Mixed-precision training's loop (``torch.amp.GradScaler``): a step whose scaled gradients
+    overflowed is skipped with nothing of the optimizer touched, and the others are the steps of
+    the unscaled gradients, bit for bit (the scale is a power of two). Fails if a step ran on the
+    scaled or non-finite gradients, or if the skipped one left state behind."""
+    scaled, plain = _net(), _net()
+    opts = {
+        "scaled": OPTIMIZERS[name](fgd_fast.stiefel_param_groups(scaled, "paper")),
+        "plain": OPTIMIZERS[name](fgd_fast.stiefel_param_groups(plain, "paper")),
+    }
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    for k in range(4):
+        opt = opts["scaled"]
+        opt.zero_grad()
+        scaler.scale(_loss(scaled, k)).backward()
+        if k == 1:  # an overflow: the scaler must skip this step
+            scaled[0].weight.grad[0, 0, 0, 0] = float("inf")
+            snap = snapshot(scaled, opt)
+        scaler.step(opt)
+        scaler.update()
+        if k == 1:
+            assert_unchanged(scaled, opt, snap)
+            assert scaler.get_scale() == 2.0**11
+            continue
+        opts["plain"].zero_grad()
+        _loss(plain, k).backward()
+        opts["plain"].step()
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
