@@ -1,7 +1,9 @@
 """Independent NumPy oracles for Cayley SGD / ADAM (float64 unless asked otherwise).
 
 Written from the equations of docs/algorithm.md §7 and of the paper, one layer at a time and
-with the dense n×n skew matrix; nothing here reads the package.
+with the dense n×n skew matrix; nothing here reads the package. ADAM follows the library's
+reading of the paper's Algorithm 2 (v starts at 0; Y₀ = X − tW̃X, not the printed X − t·rW̃X:
+``tests/test_baselines.py`` checks that choice against the exact Cayley transform).
 The ``public_*`` functions transcribe what the public code computes (its rows convention
 ``X = W2ᵀ``, renormalised rows, s = 5, the 1-norm, the un-projected start, SGD momentum lost).
 """

@@ -22,8 +22,17 @@ rows renormalised             every step                      ``renormalize`` (c
 QR re-orthonormalisation      random, probability 1/101       every ``qr_period`` steps,
                                                               deterministic (0; compat 101)
 tall weights (``c_o > m``)    plain SGD                       constrained, ``X = W2``
-Euclidean weight decay        silently none (SGDG)            the group's ``weight_decay``
+Euclidean weight decay,       read from the last orthogonal   the group's own
+dampening, Nesterov           group (SGDG): none in its script
 ============================  ==============================  ==============================
+
+Where this module reads the paper's Algorithm 2 (Cayley ADAM) otherwise than as printed: the
+second moment starts at ``v = 0``, as in the public ``AdamG`` (the paper initialises ``v₁ = 1``;
+the bias correction ``v / (1 − β₂ᵏ)`` both use is the one for a start at 0); and the iteration
+starts from ``Y₀ = X − tW̃X``, the first-order point of the curve it computes, where the paper
+writes ``Y₀ = X − αM`` right after assigning ``M = r W̃X``: r = (1 − β₁ᵏ)√(v̂ + ε) times that
+step, which leaves the s = 2 iterations off the Cayley transform by an amount growing with
+|r − 1| (``tests/test_baselines.py`` measures both starts against the exact transform).
 """
 
 from __future__ import annotations
