@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -13,11 +14,21 @@ from fgd_fast.backends import BackendUnavailable, resolve_backend
 from oracle import random_stiefel
 
 
+def required_backends() -> set[str]:
+    """The backends ``FGD_REQUIRE_BACKENDS`` (comma-separated) names: on a GPU session's machine
+    their tests must run, so a backend that fails to load fails them (with the loader's reason)
+    instead of turning them into skips."""
+    return {name.strip() for name in os.environ.get("FGD_REQUIRE_BACKENDS", "").split(",") if name.strip()}
+
+
 def backend_reason(name: str, device: str = "cpu") -> str | None:
-    """None if ``name`` runs on ``device`` here, else why not."""
+    """None if ``name`` runs on ``device`` here, else why not (None too for a backend required on
+    CUDA devices: its tests then run and fail with the reason)."""
     try:
         resolve_backend(name, torch.device(device))
     except BackendUnavailable as exc:
+        if name in required_backends() and torch.device(device).type == "cuda":
+            return None
         return str(exc)
     return None
 

@@ -266,3 +266,30 @@ def test_checks_off_turns_off_every_contenders_host_synchronising_checks(name, c
     assert _checks_off(case) is bool(checks)
     found = [c for c in CHECKS if hasattr(case.optimizer, c)]
     assert len(found) == checks and not any(getattr(case.optimizer, c) for c in found)
+
+
+@pytest.mark.parametrize("name, required", [("tests", "triton"), ("tests-cuda", "triton,cuda")])
+def test_the_gpu_tests_phase_requires_its_backends_and_prints_the_skips(tmp_path, monkeypatch, name, required):
+    """A review: on the GPU machine a backend that failed to load (a Triton or extension build
+    error) turned its tests into skips, whose reasons the phase never printed: the session
+    passed. The phase now runs pytest with -rs and ``FGD_REQUIRE_BACKENDS``, under which
+    ``helpers.backend_reason`` lets a required backend's CUDA tests run and fail."""
+    from benchmarks.gpu import gpu_check
+
+    check = gpu_check.Check(_args(tmp_path, budget=440.0, cpu_dry_run=False, no_install=False))
+    calls = []
+    monkeypatch.setattr(check, "run", lambda phase, cmd, budget, env=None: calls.append((cmd, env)) or {"ok": True})
+    gpu_check.tests(check, ["tests/test_bad_input.py"], name=name)
+    ((cmd, env),) = calls
+    assert "-rfEs" in cmd and env["FGD_REQUIRE_BACKENDS"] == required
+
+
+def test_a_required_backend_is_not_skipped_on_a_cuda_device(monkeypatch):
+    from helpers import backend_reason
+
+    monkeypatch.delenv("FGD_REQUIRE_BACKENDS", raising=False)
+    if backend_reason("cuda", "cuda") is None:
+        pytest.skip("the CUDA backend loads here: nothing to require")
+    monkeypatch.setenv("FGD_REQUIRE_BACKENDS", "triton, cuda")
+    assert backend_reason("cuda", "cuda") is None  # its tests run and fail with the loader's reason
+    assert backend_reason("cuda", "cpu") is not None  # (only on CUDA devices: CPU tensors cannot take it)

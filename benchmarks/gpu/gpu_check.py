@@ -330,11 +330,15 @@ def tests(check: Check, selection: list[str] | None = None, name: str = "tests")
     if budget < 15:
         return check.skip(name, f"{budget:.0f} s left")
     junit = check.work / f"{name}-junit.xml"
-    cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rfE", f"--junitxml={junit}", "-p", "no:cacheprovider"]
+    # -rs: every skip's reason in the log (a backend that fails to load must not pass as skips)
+    cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rfEs", f"--junitxml={junit}", "-p", "no:cacheprovider"]
     if check.args.workers and not check.args.cpu_dry_run and _has_xdist():
         # Triton compiles on the host CPUs: a few workers share one GPU and cut the wall time
         cmd += ["-n", str(check.args.workers)]
-    check.run(name, cmd, budget)
+    env = None
+    if not check.args.cpu_dry_run:  # on the GPU the backends under test must load: their tests fail, not skip
+        env = {**check.env, "FGD_REQUIRE_BACKENDS": "triton,cuda" if name == "tests-cuda" else "triton"}
+    check.run(name, cmd, budget, env=env)
     check.result.setdefault("test_summary", {})[name] = junit_summary(junit)
     check.publish()
 
