@@ -291,11 +291,16 @@ class StiefelOptimizer(Optimizer):
             seen[name] = here
 
     def _check_memory_of_new(self, tensors: list[torch.Tensor], orthogonal: bool) -> None:
-        """A new group's parameters share no memory with an orthogonal parameter, theirs or the
-        groups' already added (two Parameters made from one tensor); the step checks again, with
-        the state."""
+        """A new group's parameters share no memory with an orthogonal parameter or its state,
+        theirs or the groups' already added (two Parameters made from one tensor, one made from
+        another's momentum buffer); the step checks again."""
         old = [(p, bool(g["orthogonal"])) for g in getattr(self, "param_groups", []) for p in g["params"]]
         both = [(p, f"parameter {i} of the optimizer", o) for i, (p, o) in enumerate(old)]
+        for i, (p, o) in enumerate(old):  # (the state of the steps taken so far)
+            state = self.state.get(p, {}) if isinstance(p, torch.Tensor) else {}
+            both += [
+                (v, f"parameter {i} of the optimizer's {k}", o) for k, v in state.items() if isinstance(v, torch.Tensor)
+            ]
         added = {id(p) for p, _ in old}  # (one already added: torch refuses it as in two groups)
         both += [(p, f"parameter {i} of the group", orthogonal) for i, p in enumerate(tensors) if id(p) not in added]
         both = [entry for entry in both if isinstance(entry[0], torch.Tensor) and not is_dtensor(entry[0])]

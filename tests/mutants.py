@@ -395,6 +395,10 @@ MUTANTS = {
         "two parameters sharing exactly one entry accepted (each tensor's byte span one entry short)",
         [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
     ),
+    "new_group_check_ignores_the_state": (
+        "add_param_group accepting a parameter over an orthogonal layer's momentum buffer (only the step refused it)",
+        [f"{SHARED}::test_a_new_parameter_over_an_orthogonal_parameters_state_is_refused_when_added"],
+    ),
     "overlap_of_other_dtypes_accepted": (
         "views of one storage with entries of other sizes accepted where their bytes overlap",
         [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
@@ -540,6 +544,12 @@ KERNEL_EDITS = {
 #: mutants of a Python function's source: (module, the function's qualified name, text, replacement)
 SOURCE_EDITS = {
     "overlap_span_one_entry_short": ("fgd_fast.validation", "_span", "extent = 1 + sum(", "extent = sum("),
+    "new_group_check_ignores_the_state": (
+        "fgd_fast._stiefel_optimizer",
+        "StiefelOptimizer._check_memory_of_new",
+        "state = self.state.get(p, {}) if isinstance(p, torch.Tensor) else {}",
+        "state = {}",
+    ),
     "overlap_of_other_dtypes_accepted": (
         "fgd_fast.validation",
         "_overlap",

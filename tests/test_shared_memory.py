@@ -62,6 +62,23 @@ def test_parameters_sharing_memory_are_refused_when_added_and_at_the_step(make, 
     assert torch.equal(p, before) and not opt.state[p] and not opt.state[q]
 
 
+@pytest.mark.parametrize("make", OPTIMIZERS)
+def test_a_new_parameter_over_an_orthogonal_parameters_state_is_refused_when_added(make):
+    """A fuzz review: a plain parameter made from an orthogonal layer's momentum buffer was
+    accepted by add_param_group (only the step refused it), though the group's check looks at
+    the state too now, as the README says."""
+    p = nn.Parameter(_stiefel(6, 10))
+    opt = make([dict(params=[p], orthogonal=True)])
+    p.grad = torch.randn(p.shape)
+    opt.step()
+    (buffer,) = [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+    q = nn.Parameter(torch.zeros(1))
+    q.data = buffer
+    with pytest.raises(ValueError, match="parameter 0 of the optimizer's .* and parameter 0 of the group share memory"):
+        opt.add_param_group(dict(params=[q]))
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("kind", ["one-entry", "other-dtype"])
 def test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused(kind):
     """The edges of the overlap test (a review: both survived every test): two views of one flat
