@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -33,12 +34,29 @@ def backend_reason(name: str, device: str = "cpu") -> str | None:
     return None
 
 
+def cuda_emulation_reason() -> str | None:
+    """None if the CUDA kernels can run on this machine's CPU emulator (tests/cuda_emulation)."""
+    from cuda_emulation import compiler
+
+    if not sys.platform.startswith("linux"):
+        return "the CUDA emulator (fibers, signals, mmap) is Linux-only"
+    return None if compiler() is not None else "g++ not found: no CPU emulator for the CUDA kernels"
+
+
 def backend_params(names=("reference", "torch", "triton", "cuda"), device: str | None = None):
-    """pytest params for each backend on ``device`` (default: the one tests use, CUDA when present)."""
+    """pytest params for each backend on ``device`` (default: the one tests use, CUDA when present).
+    Where the CUDA backend cannot run on a CPU ``device``, its case is ``cuda-emulated``: the real
+    backend code and ``.cu`` kernels on the CPU emulator (``conftest._cuda_backend_on_the_emulator``)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = []
     for name in names:
         reason = backend_reason(name, device)
+        if name == "cuda" and reason and torch.device(device).type == "cpu":
+            emulation = cuda_emulation_reason()
+            if emulation is None:
+                out.append(pytest.param(name, marks=[pytest.mark.cuda_emulated], id="cuda-emulated"))
+                continue
+            reason = f"{reason}; {emulation}"
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         out.append(pytest.param(name, marks=marks, id=name))
     return out

@@ -25,11 +25,8 @@ import torch
 
 import fgd_fast
 from cuda_emulation import (
-    EmulatedExtension,
-    build_library,
     compiler,
     guards_intact,
-    load_backend,
     poison_shared_arrays,
     rewrite_launches,
 )
@@ -39,27 +36,12 @@ from fgd_fast.backends.reference import prepare_reference
 from oracle import fgd_paper_step, fgd_step, random_stiefel, stiefel_dist
 
 
-@pytest.fixture(scope="session")
-def emu_ext(tmp_path_factory) -> EmulatedExtension:
-    """The emulated kernel library, built from csrc/ once per session."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the CUDA emulator (fibers, signals, mmap) is Linux-only")
-    if compiler() is None:
-        pytest.skip("g++ not found: the CUDA kernels cannot be built for the CPU emulator")
-    csrc = Path(os.environ.get("FGD_EMU_CSRC", CSRC))  # (another tree: CSRC_MUTANTS)
-    return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation"), csrc))
-
-
-@pytest.fixture(scope="session")
-def _backend(emu_ext):
-    return load_backend(emu_ext)
-
-
 @pytest.fixture
-def cuda(_backend, emu_ext, monkeypatch):
+def cuda(emulated_cuda_backend, emu_ext, monkeypatch):
     """The backend module (fgd_fast/backends/cuda.py) on the emulated kernels, with the test
     knobs at their defaults: splits chosen by the backend for a 1-SM GPU (one split; update
     grid of 4 blocks, so blocks stride over several row blocks), blocks and threads in order."""
+    _backend = emulated_cuda_backend  # (conftest.py: built once per session, shared with backend_params' case)
     monkeypatch.setattr(_backend, "force_splits", None)
     monkeypatch.setattr(_backend, "_sm_count", lambda device: 1)
     emu_ext.set_reverse_schedule(False)

@@ -18,7 +18,7 @@ def _optimizers():
     out = []
     for backend in backend_params():
         name = backend.values[0]
-        out.append(pytest.param((fgd_fast.FGD, dict(backend=name)), marks=backend.marks, id=f"FGD-{name}"))
+        out.append(pytest.param((fgd_fast.FGD, dict(backend=name)), marks=backend.marks, id=f"FGD-{backend.id}"))
     for cls in (CayleySGD, CayleyADAM):
         for form in ("lowrank", "dense"):
             out.append(pytest.param((cls, dict(form=form)), id=f"{cls.__name__}-{form}"))
