@@ -395,6 +395,18 @@ MUTANTS = {
         "two parameters sharing exactly one entry accepted (each tensor's byte span one entry short)",
         [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
     ),
+    "reset_parameter_keeps_the_momentum": (
+        "reset_parameter leaving Φ in place (the next step is not a first step)",
+        [
+            "tests/test_bad_input.py::test_reset_parameter_projects_and_clears_the_momentum_so_the_next_step_is_a_first_step"
+        ],
+    ),
+    "reset_parameter_without_projection": (
+        "reset_parameter clearing Φ but leaving θ off the manifold",
+        [
+            "tests/test_bad_input.py::test_reset_parameter_projects_and_clears_the_momentum_so_the_next_step_is_a_first_step"
+        ],
+    ),
     "new_group_check_ignores_the_state": (
         "add_param_group accepting a parameter over an orthogonal layer's momentum buffer (only the step refused it)",
         [f"{SHARED}::test_a_new_parameter_over_an_orthogonal_parameters_state_is_refused_when_added"],
@@ -544,6 +556,13 @@ KERNEL_EDITS = {
 #: mutants of a Python function's source: (module, the function's qualified name, text, replacement)
 SOURCE_EDITS = {
     "overlap_span_one_entry_short": ("fgd_fast.validation", "_span", "extent = 1 + sum(", "extent = sum("),
+    "reset_parameter_keeps_the_momentum": (
+        "fgd_fast.optimizer",
+        "FGD.reset_parameter",
+        'self.state.get(p, {}).pop("momentum_buffer", None)',
+        "pass",
+    ),
+    "reset_parameter_without_projection": ("fgd_fast.optimizer", "FGD.reset_parameter", "orthogonalize_(p)", "pass"),
     "new_group_check_ignores_the_state": (
         "fgd_fast._stiefel_optimizer",
         "StiefelOptimizer._check_memory_of_new",

@@ -379,6 +379,33 @@ def test_a_non_finite_parameter_is_not_projected_and_reset_parameter_says_how_to
     opt.step()  # recovered
 
 
+def test_reset_parameter_projects_and_clears_the_momentum_so_the_next_step_is_a_first_step():
+    """The step errors' advice, after a θ knocked off the manifold: reset_parameter puts it back
+    on (QR) and clears Φ, so the next step is exactly a fresh optimizer's first step from the
+    projected θ. (A review: a reset that skipped the projection, or kept the momentum, passed.)"""
+    torch.manual_seed(0)
+    w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(12, 5)))
+    opt = fgd_fast.FGD([dict(params=[w], orthogonal=True)], lr=0.1)
+    for _ in range(2):
+        w.grad = torch.randn(12, 5) * 0.1
+        opt.step()
+    with torch.no_grad():
+        w.mul_(1.5)  # far off the manifold: the step refuses it
+    grad = torch.randn(12, 5) * 0.1
+    w.grad = grad.clone()
+    with pytest.raises(ValueError, match="reset_parameter"):
+        opt.step()
+    opt.reset_parameter(w)
+    assert fgd_fast.stiefel_distance(w) < 1e-5 and "momentum_buffer" not in opt.state[w]
+    fresh = nn.Parameter(w.detach().clone())
+    other = fgd_fast.FGD([dict(params=[fresh], orthogonal=True)], lr=0.1)
+    for p in (w, fresh):
+        p.grad = grad.clone()
+    opt.step()
+    other.step()
+    assert torch.equal(w, fresh) and torch.equal(opt.state[w]["momentum_buffer"], other.state[fresh]["momentum_buffer"])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -135,6 +135,7 @@ def test_two_optimizers_in_two_threads_step_as_they_do_one_after_another(user_pr
             t.start()
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads), "a thread hung"
         assert sorted(together) == [0, 1]
         for k in (0, 1):
             assert all(torch.equal(a, b) for a, b in zip(together[k], alone[k])), k
@@ -174,6 +175,7 @@ def test_the_caches_take_lookups_and_insertions_from_many_threads(monkeypatch):
                 t.start()
             for t in threads:
                 t.join(60)
+            assert not any(t.is_alive() for t in threads), "a thread hung"
             assert len(cache) <= 64
     finally:
         sys.setswitchinterval(interval)
