@@ -26,8 +26,9 @@ from torch.optim.optimizer import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .distributed import is_dtensor
-from .functional import autocast_on, autocast_set, outside_inference_mode, sgd
+from .functional import autocast_on, autocast_set, outside_inference_mode
 from .manifold import check_materialised, stiefel_distance
+from .plain_sgd import sgd
 from .saved_state import agree_on_saved_state, check_saved_structure, check_saved_tensor, state_dtype
 from .validation import (
     check_bool,

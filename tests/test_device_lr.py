@@ -234,9 +234,9 @@ def test_a_plain_groups_tensor_lr_is_read_on_the_device(monkeypatch):
     the CPU by letting that path take CPU tensors: no host read of the lr by the SGD (the checks
     read a CPU lr, where that is free), each new value used, the same bits as
     ``torch.optim.SGD(fused=True)``."""
-    import fgd_fast.functional as functional
+    import fgd_fast.plain_sgd as plain_sgd
 
-    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(plain_sgd, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
     lr = torch.tensor(0.05)
     reads = []
     for name in ("__float__", "item", "tolist"):
@@ -268,29 +268,29 @@ def test_a_plain_groups_tensor_lr_is_read_on_the_device(monkeypatch):
             assert torch.equal(p, t)
     assert reads == []
     grads, bufs = [p.grad for p in plain], [opt.state[p]["momentum_buffer"] for p in plain]
-    assert functional._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
+    assert plain_sgd._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
     # where the fused kernel cannot read it (its CUDA kernel refuses these with an error, the CPU's
     # takes them: checked here by the predicate), a host read: a float64 lr; buffers of which some
     # are still to be made (a parameter whose first gradient comes later); a gradient or buffer of
     # other strides; a non-dense parameter; and the CPU's own default
-    assert not functional._fused_reads(torch.tensor(0.1, dtype=torch.float64), plain, grads, bufs, 0.9)
-    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.9)
-    assert functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.0)
-    assert not functional._fused_reads(torch.tensor(0.1), plain, [grads[0].t().contiguous().t(), grads[1]], bufs, 0.9)
-    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0].t().contiguous().t(), bufs[1]], 0.9)
+    assert not plain_sgd._fused_reads(torch.tensor(0.1, dtype=torch.float64), plain, grads, bufs, 0.9)
+    assert not plain_sgd._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.9)
+    assert plain_sgd._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0], None], 0.0)
+    assert not plain_sgd._fused_reads(torch.tensor(0.1), plain, [grads[0].t().contiguous().t(), grads[1]], bufs, 0.9)
+    assert not plain_sgd._fused_reads(torch.tensor(0.1), plain, grads, [bufs[0].t().contiguous().t(), bufs[1]], 0.9)
     wide = torch.randn(5, 6)[:, :3]
-    assert not functional._fused_reads(torch.tensor(0.1), [wide, plain[1]], [torch.randn(5, 3), grads[1]], bufs, 0.0)
-    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda",))
-    assert not functional._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
+    assert not plain_sgd._fused_reads(torch.tensor(0.1), [wide, plain[1]], [torch.randn(5, 3), grads[1]], bufs, 0.0)
+    monkeypatch.setattr(plain_sgd, "_FUSED_LR_DEVICES", ("cuda",))
+    assert not plain_sgd._fused_reads(torch.tensor(0.1), plain, grads, bufs, 0.9)
 
 
 def test_a_plain_group_whose_parameter_gets_its_first_gradient_later_steps_with_a_tensor_lr(monkeypatch):
     """A review of the fused path: torch's fused SGD makes every momentum buffer at its first step
     and refuses a group where some are made and some are not (a parameter of an unused branch,
     unfrozen later): such a step reads the lr on the host and steps as torch's SGD."""
-    import fgd_fast.functional as functional
+    import fgd_fast.plain_sgd as plain_sgd
 
-    monkeypatch.setattr(functional, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(plain_sgd, "_FUSED_LR_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     plain = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in plain]

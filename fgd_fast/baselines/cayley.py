@@ -72,7 +72,7 @@ class CayleySGD(CayleyBase):
     to rounding) or ``norm="one"`` (the public code's largest column sum of ``|W|``).
 
     Weight decay, dampening and Nesterov apply to the Euclidean groups only, which get exactly
-    ``torch.optim.SGD`` (``fgd_fast.functional.sgd``).
+    ``torch.optim.SGD`` (``fgd_fast.sgd``).
 
     Args:
         params: parameters or parameter groups (e.g. ``fgd_fast.stiefel_param_groups(model)``);
