@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._naming import label
 from ._stiefel_optimizer import (
     StiefelOptimizer,
-    label,
     lr_on_device,
     option,
     state_outside_inference_mode,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._stiefel_optimizer import remember_names
+from ._naming import remember_names
 from .manifold import check_materialised, orthogonalize_
 from .validation import check_bool, check_orthogonal_params, check_writable, is_numpy_bool, user_stacklevel
 
