@@ -190,6 +190,46 @@ def test_the_gpu_breakdown_counts_kernels_not_the_ranges_on_the_gpu_timeline():
     assert kinds == {"gram": 4.0, "update": 3.0, "cuBLAS products": 2.0}
 
 
+def test_the_gpu_parts_of_a_step_count_the_kernels_that_ran_inside_them():
+    """A review of the GPU-only paths: each part's GPU time came from its host range's
+    ``device_time_total``, which reaches only kernels an aten op inside the range launched; the
+    Triton backend's kernels, launched directly, counted for nothing (every part would have read
+    as host-bound). Now by time window on the GPU timeline. Synthetic events, as a GPU profile
+    has them (times in µs)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.gpu.first_phase import phase_times
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False, cpu_total=0.0, linked=0.0):
+        fields = dict(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+        fields.update(cpu_time_total=cpu_total, device_time_total=linked, is_user_annotation=annotation)
+        return SimpleNamespace(**fields)
+
+    events = [
+        event("fgd::gram", 0, 50, device=DeviceType.CPU, cpu_total=50.0),  # host ranges: no aten op inside
+        event("fgd::update", 60, 90, device=DeviceType.CPU, cpu_total=30.0),
+        event("Optimizer.step#FGD.step", 100, 400, annotation=True),  # the GPU timeline
+        event("fgd::gram", 100, 200, annotation=True),
+        event("_tc_gram_kernel", 105, 185),
+        event("_tc_split_kernel", 101, 104),
+        event("fgd::update", 250, 400),  # (a torch without the annotation flag: the name alone)
+        event("_tc_update_kernel", 260, 390),
+        event("_between_the_parts", 210, 240),
+    ]
+    got = phase_times(events, cuda=True)
+    assert got == {
+        "gram": dict(host_ms=0.05, gpu_ms=0.083, ranges=1, gpu_ms_linked=0.0),
+        "update": dict(host_ms=0.03, gpu_ms=0.13, ranges=1, gpu_ms_linked=0.0),
+    }
+    assert all(v["gpu_ms"] is None for v in phase_times(events[:2], cuda=True).values())  # no GPU copies: unknown
+    assert phase_times(events, cuda=False) == {
+        "gram": dict(host_ms=0.05, gpu_ms=None, ranges=1),
+        "update": dict(host_ms=0.03, gpu_ms=None, ranges=1),
+    }
+
+
 def _args(tmp_path, **kw):
     import argparse
 

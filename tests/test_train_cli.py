@@ -174,6 +174,29 @@ def test_cifar10_read_from_the_pickle_batches(tmp_path, train_main):
     assert result["config"]["steps_per_epoch"] == 2 and "20 train / 6 test" in result["config"]["dataset_description"]
 
 
+def test_an_interrupted_run_writes_what_it_measured(tmp_path, train_main, monkeypatch, capsys):
+    """A review of the GPU session: its time limit stops the training comparison with SIGINT,
+    and train.json was written only at the end: the session lost every run. Now an interrupt
+    ends the comparison where it is, and train.json holds each run's steps so far."""
+    from benchmarks.training import train
+
+    real, calls = train.Run.step, []
+
+    def step(self, x, y):
+        calls.append(self.name)
+        if len(calls) == 5:  # (SIGINT: Python raises KeyboardInterrupt in the main thread)
+            raise KeyboardInterrupt
+        return real(self, x, y)
+
+    monkeypatch.setattr(train.Run, "step", step)
+    args = ("--dataset", "digits", "--epochs", "2", "--steps-per-epoch", "4", "--optimizers", "sgd,fgd", "--no-plot")
+    rc = train_main(tmp_path, *args)
+    result = json.loads((tmp_path / "train.json").read_text())
+    assert rc == 130 and all(r["stopped"] for r in result["optimizers"].values())
+    assert sorted(len(r["history"]["loss"]) for r in result["optimizers"].values()) == [2, 2]
+    assert "(interrupted)" in capsys.readouterr().out
+
+
 def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_main, capsys):
     """An lr far too large would take FGD off the manifold: without the step guard its step is
     refused (max_distance), the run records the error, sgd trains on, and the command exits

@@ -23,8 +23,8 @@ so a run killed at any point keeps everything measured before. In priority order
   update, the Triton middle's kernels and guard kernels, cuBLAS products, the rest: the torch
   paths' p × p middle, guard and bookkeeping), the kernel count, the top kernels by time, and
   per part of the step as the FGD backends mark it (``phases``: Gram pass, middle, update) the
-  GPU time it launched and the host time inside it — the split the kernel names cannot give
-  where every product is a cuBLAS kernel (the torch backend);
+  time of the kernels that ran inside it on the GPU timeline and the host time inside it — the
+  split the kernel names cannot give where every product is a cuBLAS kernel (the torch backend);
 - ``memory`` (measured first): the peak memory the first and a later step allocate above what
   existed before each, and what the first step left allocated (state and the backend's buffers);
 - ``distance``: max ‖θᵀθ − I‖_F (float64) over ``--steps`` steps of the benchmark's gradient
@@ -202,21 +202,48 @@ def _annotation(e) -> bool:
 def _phases(prof, device) -> dict:
     """The step's parts as the FGD backends mark them (``fgd::gram``, ``fgd::middle``,
     ``fgd::update``: :func:`fgd_fast.backends.base.phase`): per part the host time inside the
-    range and, on a GPU, the kernels' time it launched (children included); empty for a
-    contender that marks none."""
-    out: dict[str, dict] = {}
-    import torch
+    range and, on a GPU, the time of the kernels that ran inside its copy on the GPU timeline
+    (``gpu_ms``); empty for a contender that marks none."""
+    return phase_times(prof.events(), device.type == "cuda")
 
-    for e in prof.events():  # the host range (its device_time_total: the kernels it launched); not its GPU copy
-        if not e.name.startswith("fgd::") or e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        part = out.setdefault(e.name.removeprefix("fgd::"), dict(host_ms=0.0, gpu_ms=0.0, ranges=0))
-        part["host_ms"] += e.cpu_time_total / 1e3
-        part["gpu_ms"] += e.device_time_total / 1e3 if device.type == "cuda" else 0.0
-        part["ranges"] += 1
-    gpu = device.type == "cuda"  # (no device time on a CPU: None, not 0)
+
+def phase_times(events, cuda: bool) -> dict:
+    """:func:`_phases` from profiler events. ``gpu_ms`` is attributed by time window: a kernel
+    belongs to a part when it starts inside that part's range as the profiler puts it on the GPU
+    timeline. The profiler's own link (a range's ``device_time_total``) reaches only kernels
+    launched by an aten op inside the range: the Triton backend's kernels, launched directly,
+    would count for nothing (kept as ``gpu_ms_linked``, for comparison)."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, dict] = {}
+    windows: list[tuple[str, float, float]] = []  # (part, start, end) in µs on the GPU timeline
+    kernels: list[tuple[float, float]] = []  # (start, duration) in µs
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            if e.name.startswith("fgd::"):  # the host range
+                part = out.setdefault(e.name.removeprefix("fgd::"), dict(host_ms=0.0, gpu_ms=0.0, ranges=0))
+                part["host_ms"] += e.cpu_time_total / 1e3
+                if cuda:
+                    part["gpu_ms_linked"] = part.get("gpu_ms_linked", 0.0) + e.device_time_total / 1e3
+                part["ranges"] += 1
+        elif cuda and e.device_type == DeviceType.CUDA:
+            if e.name.startswith("fgd::"):  # the range's copy on the GPU timeline
+                windows.append((e.name.removeprefix("fgd::"), e.time_range.start, e.time_range.end))
+            elif not _annotation(e):
+                kernels.append((e.time_range.start, e.time_range.end - e.time_range.start))
+    for name, start, end in windows:
+        part = out.setdefault(name, dict(host_ms=0.0, gpu_ms=0.0, ranges=0))
+        part["gpu_ms"] += sum(d for t, d in kernels if start <= t < end) / 1e3
+    if cuda and out and not windows:  # (a profiler that puts no ranges on the GPU timeline: say so)
+        for part in out.values():
+            part["gpu_ms"] = None
     return {
-        k: dict(v, host_ms=round(v["host_ms"], 4), gpu_ms=round(v["gpu_ms"], 4) if gpu else None)
+        k: {
+            **v,
+            "host_ms": round(v["host_ms"], 4),
+            "gpu_ms": round(v["gpu_ms"], 4) if cuda and v["gpu_ms"] is not None else None,
+            **({"gpu_ms_linked": round(v["gpu_ms_linked"], 4)} if "gpu_ms_linked" in v else {}),
+        }
         for k, v in out.items()
     }
 

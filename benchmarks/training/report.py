@@ -31,13 +31,15 @@ def _rows(result: dict) -> list[list[str]]:
         if "error" in r:
             rows.append([label, "stopped¹"] + ["—"] * (len(HEAD) - 2))
             continue
+        if r.get("stopped"):  # (interrupted: what it had measured)
+            label += " (interrupted)"
         rows.append(
             [
                 label,
-                f"{100 * r['test_accuracy']:.1f} %",
-                f"{r['train_loss']:.4g}",
-                f"{r['max_distance']:.1e}",
-                f"{r['mean_distance']:.1e}",
+                _given(r["test_accuracy"], lambda v: f"{100 * v:.1f} %"),
+                _given(r["train_loss"], lambda v: f"{v:.4g}"),
+                _given(r["max_distance"], lambda v: f"{v:.1e}"),
+                _given(r["mean_distance"], lambda v: f"{v:.1e}"),
                 _ms(r["fwd_bwd_seconds"]),
                 _ms(r["step_seconds"]),
                 _ms(r["train_step_seconds"]),
@@ -45,6 +47,10 @@ def _rows(result: dict) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _given(value, fmt) -> str:
+    return "—" if value is None else fmt(value)
 
 
 HEAD = [

@@ -316,6 +316,7 @@ class Run:
         self.epoch_losses: list[float] = []
         self.epochs: list[dict] = []
         self.error: str | None = None
+        self.stopped = False  # (interrupted before the comparison ended)
         self.busy = 0.0  # seconds spent in this run's steps and evaluations
         self.hist: dict = {"step": [], "loss": [], "eval": []}
         self._evaluate_at(0)
@@ -397,6 +398,8 @@ class Run:
         if self.bar is not None and self.error is None:
             self.bar.close()
         out = {"family": family(self.name), "settings": self.settings, "epochs": self.epochs, "history": self.hist}
+        if self.stopped:
+            out["stopped"] = True
         if isinstance(self.opt, fgd_fast.FGD):
             out["backend"] = self.opt.resolved_backend(self.device)
             stats = self.opt.guard_stats().values()  # layer-steps the guard scaled / reset
@@ -407,16 +410,17 @@ class Run:
         if self.cfg.get("compile") and len(self.timer.step) > 1:
             skip = max(skip, 1)  # (the first step compiles the model)
         fwd_bwd, step_s = self.timer.fwd_bwd[skip:], self.timer.step[skip:]
-        final = self.hist["eval"][-1]
+        final = self.hist["eval"][-1] if self.hist["eval"] else {}  # (a run stopped early: what it has)
+        loss = self.epochs[-1]["train_loss"] if self.epochs else None
         return {
             **out,
-            "test_accuracy": final["test_accuracy"],
-            "max_distance": final["max_distance"],
-            "mean_distance": final["mean_distance"],
-            "train_loss": self.epochs[-1]["train_loss"],
-            "fwd_bwd_seconds": statistics.median(fwd_bwd),
-            "step_seconds": statistics.median(step_s),
-            "train_step_seconds": statistics.median(a + b for a, b in zip(fwd_bwd, step_s)),
+            "test_accuracy": final.get("test_accuracy"),
+            "max_distance": final.get("max_distance"),
+            "mean_distance": final.get("mean_distance"),
+            "train_loss": loss,
+            "fwd_bwd_seconds": statistics.median(fwd_bwd) if fwd_bwd else None,
+            "step_seconds": statistics.median(step_s) if step_s else None,
+            "train_step_seconds": statistics.median(a + b for a, b in zip(fwd_bwd, step_s)) if step_s else None,
             "wall_seconds": self.busy,
             "timed_steps": len(step_s),
             # (a steady step builds none; new gradient addresses each step would show here)
@@ -431,15 +435,27 @@ def train(
     """Train every optimizer in ``names`` from ``base`` on the same batches, interleaved: each
     batch goes through every run in turn (the order rotating from step to step), so a machine
     whose load changes during the comparison slows every optimizer alike. A run that raises
-    (e.g. FGD refusing a step off the manifold) stops with its error; the others go on."""
+    (e.g. FGD refusing a step off the manifold) stops with its error; the others go on. An
+    interrupt (Ctrl-C, a time limit's SIGINT) ends the comparison where it is: every run's
+    record says ``"stopped": true`` and holds what it measured so far."""
     bars = progress and sys.stderr.isatty()  # else (a log, a pipe): one status line per evaluation
     runs = [Run(n, base, data, cfg, settings[n], i if bars else None) for i, n in enumerate(names)]
     live = list(runs)
-    total = cfg["epochs"] * cfg["steps_per_epoch"]
     gen = torch.Generator().manual_seed(cfg["seed"])
+    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    try:
+        _train_loop(runs, live, data, cfg, gen, memory_format, progress and not bars)
+    except KeyboardInterrupt:  # (a time limit's SIGINT, the GPU session's: keep what the runs have so far)
+        for run in runs:
+            run.stopped = True
+    return {r.name: r.record() for r in runs}
+
+
+def _train_loop(runs, live, data, cfg, gen, memory_format, lines: bool) -> None:
+    """:func:`train`'s batches, every live run stepping on each in turn."""
+    total = cfg["epochs"] * cfg["steps_per_epoch"]
     steps, evals = cfg["steps_per_epoch"], cfg["evals_per_epoch"]
     points = {round((j + 1) * steps / evals) for j in range(evals)}  # evals_per_epoch points, the last at its end
-    memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
     step = 0
     for epoch in range(1, cfg["epochs"] + 1):
         for i, (x, y) in enumerate(data.train_batches(cfg["batch_size"], cfg["steps_per_epoch"], gen, memory_format)):
@@ -452,8 +468,8 @@ def train(
                         run.evaluate(step)
                 except (FloatingPointError, ValueError, RuntimeError) as exc:
                     run.fail(exc)
-            live = [r for r in live if r.error is None]
-            if progress and not bars and i + 1 in points:
+            live[:] = [r for r in live if r.error is None]
+            if lines and i + 1 in points:
                 print(
                     f"step {step}/{total}: "
                     + " | ".join(
@@ -466,7 +482,6 @@ def train(
                 )
         for run in live:
             run.end_epoch(epoch, step)
-    return {r.name: r.record() for r in runs}
 
 
 def _mean(values) -> float:
@@ -567,7 +582,7 @@ def run(args: argparse.Namespace) -> dict:
     sgd = results.get("sgd", {}).get("train_step_seconds")
     for r in results.values():
         if "error" not in r:
-            r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd else None
+            r["train_step_ratio_to_sgd"] = r["train_step_seconds"] / sgd if sgd and r["train_step_seconds"] else None
     if hasattr(os, "getloadavg"):
         record["device"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # ... and at the end
     return {"optimizers": results, "config": cfg, **record}
@@ -610,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, r in result["optimizers"].items() if "error" in r]
     if failed:
         print(f"stopped with an error: {', '.join(failed)}", file=sys.stderr)
+    if any(r.get("stopped") for r in result["optimizers"].values()):
+        print("interrupted: train.json holds what every run measured until then", file=sys.stderr)
+        return 130  # (as a shell reports an interrupted command)
     return 1 if failed else 0
 
 
