@@ -2,7 +2,6 @@
 set before any kernel module is imported, so it is set here, at collection time."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +21,13 @@ if _workers > 1:
 def emu_ext(tmp_path_factory):
     """The CUDA kernels of csrc/ built for the CPU emulator (tests/cuda_emulation), once per
     session (per xdist worker)."""
-    from cuda_emulation import EmulatedExtension, build_library, compiler
+    from cuda_emulation import EmulatedExtension, build_library
     from cuda_emulation.build import CSRC
+    from helpers import cuda_emulation_reason
 
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the CUDA emulator (fibers, signals, mmap) is Linux-only")
-    if compiler() is None:
-        pytest.skip("g++ not found: the CUDA kernels cannot be built for the CPU emulator")
+    reason = cuda_emulation_reason()
+    if reason:
+        pytest.skip(reason)
     csrc = Path(os.environ.get("FGD_EMU_CSRC", CSRC))  # (another tree: CSRC_MUTANTS)
     return EmulatedExtension(build_library(tmp_path_factory.mktemp("cuda_emulation"), csrc))
 

@@ -151,7 +151,7 @@ def test_adam_starts_its_iteration_on_the_curve_it_computes_not_at_the_papers_li
     times the first-order point X − αW̃X of the curve the iteration Y ← X − (α/2)W̃(X + Y) computes.
     This module starts there; the literal start leaves s = 2 iterations off the Cayley transform by
     an amount that grows with |r − 1| (measured, float64, wide 6×30, α = 0.05: ours 1.5e-8 at
-    r = 0.005 and at r = 52; the literal start 1.3e-6 and 7.3e-5). Fails if the start becomes the
+    r = 0.005 and at r = 49.5; the literal start 1.3e-6 and 6.3e-5). Fails if the start becomes the
     literal one (or the public code's un-projected one)."""
     rng = np.random.default_rng(3)
     w = random_stiefel(rng, (6, 30))

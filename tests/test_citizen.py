@@ -907,10 +907,12 @@ def test_torchs_precision_switches_neither_break_nor_change_the_step(setting, ba
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_amp_grad_scaler_skips_an_overflowed_step_and_unscales_the_others(name):
-    """Mixed-precision training's loop (``torch.amp.GradScaler``): a step whose scaled gradients
-    overflowed is skipped with nothing of the optimizer touched, and the others are the steps of
-    the unscaled gradients, bit for bit (the scale is a power of two). Fails if a step ran on the
-    scaled or non-finite gradients, or if the skipped one left state behind."""
+    """Mixed-precision training's loop (``torch.amp.GradScaler``), an integration check: a step
+    whose scaled gradients overflowed is skipped (by the scaler, which then never calls
+    ``step``) with nothing of the optimizer touched, and the others are the steps of the unscaled
+    gradients, bit for bit (the scale is a power of two). Fails if a step ran on the scaled
+    gradients (an optimizer declaring ``_step_supports_amp_scaling`` gets them still scaled, to
+    unscale itself)."""
     scaled, plain = _net(), _net()
     opts = {
         "scaled": OPTIMIZERS[name](fgd_fast.stiefel_param_groups(scaled, "paper")),

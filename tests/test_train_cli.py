@@ -178,7 +178,7 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, train_main, monkey
     """A review of the GPU session: its time limit stops the training comparison with SIGINT,
     and train.json was written only at the end: the session lost every run. Now an interrupt
     ends the comparison where it is, and train.json holds each run's steps so far."""
-    from benchmarks.training import train
+    from benchmarks.training import sweep, train
 
     real, calls = train.Run.step, []
 
@@ -195,6 +195,9 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, train_main, monkey
     assert rc == 130 and all(r["stopped"] for r in result["optimizers"].values())
     assert sorted(len(r["history"]["loss"]) for r in result["optimizers"].values()) == [2, 2]
     assert "(interrupted)" in capsys.readouterr().out
+    calls.clear()  # a sweep's grid point is no result when cut short: the interrupt stops the sweep
+    with pytest.raises(KeyboardInterrupt):
+        sweep.main(["--epochs", "1", "--lr", "0.05", "--second", "0.4", "--out", str(tmp_path / "sweep.md")])
 
 
 def test_a_failing_optimizer_stops_alone_and_the_run_says_so(tmp_path, train_main, capsys):

@@ -430,14 +430,21 @@ class Run:
 
 
 def train(
-    names: list[str], base: nn.Module, data: Dataset, cfg: dict, settings: dict[str, dict], progress: bool = True
+    names: list[str],
+    base: nn.Module,
+    data: Dataset,
+    cfg: dict,
+    settings: dict[str, dict],
+    progress: bool = True,
+    partial_on_interrupt: bool = False,
 ) -> dict[str, dict]:
     """Train every optimizer in ``names`` from ``base`` on the same batches, interleaved: each
     batch goes through every run in turn (the order rotating from step to step), so a machine
     whose load changes during the comparison slows every optimizer alike. A run that raises
-    (e.g. FGD refusing a step off the manifold) stops with its error; the others go on. An
-    interrupt (Ctrl-C, a time limit's SIGINT) ends the comparison where it is: every run's
-    record says ``"stopped": true`` and holds what it measured so far."""
+    (e.g. FGD refusing a step off the manifold) stops with its error; the others go on. With
+    ``partial_on_interrupt`` (the command line's), an interrupt (Ctrl-C, a time limit's SIGINT)
+    ends the comparison where it is: every run's record says ``"stopped": true`` and holds what
+    it measured so far; otherwise (a sweep's grid point) it propagates."""
     bars = progress and sys.stderr.isatty()  # else (a log, a pipe): one status line per evaluation
     runs = [Run(n, base, data, cfg, settings[n], i if bars else None) for i, n in enumerate(names)]
     live = list(runs)
@@ -446,6 +453,8 @@ def train(
     try:
         _train_loop(runs, live, data, cfg, gen, memory_format, progress and not bars)
     except KeyboardInterrupt:  # (a time limit's SIGINT, the GPU session's: keep what the runs have so far)
+        if not partial_on_interrupt:
+            raise
         for run in runs:
             run.stopped = True
     return {r.name: r.record() for r in runs}
@@ -578,7 +587,7 @@ def run(args: argparse.Namespace) -> dict:
         f"autocast {cfg['amp']}, channels_last {cfg['channels_last']}",
         flush=True,
     )
-    results = train(names, base, data, cfg, settings, progress=not args.no_progress)
+    results = train(names, base, data, cfg, settings, progress=not args.no_progress, partial_on_interrupt=True)
     sgd = results.get("sgd", {}).get("train_step_seconds")
     for r in results.values():
         if "error" not in r:
