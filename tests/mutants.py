@@ -37,6 +37,7 @@ FAILED = "tests/test_failed_step_contract.py"
 BLEND = "tests/test_guard_blend.py"
 ORDER = "tests/test_program_order.py"
 SHARED = "tests/test_shared_memory.py"
+CONTRACT = "tests/test_backend_contract.py"
 #: mutants of the collectives, planted in the ranks' processes (tests/distributed_cases.py reads
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
@@ -395,6 +396,10 @@ MUTANTS = {
         "two parameters sharing exactly one entry accepted (each tensor's byte span one entry short)",
         [f"{SHARED}::test_views_that_share_one_entry_or_bytes_of_another_dtype_are_refused"],
     ),
+    "auto_takes_triton_without_tf32_tensor_cores": (
+        '"auto" picking the Triton tensor-core step on a GPU older than Ampere (its TF32 products as fp32 FMA)',
+        [f"{CONTRACT}::test_auto_picks_the_tensor_core_step_only_where_tf32_tensor_cores_are[sm_75]"],
+    ),
     "reset_parameter_keeps_the_momentum": (
         "reset_parameter leaving Φ in place (the next step is not a first step)",
         [
@@ -556,6 +561,12 @@ KERNEL_EDITS = {
 #: mutants of a Python function's source: (module, the function's qualified name, text, replacement)
 SOURCE_EDITS = {
     "overlap_span_one_entry_short": ("fgd_fast.validation", "_span", "extent = 1 + sum(", "extent = sum("),
+    "auto_takes_triton_without_tf32_tensor_cores": (
+        "fgd_fast.backends",
+        "_tf32_tensor_cores",
+        "return torch.cuda.get_device_capability(device) >= (8, 0)",
+        "return torch.cuda.get_device_capability(device) >= (7, 0)",
+    ),
     "reset_parameter_keeps_the_momentum": (
         "fgd_fast.optimizer",
         "FGD.reset_parameter",

@@ -46,9 +46,27 @@ def test_auto_resolves_as_the_selection_table_states(monkeypatch, device, precis
         return fake_triton_loader
 
     monkeypatch.setattr(registry, "_load_triton", fake_triton_loader)
+    monkeypatch.setattr(registry, "_tf32_tensor_cores", lambda dev: True)  # (an Ampere, Hopper, … GPU)
     name, prepare = resolve_backend("auto", torch.device(device), precision)
     assert name == AUTO_RESOLVES_TO[device, precision][0 if triton_loads else 1]
     assert (prepare is fake_triton_loader) == (name == "triton")
+
+
+@pytest.mark.parametrize("gpu", ["sm_75", "sm_80", "rocm"])
+def test_auto_picks_the_tensor_core_step_only_where_tf32_tensor_cores_are(monkeypatch, gpu):
+    """A review: "auto" took the Triton tensor-core step on any CUDA device, where a GPU older
+    than Ampere (a T4, a V100) runs its TF32 products as fp32 FMA, slower than cuBLAS, and a
+    ROCm build's Triton refuses a TF32 dot (all but the MI300): the default step failed to
+    compile. They get the torch backend; an explicit "triton" on ROCm says why it cannot run."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: {"sm_75": (7, 5)}.get(gpu, (8, 0)))
+    monkeypatch.setattr(torch.version, "hip", "6.2.0" if gpu == "rocm" else None)
+    want = "triton" if gpu == "sm_80" else "torch"
+    for precision in ("tf32x3", "tf32"):
+        assert resolve_backend("auto", torch.device("cuda"), precision)[0] == want
+    assert resolve_backend("auto", torch.device("cuda"), "ieee")[0] == "torch"
+    if gpu == "rocm":
+        with pytest.raises(BackendUnavailable, match="ROCm .*use backend='torch'"):
+            resolve_backend("triton", torch.device("cuda"), "tf32x3")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

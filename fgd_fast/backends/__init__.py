@@ -76,6 +76,19 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _tf32_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU with TF32 tensor cores (compute capability 8.0 on:
+    Ampere, Hopper, Blackwell), where the Triton backend's tensor-core step was measured fastest.
+    An older NVIDIA GPU runs its TF32 products as fp32 FMA (slower than cuBLAS); a ROCm build's
+    GPU has no TF32 dot in Triton (but the MI300's)."""
+    if getattr(torch.version, "hip", None):
+        return False
+    try:
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    except (AssertionError, RuntimeError):  # (a torch without CUDA: no GPU to ask)
+        return False
+
+
 def _release(version: str) -> tuple[int, ...]:
     """The leading release numbers of a version string: ``"3.6.0+git9a1b"`` → ``(3, 6, 0)``."""
     match = re.match(r"\d+(?:\.\d+)*", version)
@@ -89,6 +102,11 @@ def _load_triton(device: torch.device) -> Backend:
             f"backend='triton' needs CUDA tensors, got {device.type} tensors ({how}set TRITON_INTERPRET=1 "
             "before importing fgd_fast to run the kernels on the CPU for testing, or use "
             "backend='torch')"
+        )
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        raise BackendUnavailable(
+            f"backend='triton' runs on NVIDIA GPUs (its kernels are built and tested for them); this torch "
+            f"{torch.__version__} is a ROCm (HIP) build: use backend='torch' (or 'auto', which picks it)"
         )
     try:
         import triton
@@ -131,7 +149,8 @@ def resolve_backend(name: str, device: torch.device, precision: str = "ieee") ->
     ``"auto"`` picks the fastest backend that loads and never raises, as measured on a GPU
     (``benchmarks/results/gpu-h200-2026-11-26-first.md``): ``torch`` for ``"ieee"`` (cuBLAS
     beat Triton's CUDA-core kernels) and on CPUs, and ``triton`` for the TF32 precisions on
-    CUDA devices when it loads (its tensor-core step beat the torch backend's), else ``torch``.
+    NVIDIA GPUs with TF32 tensor cores (compute capability 8.0 on) when it loads (its
+    tensor-core step beat the torch backend's), else ``torch``.
     An explicit name that cannot run raises :class:`BackendUnavailable` with the reason.
     """
     loaders: dict[str, Callable[[], Backend]] = {
@@ -144,7 +163,7 @@ def resolve_backend(name: str, device: torch.device, precision: str = "ieee") ->
         if name not in loaders:
             raise ValueError(f"unknown backend={name!r}: choose one of {', '.join(map(repr, BACKENDS))}")
         return name, loaders[name]()
-    if device.type == "cuda" and precision in ("tf32", "tf32x3"):
+    if device.type == "cuda" and precision in ("tf32", "tf32x3") and _tf32_tensor_cores(device):
         try:
             return "triton", loaders["triton"]()
         except BackendUnavailable:
