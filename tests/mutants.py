@@ -1264,13 +1264,13 @@ def plant_here(name: str) -> None:
 
         distributed.checks_stay_in_groups = lambda meshes: False
     elif name == "saved_state_unshared":
-        import fgd_fast._stiefel_optimizer as stiefel
+        import fgd_fast._checkpoint as checkpoint
 
         def unshared(failed, params):
             if failed is not None:
                 raise failed
 
-        stiefel.agree_on_saved_state = unshared
+        checkpoint.agree_on_saved_state = unshared
     elif name == "phi_sq_of_own_rows":
         from fgd_fast.backends import torch_groups
         from fgd_fast.backends.algebra import grad_sq
