@@ -42,6 +42,23 @@ CONTRACT = "tests/test_backend_contract.py"
 #: this variable, set while the mutant is planted, and calls :func:`plant_here`)
 IN_RANKS = "FGD_TEST_MUTANT"
 
+#: the mutants planted in the ranks' processes (:func:`plant_here`)
+RANK_MUTANTS = (
+    "owner_checks_unshared",
+    "grad_sq_unsummed",
+    "phi_sq_of_own_rows",
+    "guard_settings_not_agreed",
+    "local_checks_unshared",
+    "sharded_checks_kept_in_groups",
+    "owner_failure_unshared",
+    "strided_layout_unchecked",
+    "gathered_plan_unchecked",
+    "distance_summed_over_replicas",
+    "gather_packs_2d_meshes",
+    "step_refusal_unshared",
+    "saved_state_unshared",
+)
+
 #: mutant → (what it breaks, the tests that must catch it)
 MUTANTS = {
     "raise_when_guard_binds": (
@@ -758,35 +775,74 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
             setattr(original, attr, getattr(planted, attr))
 
 
+def _module_names() -> dict[str, set[str]]:
+    """The names each loaded module of the package holds."""
+    return {k: set(vars(m)) for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None}
+
+
+def _check_no_name_added(name: str, before: dict[str, set[str]]) -> None:
+    """A mutant that sets a name a module of the package did not hold patched nothing the code
+    calls (the function moved to another module, say): it would survive for that reason alone."""
+    for module, names in before.items():
+        held = vars(sys.modules[module])
+        added = [n for n in set(held) - names if not isinstance(held[n], type(sys))]  # (a submodule imported: fine)
+        if added:
+            raise RuntimeError(
+                f"mutant {name!r} set {', '.join(sorted(added))} on {module}, which did not hold it: "
+                "patch the module that calls it (moved?)"
+            )
+
+
 def plant(name: str) -> Callable[[], None]:
     """Plant mutant ``name``; returns the function that removes it."""
     import fgd_fast
     import fgd_fast.backends.reference  # noqa: F401  (loaded, so their imported names get rebound)
     import fgd_fast.backends.torch_batched  # noqa: F401
-    import fgd_fast.functional
+    import fgd_fast.functional  # noqa: F401
 
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r}: one of {', '.join(MUTANTS)}")
+    before = _module_names()
+    if os.environ.get(IN_RANKS) is None and name in RANK_MUTANTS:  # (a dry run here, undone: what the ranks patch)
+        saved = _attributes()
+        try:
+            _plant_here(name)
+            _check_no_name_added(name, before)
+        finally:
+            _restore(saved)
+    try:
+        return _plant(name)
+    finally:
+        _check_no_name_added(name, before)
+
+
+def _attributes() -> dict:
+    """Every attribute of the package's loaded modules and of their classes, to undo a dry run."""
+    owners = [m for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None]
+    owners += [v for m in list(owners) for v in vars(m).values() if isinstance(v, type)]
+    return {id(o): (o, dict(vars(o))) for o in owners}
+
+
+def _restore(saved: dict) -> None:
+    for owner, attrs in saved.values():
+        for attr in set(vars(owner)) - set(attrs):
+            if not isinstance(vars(owner)[attr], type(sys)):  # (a submodule the dry run imported stays)
+                delattr(owner, attr)
+        for attr, value in attrs.items():
+            if vars(owner).get(attr) is not value:
+                setattr(owner, attr, value)
+
+
+def _plant(name: str) -> Callable[[], None]:
+    import fgd_fast
+    import fgd_fast.functional
+
     undo: list = []
     if name in KERNEL_EDITS:
         _plant_kernel_edit(*KERNEL_EDITS[name], undo)
     elif name in SOURCE_EDITS:
         _plant_source_edit(*SOURCE_EDITS[name], undo)
-    elif name in (
-        "owner_checks_unshared",
-        "grad_sq_unsummed",
-        "phi_sq_of_own_rows",
-        "guard_settings_not_agreed",
-        "local_checks_unshared",
-        "sharded_checks_kept_in_groups",
-        "owner_failure_unshared",
-        "strided_layout_unchecked",
-        "gathered_plan_unchecked",
-        "distance_summed_over_replicas",
-        "gather_packs_2d_meshes",
-        "step_refusal_unshared",
-        "saved_state_unshared",
-    ):
+    elif name in RANK_MUTANTS:
         os.environ[IN_RANKS] = name
         undo.append((os.environ, IN_RANKS, None))
     elif name == "raise_when_guard_binds":
@@ -1215,6 +1271,14 @@ def plant(name: str) -> Callable[[], None]:
 
 def plant_here(name: str) -> None:
     """Plant collective mutant ``name`` in this (rank's) process, for good."""
+    before = _module_names()
+    try:
+        _plant_here(name)
+    finally:
+        _check_no_name_added(name, before)
+
+
+def _plant_here(name: str) -> None:
     from fgd_fast import distributed, owners
 
     if name == "owner_checks_unshared":
@@ -1290,11 +1354,9 @@ def plant_here(name: str) -> None:
 
         distributed.summing_over = summing_over
     elif name == "guard_settings_not_agreed":
-        import fgd_fast.functional as functional
-
-        agree = functional.agree_across_ranks
+        agree = distributed.agree_across_ranks
         dropped = ("check_manifold", "max_distance", "guard", "trust_radius", "variant")
-        functional.agree_across_ranks = lambda settings, device, **kw: agree(
+        distributed.agree_across_ranks = lambda settings, device, **kw: agree(
             {k: v for k, v in settings.items() if k not in dropped}, device, **kw
         )
     else:

@@ -1,7 +1,11 @@
 """Each planted mutant of the guard, the checks and the failed-step contract
 (``tests/mutants.py``) makes at least one of the tests named for it fail (exit status 1: a
 renamed test, which pytest cannot collect, fails this too). All mutants run in one child
-interpreter; the named tests pass unmutated in the main run."""
+interpreter; the named tests pass unmutated in the main run. A mutant that sets a name its
+module does not hold (what it patched moved elsewhere, so it patches nothing the code calls)
+fails to plant, and so does one planted in the ranks' processes (tried first, and undone, in
+the child: in a rank its failure to plant would fail the test and pass for a kill; two such
+mutants had been "killed" that way)."""
 
 from __future__ import annotations
 
