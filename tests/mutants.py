@@ -775,21 +775,26 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
             setattr(original, attr, getattr(planted, attr))
 
 
-def _module_names() -> dict[str, set[str]]:
-    """The names each loaded module of the package holds."""
-    return {k: set(vars(m)) for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None}
+def _module_names() -> dict[str, tuple[object, set[str]]]:
+    """The names each loaded module of the package, and each of its classes, holds (a class's
+    inherited ones too)."""
+    modules = [(k, m) for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None]
+    out = {k: (m, set(vars(m))) for k, m in modules}
+    for k, m in modules:
+        out.update({f"{k}.{c}": (v, set(dir(v))) for c, v in vars(m).items() if isinstance(v, type)})
+    return out
 
 
-def _check_no_name_added(name: str, before: dict[str, set[str]]) -> None:
-    """A mutant that sets a name a module of the package did not hold patched nothing the code
-    calls (the function moved to another module, say): it would survive for that reason alone."""
-    for module, names in before.items():
-        held = vars(sys.modules[module])
-        added = [n for n in set(held) - names if not isinstance(held[n], type(sys))]  # (a submodule imported: fine)
+def _check_no_name_added(name: str, before: dict[str, tuple[object, set[str]]]) -> None:
+    """A mutant that sets a name a module or class of the package did not hold patched nothing
+    the code calls (the function moved elsewhere, say): it would survive for that reason alone."""
+    for where, (owner, names) in before.items():
+        held = set(vars(owner)) if isinstance(owner, type(sys)) else set(dir(owner))
+        added = [n for n in held - names if not isinstance(getattr(owner, n), type(sys))]  # (a submodule: fine)
         if added:
             raise RuntimeError(
-                f"mutant {name!r} set {', '.join(sorted(added))} on {module}, which did not hold it: "
-                "patch the module that calls it (moved?)"
+                f"mutant {name!r} set {', '.join(sorted(added))} on {where}, which did not hold it: "
+                "patch where the code calls it (moved?)"
             )
 
 
