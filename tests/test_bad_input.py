@@ -216,7 +216,7 @@ def test_explicit_cuda_backend_on_cpu_tensors_raises_at_step():
     assert_unchanged(net, opt, snap)
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_zero_size_orthogonal_parameter_is_skipped(backend):
     dev = device_for_tests()
     w = nn.Parameter(fgd_fast.orthogonalize_(torch.randn(4, 3, 3, 3, device=dev)))
@@ -557,7 +557,7 @@ def test_a_meta_device_orthogonal_parameter_is_refused_at_the_step():
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_a_non_finite_parameter_is_named_first_whatever_its_gradient(backend, value):
     """A mutation review: θ with an Inf entry and a NaN gradient raised FloatingPointError ("skip
     this step") on the reference and torch backends, whose ‖θᵀθ − I‖ is Inf there, and

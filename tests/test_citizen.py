@@ -743,7 +743,7 @@ def test_a_step_with_nothing_orthogonal_warns_once():
         fgd_fast.FGD(fgd_fast.stiefel_param_groups(net), lr=0.01).step()
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_a_first_step_in_inference_mode_makes_state_later_steps_can_update(backend):
     """A review: a step under ``torch.inference_mode`` made Φ (and the guard's counters) as
     inference tensors; the next step outside it raised "Inplace update to inference tensor" with

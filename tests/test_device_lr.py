@@ -32,7 +32,7 @@ def _run(backend: str, lr, steps: int = 4):
     return params, opt
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_a_tensor_lr_steps_as_the_float_does(backend):
     floats, _ = _run(backend, 0.05)
     lr = torch.tensor(0.05)
@@ -89,7 +89,7 @@ def test_fgd_hands_the_backends_a_cpu_tensor_lr_as_its_value(monkeypatch):
     assert seen and all(type(v) is float for v in seen[0]) and seen[0][0] == pytest.approx(0.05)
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_tensor_and_float_lrs_in_one_step(backend):
     """Two groups, one lr a tensor and one a float, over layers of several p (one middle over
     both groups' layers in the torch backend: a per-layer η gathered from both), guard on: the
@@ -111,7 +111,7 @@ def test_tensor_and_float_lrs_in_one_step(backend):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 def test_two_tensor_lrs_over_layers_of_one_shape_step_as_their_floats(backend):
     """Per-layer lrs that are two tensors (handed to the backends as they are: the functional
     step), over layers of one shape (one bucket of the torch backend had they been one value):

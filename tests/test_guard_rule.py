@@ -19,7 +19,7 @@ from fgd_fast.guards import MAX_DISTANCE
 from helpers import backend_params
 from oracle import fgd_step, random_stiefel, to_theta
 
-BACKENDS = backend_params(("reference", "torch", "triton"))
+BACKENDS = backend_params(("reference", "torch", "triton", "cuda"))
 
 
 def _blocks(theta, phi, g):

@@ -81,7 +81,7 @@ def test_euclidean_update_matches_numpy_oracle():
     np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-13, atol=1e-14)
 
 
-@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton")))
+@pytest.mark.parametrize("backend", backend_params(("reference", "torch", "triton", "cuda")))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_round_trip_continues_bit_identically(backend, dtype):
     net = _net(2, dtype)
