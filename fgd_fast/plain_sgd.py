@@ -43,34 +43,16 @@ def sgd(
     if not params:
         return
     kinds = {is_dtensor(p) for p in params}
+    options = dict(weight_decay=weight_decay, momentum=momentum, dampening=dampening, nesterov=nesterov)
     if isinstance(lr, torch.Tensor):
         if _fused_reads(lr, params, grads, momentum_buffers, momentum):
-            _torch_sgd(
-                params,
-                grads,
-                momentum_buffers,
-                fused=True,  # η read on the device: d as above, θ ← θ − η d in one kernel per dtype
-                weight_decay=weight_decay,
-                momentum=momentum,
-                lr=lr,
-                dampening=dampening,
-                nesterov=nesterov,
-                maximize=maximize,
-            )
+            # η read on the device: d as above, θ ← θ − η d in one kernel per dtype
+            _torch_sgd(params, grads, momentum_buffers, fused=True, lr=lr, maximize=maximize, **options)
             return
         lr = float(lr)  # (a host read: free on the CPU; else where the fused kernel cannot take the tensors)
-    _torch_sgd(
-        params,
-        grads,
-        momentum_buffers,
-        foreach=False if len(kinds) > 1 else None,  # (CUDA's multi-tensor kernels refuse DTensor and Tensor mixed)
-        weight_decay=weight_decay,
-        momentum=momentum,
-        lr=lr,
-        dampening=dampening,
-        nesterov=nesterov,
-        maximize=maximize,
-    )
+    # (CUDA's multi-tensor kernels refuse DTensor and Tensor mixed)
+    foreach = False if len(kinds) > 1 else None
+    _torch_sgd(params, grads, momentum_buffers, foreach=foreach, lr=lr, maximize=maximize, **options)
 
 
 #: where a plain group's tensor lr goes to torch's fused SGD rather than a host read (a CPU's read
