@@ -75,19 +75,21 @@ def on_device(device: torch.device):
     return nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index)
 
 
-def _cached_backend(name: str, device_type: str, precision: str = "ieee") -> tuple[str, Backend]:
-    """``resolve_backend`` once per (name, device type, precision); a plain dict, which
-    ``torch.compile`` reads (and guards on) like any global."""
-    key = (name, device_type, precision)
+def _cached_backend(name: str, device: torch.device | str, precision: str = "ieee") -> tuple[str, Backend]:
+    """``resolve_backend`` once per (name, device, precision): per GPU, whose kind decides
+    ``"auto"`` (two GPUs of a machine may differ); a plain dict, which ``torch.compile`` reads
+    (and guards on) like any global."""
+    device = torch.device(device)
+    key = (name, device.type, device.index, precision)
     if key not in _resolved:
-        _resolved[key] = resolve_backend(name, torch.device(device_type), precision)
+        _resolved[key] = resolve_backend(name, device, precision)
     return _resolved[key]
 
 
 def backend_for(name: str, device: torch.device | str, precision: str = "ieee") -> str:
     """The backend ``name`` resolves to for tensors on ``device`` at ``precision`` (raises if
     it cannot run)."""
-    return _cached_backend(name, torch.device(device).type, precision)[0]
+    return _cached_backend(name, device, precision)[0]
 
 
 def outside_inference_mode() -> AbstractContextManager:
@@ -413,7 +415,7 @@ def _fgd(
             params, grads, momentum_buffers, betas, labels, guard=guard, max_distance=max_distance, validated=_validated
         )
         for device, idx in by_device.items():
-            _, prepare = _cached_backend(backend, device.type, precision)
+            _, prepare = _cached_backend(backend, device, precision)
             if getattr(prepare, "bounds_next", False):  # (only DTensors' distances are read: orthogonality())
                 bounded.append(len(plans))
             layer_lrs = lrs if getattr(prepare, "device_lr", False) else host_lrs()
@@ -448,7 +450,7 @@ def _fgd(
         # (the backend as named and as resolved: "auto" on a rank where Triton does not load would take
         # other collectives than on the others; an explicit one may load on some ranks only)
         try:
-            resolved = _cached_backend(backend, mesh_device[mesh].type, precision)[0]
+            resolved = _cached_backend(backend, mesh_device[mesh], precision)[0]
         except BackendUnavailable as error:
             held.append(error)
             resolved = None

@@ -881,7 +881,7 @@ def fsdp_owner_fails(rank, world, out, *, hsdp=False):
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory (faked)")
         return prepare(params, *args, **kwargs)
 
-    functional._resolved[("torch", "cpu", opt.precision)] = (name, failing)
+    functional._resolved[("torch", "cpu", None, opt.precision)] = (name, failing)
     before = ([p.to_local().clone() for p in ps], [opt.state[p]["momentum_buffer"].to_local().clone() for p in ps])
     try:
         opt.step()
@@ -934,7 +934,7 @@ def owner_step_without_received(rank, world, out):
         return prepare(params, *args, **kwargs)
 
     owners._exchange = recording
-    functional._resolved[("torch", "cpu", opt.precision)] = (name, checking)
+    functional._resolved[("torch", "cpu", None, opt.precision)] = (name, checking)
     try:
         for k in range(3):
             for j, (p, r) in enumerate(zip(ps, ref)):
@@ -1068,7 +1068,7 @@ def fsdp_disagreements(rank, world, out):
 
     resolved = dict(functional._resolved)
     if rank == world - 1:
-        functional._resolved[("auto", "cpu", "tf32x3")] = ("reference", prepare_reference)
+        functional._resolved[("auto", "cpu", None, "tf32x3")] = ("reference", prepare_reference)
     model = _sharded(world)
     opt = fgd_fast.FGD(fgd_fast.stiefel_param_groups(model, rule), **dict(HYPER, backend="auto"))
     assert opt.precision == "tf32x3"  # (the key above)

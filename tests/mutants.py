@@ -775,9 +775,27 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
             setattr(original, attr, getattr(planted, attr))
 
 
+#: modules of the package the name check does not import (a just-in-time build, a developer tool)
+_NOT_IMPORTED = ("fgd_fast.backends.cuda", "fgd_fast.kernels.aot")
+
+
 def _module_names() -> dict[str, tuple[object, set[str]]]:
-    """The names each loaded module of the package, and each of its classes, holds (a class's
-    inherited ones too)."""
+    """The names each module of the package, and each of its classes, holds (a class's inherited
+    ones too); every module imported first, so a mutant's own imports find nothing new."""
+    import importlib
+    import pkgutil
+
+    import fgd_fast
+    import fgd_fast.kernels  # (a source tree maps kernels/ in as this package: walked on its own)
+
+    found = [*pkgutil.walk_packages(fgd_fast.__path__, "fgd_fast.")]
+    found += pkgutil.walk_packages(fgd_fast.kernels.__path__, "fgd_fast.kernels.")
+    for info in found:
+        if info.name not in _NOT_IMPORTED and info.name not in sys.modules:
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001  (an optional piece that cannot load here: nothing to patch)
+                pass
     modules = [(k, m) for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None]
     out = {k: (m, set(vars(m))) for k, m in modules}
     for k, m in modules:

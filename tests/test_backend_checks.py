@@ -46,6 +46,9 @@ def test_a_triton_that_fails_to_import_is_unavailable_with_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "fgd_fast.backends.triton", None)  # (import raises ImportError)
     with pytest.raises(BackendUnavailable, match="backend='triton' is unavailable: .*pip install triton"):
         resolve_backend("triton", torch.device("cpu"))
+    import fgd_fast.backends as registry
+
+    monkeypatch.setattr(registry, "_tf32_tensor_cores", lambda device: True)  # ("auto" tries Triton first)
     assert resolve_backend("auto", torch.device("cuda"), "tf32x3")[0] == "torch"
 
 

@@ -69,6 +69,24 @@ def test_auto_picks_the_tensor_core_step_only_where_tf32_tensor_cores_are(monkey
             resolve_backend("triton", torch.device("cuda"), "tf32x3")
 
 
+def test_auto_is_resolved_per_gpu(monkeypatch):
+    """A review: the resolution was cached per device *type*, asking the current GPU: on a machine
+    with a T4 as cuda:0 and an H100 as cuda:1, both took the T4's answer (or both the H100's).
+    Each GPU is asked now, and each answer kept for it."""
+    from fgd_fast import functional
+
+    asked = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_capability",
+        lambda device=None: (asked.append(device), {0: (7, 5), 1: (9, 0)})[1][torch.device(device).index],
+    )
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(functional, "_resolved", {})
+    assert [functional.backend_for("auto", f"cuda:{k}", "tf32x3") for k in (1, 0, 1)] == ["triton", "torch", "triton"]
+    assert [torch.device(d).index for d in asked] == [1, 0]  # (once per GPU)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_auto_on_cpu_tensors_is_the_torch_backend(precision):
     opt = fgd_fast.FGD([torch.nn.Parameter(torch.eye(3))], lr=0.1, precision=precision)

@@ -181,6 +181,7 @@ def test_a_triton_older_than_the_tested_one_is_refused_with_the_reason(monkeypat
     import fgd_fast.backends as registry
 
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    monkeypatch.setattr(registry, "_tf32_tensor_cores", lambda device: True)  # ("auto" tries Triton first)
     with pytest.raises(BackendUnavailable, match=r"needs Triton >= 3\.6.*found .*pip install 'triton>=3\.6'"):
         resolve_backend("triton", torch.device("cuda"))
     assert registry.resolve_backend("auto", torch.device("cuda"), "tf32x3")[0] == "torch"
