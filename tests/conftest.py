@@ -52,7 +52,7 @@ def _cuda_backend_on_the_emulator(request, monkeypatch):
 
     real = functional._cached_backend
 
-    def cached_backend(name, device_type, precision="ieee"):
-        return ("cuda", backend.prepare_cuda) if name == "cuda" else real(name, device_type, precision)
+    def cached_backend(name, device, precision="ieee"):
+        return ("cuda", backend.prepare_cuda) if name == "cuda" else real(name, device, precision)
 
     monkeypatch.setattr(functional, "_cached_backend", cached_backend)

@@ -10,6 +10,7 @@ stays short. A mutant is planted by rebinding a function, by an edit of a Triton
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -779,9 +780,9 @@ def _plant_kernel_edit(module: str, old: str, new: str, undo: list) -> None:
 _NOT_IMPORTED = ("fgd_fast.backends.cuda", "fgd_fast.kernels.aot")
 
 
-def _module_names() -> dict[str, tuple[object, set[str]]]:
-    """The names each module of the package, and each of its classes, holds (a class's inherited
-    ones too); every module imported first, so a mutant's own imports find nothing new."""
+@functools.cache
+def _import_the_package() -> None:
+    """Every module of the package imported (once), so a mutant's own imports find nothing new."""
     import importlib
     import pkgutil
 
@@ -796,6 +797,12 @@ def _module_names() -> dict[str, tuple[object, set[str]]]:
                 importlib.import_module(info.name)
             except Exception:  # noqa: BLE001  (an optional piece that cannot load here: nothing to patch)
                 pass
+
+
+def _module_names() -> dict[str, tuple[object, set[str]]]:
+    """The names each module of the package, and each of its classes, holds (a class's inherited
+    ones too); every module imported first, so a mutant's own imports find nothing new."""
+    _import_the_package()
     modules = [(k, m) for k, m in list(sys.modules.items()) if k.startswith("fgd_fast") and m is not None]
     out = {k: (m, set(vars(m))) for k, m in modules}
     for k, m in modules:

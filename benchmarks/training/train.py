@@ -447,11 +447,10 @@ def train(
     it measured so far; otherwise (a sweep's grid point) it propagates."""
     bars = progress and sys.stderr.isatty()  # else (a log, a pipe): one status line per evaluation
     runs = [Run(n, base, data, cfg, settings[n], i if bars else None) for i, n in enumerate(names)]
-    live = list(runs)
     gen = torch.Generator().manual_seed(cfg["seed"])
     memory_format = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
     try:
-        _train_loop(runs, live, data, cfg, gen, memory_format, progress and not bars)
+        _train_loop(runs, data, cfg, gen, memory_format, progress and not bars)
     except KeyboardInterrupt:  # (a time limit's SIGINT, the GPU session's: keep what the runs have so far)
         if not partial_on_interrupt:
             raise
@@ -460,8 +459,9 @@ def train(
     return {r.name: r.record() for r in runs}
 
 
-def _train_loop(runs, live, data, cfg, gen, memory_format, lines: bool) -> None:
-    """:func:`train`'s batches, every live run stepping on each in turn."""
+def _train_loop(runs, data, cfg, gen, memory_format, lines: bool) -> None:
+    """:func:`train`'s batches, every run still live (not failed) stepping on each in turn."""
+    live = list(runs)
     total = cfg["epochs"] * cfg["steps_per_epoch"]
     steps, evals = cfg["steps_per_epoch"], cfg["evals_per_epoch"]
     points = {round((j + 1) * steps / evals) for j in range(evals)}  # evals_per_epoch points, the last at its end
@@ -477,7 +477,7 @@ def _train_loop(runs, live, data, cfg, gen, memory_format, lines: bool) -> None:
                         run.evaluate(step)
                 except (FloatingPointError, ValueError, RuntimeError) as exc:
                     run.fail(exc)
-            live[:] = [r for r in live if r.error is None]
+            live = [r for r in live if r.error is None]
             if lines and i + 1 in points:
                 print(
                     f"step {step}/{total}: "
